@@ -1,0 +1,28 @@
+"""dearopt: communication scheduling for data-parallel PyTorch training.
+
+The public API::
+
+    import dearopt
+    dearopt.init()
+    optimizer = dearopt.DistOptim(torch.optim.AdamW(model.parameters()), model)
+"""
+
+from .collectives import CollectiveBackend, Handle, padded_numel
+from .errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    DearoptError,
+    LaunchEnvironmentError,
+    NonFiniteGradientError,
+    NotInitializedError,
+    PeerLostError,
+    PlanMismatchError,
+    StepMismatchError,
+    UnusedParameterMismatchError,
+    UsageError,
+)
+from .functions import allreduce, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .runtime import get_backend, get_timeout, init, is_initialized, local_rank, local_size, rank, shutdown, size
+
+__version__ = "0.1.0"

@@ -1,0 +1,273 @@
+"""One small asynchronous interface to collectives.
+
+A :class:`CollectiveBackend` starts an op and returns a :class:`Handle`; the
+handle is waited on (always with a timeout) or polled.  Everything above this
+module (the executor, the helpers, the Horovod face) talks only to this
+interface, so the transport can be swapped without touching them:
+
+* :class:`TorchDistBackend` runs over ``torch.distributed`` (gloo on CPU,
+  NCCL on GPU).
+* ``dearopt.backends.nccl_native`` runs over the csrc NCCL extension.
+
+Semantics shared by every backend:
+
+* ``reduce_scatter(out_shard, in_full)``: ``in_full`` is a flat tensor of
+  ``size * n`` elements; rank ``r`` receives the element-wise sum over ranks of
+  ``in_full[r*n:(r+1)*n]`` in ``out_shard`` (``n`` elements).  Use
+  :func:`padded_numel` to size flat buffers.
+* ``all_gather(out_full, in_shard)``: the inverse layout.
+* ``all_reduce(tensor, op)`` in place, ``broadcast(tensor, root)`` in place.
+* A handle's ``wait`` returns once the result is in the output tensor, or
+  raises :class:`~dearopt.errors.CollectiveTimeoutError` /
+  :class:`~dearopt.errors.PeerLostError` naming the rank and the op.
+
+Ops are matched across ranks by the order in which they are started, so
+callers must start the same ops in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import re
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+
+__all__ = [
+    "Handle",
+    "CollectiveBackend",
+    "TorchDistBackend",
+    "padded_numel",
+    "REDUCE_OPS",
+]
+
+REDUCE_OPS = ("sum", "avg", "min", "max", "product")
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``world_size`` that holds ``numel`` elements (at least one per rank)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return max(1, -(-numel // world_size)) * world_size
+
+
+_PEER_LOST_PATTERNS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"Connection refused|ECONNRESET|EPIPE|peer.*(closed|lost|died)|remote process exited",
+    re.IGNORECASE,
+)
+_TIMEOUT_PATTERNS = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def translate_error(exc: BaseException, *, rank: int, op: str, **where) -> CollectiveError:
+    """Map a transport exception to the dearopt hierarchy, keeping its text."""
+    if isinstance(exc, CollectiveError):
+        return exc
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _PEER_LOST_PATTERNS.search(str(exc)):
+        return PeerLostError(f"a peer process was lost during {op}: {text}", rank=rank, op=op, **where)
+    if _TIMEOUT_PATTERNS.search(str(exc)):
+        return CollectiveTimeoutError(f"{op} did not complete in time: {text}", rank=rank, op=op, **where)
+    return CollectiveError(f"{op} failed: {text}", rank=rank, op=op, **where)
+
+
+class Handle(abc.ABC):
+    """An op in flight.  ``wait`` and ``is_completed`` may be called any number of times."""
+
+    op: str
+
+    @abc.abstractmethod
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until the result is in the output tensor; ``timeout`` in seconds."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True once ``wait`` would return without blocking on the transport."""
+
+
+class CompletedHandle(Handle):
+    """A handle for an op that finished when it was started (world size 1)."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class CollectiveBackend(abc.ABC):
+    """The interface every transport implements."""
+
+    name: str = "abstract"
+
+    device: torch.device = torch.device("cpu")
+    """Where tensors handed to this backend must live."""
+
+    def __init__(self, rank: int, size: int, timeout: float):
+        self.rank = rank
+        self.size = size
+        self.timeout = float(timeout)
+
+    @abc.abstractmethod
+    def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, **where) -> Handle:
+        """Sum ``in_full`` over ranks and keep this rank's shard in ``out_shard``."""
+
+    @abc.abstractmethod
+    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, **where) -> Handle:
+        """Concatenate every rank's ``in_shard`` (in rank order) into ``out_full``."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", **where) -> Handle:
+        """Reduce ``tensor`` over ranks in place (``op`` in :data:`REDUCE_OPS`)."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, **where) -> Handle:
+        """Copy ``root``'s ``tensor`` into every rank's ``tensor``."""
+
+    def check_shapes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
+        if full.dim() != 1 or shard.dim() != 1:
+            raise ValueError(f"{op}: tensors must be flat (1-D); got shapes {tuple(full.shape)} and {tuple(shard.shape)}")
+        if full.numel() != shard.numel() * self.size:
+            raise ValueError(
+                f"{op}: the full tensor has {full.numel()} elements but the shard has {shard.numel()} "
+                f"and the world size is {self.size}; pad the full tensor with dearopt.padded_numel"
+            )
+        if full.dtype != shard.dtype:
+            raise TypeError(f"{op}: dtypes differ ({full.dtype} vs {shard.dtype})")
+        if not full.is_contiguous() or not shard.is_contiguous():
+            raise ValueError(f"{op}: tensors must be contiguous")
+
+    def close(self) -> None:
+        """Release resources; the backend is unusable afterwards."""
+
+
+class _TorchHandle(Handle):
+    def __init__(
+        self,
+        backend: "TorchDistBackend",
+        work,
+        op: str,
+        where: dict,
+        finish: Optional[Callable[[], None]] = None,
+    ):
+        self._backend = backend
+        self._work = work
+        self.op = op
+        self._where = where
+        self._finish = finish
+        self._done = False
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        try:
+            return bool(self._work.is_completed())
+        except Exception:  # the transport failed; wait() will raise it
+            return True
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        if self._done:
+            return
+        seconds = self._backend.timeout if timeout is None else float(timeout)
+        try:
+            self._work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except Exception as exc:
+            raise translate_error(exc, rank=self._backend.rank, op=self.op, **self._where) from exc
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        self._done = True
+
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+class TorchDistBackend(CollectiveBackend):
+    """Collectives over an initialized ``torch.distributed`` process group.
+
+    On gloo, ``reduce_scatter_tensor`` costs as much as a whole all-reduce, so
+    reduce-scatter is done as ``all_to_all_single`` followed by a local sum of
+    the received chunks, which moves the same bytes as the reduce-scatter half
+    of a ring all-reduce (see ``scripts/collective_bench.py``).  On NCCL the
+    native ``reduce_scatter_tensor`` is used.
+    """
+
+    name = "torch"
+
+    def __init__(self, rank: int, size: int, timeout: float, group=None):
+        super().__init__(rank, size, timeout)
+        self.group = group
+        self.pg_backend = dist.get_backend(group)
+        self.name = f"torch-{self.pg_backend}"
+        self._workspace: Dict[Tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._use_all_to_all = self.pg_backend == "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
+
+    def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:
+        try:
+            work = fn(*args, group=self.group, async_op=True, **kwargs)
+        except Exception as exc:
+            raise translate_error(exc, rank=self.rank, op=op_name, **where) from exc
+        return _TorchHandle(self, work, op_name, where, finish)
+
+    def reduce_scatter(self, out_shard, in_full, **where) -> Handle:
+        self.check_shapes("reduce_scatter", in_full, out_shard)
+        if self.size == 1:
+            out_shard.copy_(in_full)
+            return CompletedHandle("reduce_scatter")
+        if not self._use_all_to_all:
+            return self._start("reduce_scatter", where, dist.reduce_scatter_tensor, out_shard, in_full)
+        # The receive buffer is keyed by the output shard so that several
+        # reduce-scatters may be in flight at once without sharing memory.
+        recv = self._workspace.get(("rs", out_shard.data_ptr(), in_full.numel(), in_full.dtype))
+        if recv is None:
+            recv = torch.empty_like(in_full)
+            self._workspace[("rs", out_shard.data_ptr(), in_full.numel(), in_full.dtype)] = recv
+        chunks = recv.view(self.size, out_shard.numel())
+
+        def finish():
+            torch.sum(chunks, dim=0, out=out_shard)
+
+        return self._start("reduce_scatter", where, dist.all_to_all_single, recv, in_full, finish=finish)
+
+    def all_gather(self, out_full, in_shard, **where) -> Handle:
+        self.check_shapes("all_gather", out_full, in_shard)
+        if self.size == 1:
+            out_full.copy_(in_shard)
+            return CompletedHandle("all_gather")
+        return self._start("all_gather", where, dist.all_gather_into_tensor, out_full, in_shard)
+
+    def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
+        if self.size == 1:
+            return CompletedHandle("all_reduce")
+        if op == "avg":
+            size = self.size
+
+            def finish():
+                tensor.div_(size)
+
+            return self._start("all_reduce", where, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, finish=finish)
+        return self._start("all_reduce", where, dist.all_reduce, tensor, op=_TORCH_OPS[op])
+
+    def broadcast(self, tensor, root: int = 0, **where) -> Handle:
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast: root {root} is not a rank of a world of size {self.size}")
+        if self.size == 1:
+            return CompletedHandle("broadcast")
+        return self._start("broadcast", where, dist.broadcast, tensor, src=root)

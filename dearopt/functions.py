@@ -1,0 +1,110 @@
+"""Collective helpers for training scripts: broadcasting state and reducing metrics."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List, Tuple, Union
+
+import torch
+
+from . import runtime
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce", "broadcast_tensors"]
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, **where) -> None:
+    """Overwrite every tensor in place with ``root_rank``'s, coalesced by dtype and device."""
+    backend = runtime.get_backend()
+    groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.dtype, t.device)].append(t)
+    for (dtype, device), group in groups.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in group]).to(backend.device)
+        backend.broadcast(flat, root_rank, **where).wait()
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+
+
+def _named_tensors(target) -> List[Tuple[str, torch.Tensor]]:
+    if isinstance(target, torch.nn.Module):
+        return list(target.state_dict(keep_vars=True).items())
+    if isinstance(target, dict):
+        return list(target.items())
+    if isinstance(target, (list, tuple)):
+        items = list(target)
+        if all(isinstance(i, tuple) and len(i) == 2 for i in items):
+            return items
+        return [(str(i), t) for i, t in enumerate(items)]
+    raise TypeError(
+        "broadcast_parameters expects an nn.Module, a state dict, or a list of (name, tensor) pairs; "
+        f"got {type(target).__name__}"
+    )
+
+
+def broadcast_parameters(model_or_state_dict: Union[torch.nn.Module, Dict[str, torch.Tensor], Iterable], root_rank: int = 0) -> None:
+    """Copy ``root_rank``'s parameters and buffers into every rank's, in place."""
+    named = _named_tensors(model_or_state_dict)
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: entry {name!r} is a {type(t).__name__}, not a tensor")
+    # Tied parameters appear under several names; send each storage once.
+    unique: Dict[int, torch.Tensor] = {}
+    for _, t in named:
+        unique.setdefault(id(t), t)
+    broadcast_tensors(
+        [t.data if isinstance(t, torch.nn.Parameter) else t for t in unique.values()], root_rank
+    )
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; for small objects and state)."""
+    backend = runtime.get_backend()
+    if backend.size == 1:
+        return obj
+    if backend.rank == root_rank:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=backend.device)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=backend.device)
+    backend.broadcast(length, root_rank).wait()
+    if backend.rank != root_rank:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    data = payload.to(backend.device)
+    backend.broadcast(data, root_rank).wait()
+    if backend.rank == root_rank:
+        return obj
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Make every rank's optimizer state and hyperparameters equal to ``root_rank``'s.
+
+    Works when some ranks have not stepped yet (empty state): the root's whole
+    ``state_dict()`` is sent and loaded, so no dummy step is taken.
+    """
+    if not hasattr(optimizer, "state_dict") or not hasattr(optimizer, "load_state_dict"):
+        raise TypeError(f"broadcast_optimizer_state expects a torch optimizer, got {type(optimizer).__name__}")
+    state = optimizer.state_dict() if runtime.rank() == root_rank else None
+    state = broadcast_object(state, root_rank)
+    if runtime.rank() != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def allreduce(value, op: str = "avg"):
+    """Reduce a metric over ranks; returns a new tensor (or a float for a float input)."""
+    backend = runtime.get_backend()
+    as_float = isinstance(value, (int, float)) and not isinstance(value, bool)
+    tensor = torch.as_tensor(value, dtype=torch.float64 if as_float else None).detach().clone()
+    original_device = tensor.device
+    work = tensor.to(backend.device).reshape(-1).contiguous()
+    backend.all_reduce(work, op).wait()
+    result = work.view(tensor.shape).to(original_device)
+    return result.item() if as_float else result

@@ -1,0 +1,155 @@
+"""The async collective interface, checked against hand computation on 2 and 3 ranks."""
+
+import types
+
+import pytest
+import torch
+
+import dearopt
+from dearopt.collectives import CollectiveBackend, padded_numel
+from harness import run_workers
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def _rank_data(rank, numel, dtype):
+    # small integers: exact in bfloat16 and in every sum below
+    return ((torch.arange(numel) % 7) + rank * 3 + 1).to(dtype)
+
+
+def _reduce_scatter_and_gather(numel, dtype_name):
+    dtype = DTYPES[dtype_name]
+    backend = dearopt.get_backend()
+    r, w = dearopt.rank(), dearopt.size()
+    padded = padded_numel(numel, w)
+    full = torch.zeros(padded, dtype=dtype)
+    full[:numel] = _rank_data(r, numel, dtype)
+    shard = torch.empty(padded // w, dtype=dtype)
+    handle = backend.reduce_scatter(shard, full)
+    handle.wait(timeout=20)
+    assert handle.is_completed()
+    gathered = torch.empty(padded, dtype=dtype)
+    backend.all_gather(gathered, shard).wait(timeout=20)
+    return shard.float(), gathered.float()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("numel", [1, 10, 1001])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_reduce_scatter_equals_summed_shard(world_size, numel, dtype_name):
+    outcomes = run_workers(_reduce_scatter_and_gather, world_size, numel, dtype_name)
+    dtype = DTYPES[dtype_name]
+    padded = padded_numel(numel, world_size)
+    expected = torch.zeros(padded)
+    for r in range(world_size):
+        expected[:numel] += _rank_data(r, numel, dtype).float()
+    n = padded // world_size
+    for o in outcomes:
+        shard, gathered = o.value
+        torch.testing.assert_close(shard, expected[o.rank * n:(o.rank + 1) * n], rtol=0, atol=0)
+        torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
+
+
+def _reductions():
+    backend = dearopt.get_backend()
+    r = dearopt.rank()
+    results = {}
+    for op in ("sum", "avg", "min", "max", "product"):
+        t = torch.tensor([r + 1.0, 2.0 * r - 1.0])
+        backend.all_reduce(t, op).wait()
+        results[op] = t
+    b = torch.full((5,), float(r))
+    backend.broadcast(b, root=1).wait()
+    results["broadcast"] = b
+    results["metric"] = dearopt.allreduce(float(r))
+    return results
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_ops_and_broadcast(world_size):
+    values = [torch.tensor([r + 1.0, 2.0 * r - 1.0]) for r in range(world_size)]
+    stacked = torch.stack(values)
+    expected = {
+        "sum": stacked.sum(0),
+        "avg": stacked.mean(0),
+        "min": stacked.min(0).values,
+        "max": stacked.max(0).values,
+        "product": stacked.prod(0),
+        "broadcast": torch.full((5,), 1.0),
+    }
+    for o in run_workers(_reductions, world_size):
+        for key, want in expected.items():
+            torch.testing.assert_close(o.value[key], want)
+        assert o.value["metric"] == pytest.approx(sum(range(world_size)) / world_size)
+
+
+def _broadcast_state(seed_offset):
+    torch.manual_seed(dearopt.rank() + seed_offset)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    model[1].running_mean.add_(dearopt.rank())
+    opt = torch.optim.Adam(model.parameters(), lr=0.1 * (dearopt.rank() + 1))
+    if dearopt.rank() == 0:
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    dearopt.broadcast_parameters(model, root_rank=0)
+    dearopt.broadcast_optimizer_state(opt, root_rank=0)
+    state = opt.state_dict()
+    return {k: v.clone() for k, v in model.state_dict().items()}, state["param_groups"][0]["lr"], [
+        s["exp_avg"].clone() for s in state["state"].values()
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_parameters_and_optimizer_state_from_root():
+    outcomes = run_workers(_broadcast_state, 3, 0)
+    root_params, root_lr, root_state = outcomes[0].value
+    assert root_lr == pytest.approx(0.1)
+    assert len(root_state) == 4  # rank 0 stepped: every parameter has state
+    for o in outcomes[1:]:
+        params, lr, state = o.value
+        assert lr == root_lr
+        for key in root_params:
+            torch.testing.assert_close(params[key], root_params[key], rtol=0, atol=0)
+        assert len(state) == len(root_state)
+        for a, b in zip(state, root_state):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _timeout_on_lonely_collective():
+    backend = dearopt.get_backend()
+    if dearopt.rank() == 0:
+        t = torch.ones(4)
+        backend.all_reduce(t, bucket=3, step=7).wait(timeout=1.0)
+    else:
+        import time
+        time.sleep(3)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_wait_times_out_with_named_error():
+    outcomes = run_workers(_timeout_on_lonely_collective, 2, expect_errors=True)
+    err = outcomes[0]
+    assert err.error_type == "CollectiveTimeoutError", err.message
+    assert "rank 0" in err.message and "all_reduce" in err.message and "bucket 3" in err.message and "step 7" in err.message
+    assert err.seconds < 5
+
+
+def test_padded_numel():
+    assert padded_numel(10, 3) == 12
+    assert padded_numel(9, 3) == 9
+    assert padded_numel(0, 4) == 4
+    with pytest.raises(ValueError):
+        padded_numel(5, 0)
+
+
+def test_shape_errors_name_the_problem():
+    two_ranks = types.SimpleNamespace(size=2)
+    with pytest.raises(ValueError, match="padded_numel"):
+        CollectiveBackend.check_shapes(two_ranks, "reduce_scatter", torch.zeros(5), torch.zeros(2))
+    with pytest.raises(ValueError, match="flat"):
+        CollectiveBackend.check_shapes(two_ranks, "all_gather", torch.zeros(2, 2), torch.zeros(2))
+    with pytest.raises(TypeError, match="dtypes differ"):
+        CollectiveBackend.check_shapes(two_ranks, "all_gather", torch.zeros(4), torch.zeros(2, dtype=torch.float64))
