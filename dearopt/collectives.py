@@ -146,6 +146,14 @@ class CollectiveBackend(abc.ABC):
         if not full.is_contiguous() or not shard.is_contiguous():
             raise ValueError(f"{op}: tensors must be contiguous")
 
+    def fork(self) -> "CollectiveBackend":
+        """A backend over a separate communicator: its ops are never matched with this one's.
+
+        The optimizer engine runs on a fork so that a user's own collectives
+        (metrics, barriers) can never be paired with the engine's.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot fork a separate communicator")
+
     def close(self) -> None:
         """Release resources; the backend is unusable afterwards."""
 
@@ -188,6 +196,9 @@ class _TorchHandle(Handle):
         self._done = True
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
     "min": dist.ReduceOp.MIN,
@@ -224,6 +235,18 @@ class TorchDistBackend(CollectiveBackend):
             raise translate_error(exc, rank=self.rank, op=op_name, **where) from exc
         return _TorchHandle(self, work, op_name, where, finish)
 
+    def fork(self) -> "TorchDistBackend":
+        group = dist.new_group(backend=self.pg_backend, timeout=datetime.timedelta(seconds=self.timeout))
+        return TorchDistBackend(self.rank, self.size, self.timeout, group=group)
+
+    def close(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # already torn down with the default group
+                pass
+        self._workspace.clear()
+
     def reduce_scatter(self, out_shard, in_full, **where) -> Handle:
         self.check_shapes("reduce_scatter", in_full, out_shard)
         if self.size == 1:
@@ -249,7 +272,7 @@ class TorchDistBackend(CollectiveBackend):
         if self.size == 1:
             out_full.copy_(in_shard)
             return CompletedHandle("all_gather")
-        return self._start("all_gather", where, dist.all_gather_into_tensor, out_full, in_shard)
+        return self._start("all_gather", where, _all_gather_flat, out_full, in_shard)
 
     def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
         if op not in REDUCE_OPS:

@@ -1,0 +1,1 @@
+"""Benchmarks: models, emulated links, and the measurements users compare with."""

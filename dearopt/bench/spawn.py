@@ -1,0 +1,54 @@
+"""Run a function on N local CPU ranks (one thread each) for benchmarks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable, List
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, threads, args, queue):
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    import torch
+    import dearopt
+
+    torch.set_num_threads(threads)
+    try:
+        dearopt.init(backend="gloo")
+        queue.put((rank, fn(*args), None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        dearopt.shutdown()
+
+
+def spawn(fn: Callable, world_size: int, *args, threads: int = 1, timeout: float = 3600) -> List[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks after ``dearopt.init()``; return rank results in order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, value, error = queue.get(timeout=timeout)
+            if error:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,587 @@
+"""The executor: hooks that carry out a plan.
+
+It records the forward order on the first iteration, builds the plan
+(:mod:`dearopt.plan`), and then, every iteration:
+
+* **BackPipe** (backward): a post-accumulate-grad hook per parameter counts
+  the bucket's ready gradients; when a bucket is complete, its first
+  collective starts, strictly in plan order (later buckets wait for earlier
+  ones).  At the end of backward every bucket not yet started (unused
+  parameters) starts, so all ranks always issue the same collectives.
+* ``step()``: waits for the reductions and averages on the shard; then
+  ``wfbp``/``rsag`` apply the optimizer, ``dear`` starts the all-gather of
+  bucket 0 and returns.
+* **FeedPipe** (``dear``, next forward): a forward pre-hook on each module that
+  owns parameters waits for the all-gather of every bucket up to the module's,
+  starts the next all-gather, and applies the wrapped optimizer to that
+  bucket's parameters only.
+
+The executor never waits without a timeout and never issues collectives in an
+order that depends on timing: backward-phase ops start in the plan's backward
+order, all-gathers in increasing bucket order, each once per iteration.  It
+runs on its own communicator (``backend.fork()``), so a user's collectives can
+never be paired with the engine's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .collectives import CollectiveBackend, Handle
+from .errors import (
+    NonFiniteGradientError,
+    PlanMismatchError,
+    UnusedParameterMismatchError,
+    UsageError,
+)
+from .options import Options
+from .plan import ParamSpec, Plan, build_plan
+from .timeline import Timeline
+
+__all__ = ["Executor"]
+
+
+class _BucketState:
+    """Run-time state of one planned bucket."""
+
+    def __init__(self, spec, params, names, group_of, n_groups, buffer, world, rank):
+        self.spec = spec
+        self.index = spec.index
+        self.params: List[torch.nn.Parameter] = params
+        self.names: List[str] = names
+        self.buffer = buffer
+        self.views = [buffer[o:o + p.numel()].view_as(p) for o, p in zip(spec.offsets, params)]
+        self.ptrs = [v.data_ptr() for v in self.views]
+        self.flags = buffer[spec.grad_numel:spec.grad_numel + len(params)]
+        shard_n = spec.padded_numel // world
+        self.shard = torch.empty(shard_n, dtype=buffer.dtype, device=buffer.device)
+        # the part of this rank's shard that holds gradients (not flags or padding)
+        lo, hi = rank * shard_n, min((rank + 1) * shard_n, spec.grad_numel)
+        self.shard_grad = self.shard[: max(0, hi - lo)]
+        self.group_members = [[p for p, g in zip(params, group_of) if g == gi] for gi in range(n_groups)]
+        self.group_index = group_of
+        self.used = [False] * len(params)  # got a gradient since the last zero_grad (sent as flags)
+        self.has_grad = [False] * len(params)  # what `p.grad is not None` would be without buckets
+        self.stamp = [-1] * len(params)
+        self.ready = 0
+        self.reset_iteration()
+
+    def reset_iteration(self):
+        self.first: Optional[Handle] = None  # reduce-scatter or all-reduce
+        self.second: Optional[Handle] = None  # all-gather
+        self.launched = False
+        self.reduced = False  # first stage waited and averaged
+        self.pending = False  # reduced gradients await the optimizer
+        self.ready = 0
+
+
+class Executor:
+    """Carries out a :class:`~dearopt.plan.Plan` for one model and optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                 backend: CollectiveBackend, options: Options, buffer_size: int):
+        self.optimizer = optimizer
+        self.model = model
+        self.backend = backend
+        self.options = options
+        self.buffer_size = buffer_size
+        self.rank, self.world = backend.rank, backend.size
+        self.timeline = Timeline(options.timeline, self.rank)
+        self.plan: Optional[Plan] = None
+        self.buckets: List[_BucketState] = []
+        self.step_count = 0
+        self._names: Dict[int, str] = {}
+        for name, p in model.named_parameters():
+            self._names.setdefault(id(p), name)
+        self._hooks = []
+        self._param_hooks = []
+        self._recording: Optional[List[torch.nn.Module]] = None
+        self._seen_modules = set()
+        self._module_bucket: Dict[int, int] = {}
+        # per-iteration state
+        self._pass_id = 0
+        self._in_backward = False
+        self._accumulated = 0  # backward passes since the last communicating one
+        self._comm_pass = False
+        self._launched_all = False  # this window's gradients are being communicated
+        self._next_launch = 0  # position in plan.backward_order
+        self._next_apply = 0  # FeedPipe: next bucket whose update is due
+        self._next_gather = 0  # FeedPipe: next bucket whose all-gather is not started
+        self._stale = set()
+        self._zero_pending: Dict[int, bool] = {}
+        self.no_sync = False
+        self.skipped_steps = 0
+        self._register_module_hooks()
+        for p in self._trainable():
+            self._param_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # ------------------------------------------------------------------ hooks
+    def _trainable(self):
+        seen, out = set(), []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _register_module_hooks(self):
+        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+        owned = {id(p) for p in self._trainable()}
+        for module in self.model.modules():
+            if any(id(p) in owned for p in module.parameters(recurse=False)):
+                self._hooks.append(module.register_forward_pre_hook(self._module_pre_hook))
+        self._hooks.append(self.model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
+        if hasattr(self.model, "register_load_state_dict_pre_hook"):
+            self._hooks.append(self.model.register_load_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
+
+    def remove_hooks(self):
+        for h in self._hooks + self._param_hooks:
+            h.remove()
+        self._hooks, self._param_hooks = [], []
+
+    def _root_pre_hook(self, module, args):
+        if self.plan is None:
+            self._recording, self._seen_modules = [], set()
+        training = module.training and torch.is_grad_enabled()
+        if not training:
+            self.synchronize()
+            return
+        if self.options.broadcast_buffers and self.world > 1:
+            self._broadcast_buffers()
+
+    def _module_pre_hook(self, module, args):
+        if self._recording is not None and id(module) not in self._seen_modules:
+            self._seen_modules.add(id(module))
+            self._recording.append(module)
+        if self._next_apply < len(self.buckets):
+            target = self._module_bucket.get(id(module))
+            if target is not None and target >= self._next_apply and self.buckets[target].pending:
+                self._apply_through(target)
+
+    def _broadcast_buffers(self):
+        buffers = [b for b in self.model.buffers() if b.numel() > 0]
+        if not buffers:
+            return
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for b in buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([b.reshape(-1) for b in group]).to(self.backend.device)
+            self.backend.broadcast(flat, 0, step=self.step_count).wait()
+            offset = 0
+            for b in group:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    # ------------------------------------------------------------- planning
+    def _build_plan(self):
+        trainable = self._trainable()
+        index = {id(p): p for p in trainable}
+        ordered, seen = [], set()
+        for module in self._recording or []:
+            for p in module.parameters(recurse=False):
+                if id(p) in index and id(p) not in seen:
+                    seen.add(id(p))
+                    ordered.append(p)
+        for p in self.model.parameters():
+            if id(p) in index and id(p) not in seen:
+                seen.add(id(p))
+                ordered.append(p)
+        self._module_order = list(self._recording or [])
+        self._recording = None
+        specs = [ParamSpec(self._names.get(id(p), f"param{i}"), p.numel(), str(p.dtype).replace("torch.", ""),
+                           p.element_size()) for i, p in enumerate(ordered)]
+        plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule)
+        self._check_plan_agreement(plan)
+        group_of_param = {}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                group_of_param.setdefault(id(p), gi)
+        self.buckets = []
+        self._where: Dict[int, tuple] = {}
+        for spec in plan.buckets:
+            params = [ordered[i] for i in spec.params]
+            buffer = torch.zeros(spec.padded_numel, dtype=params[0].dtype, device=params[0].device)
+            state = _BucketState(spec, params, [specs[i].name for i in spec.params],
+                                 [group_of_param[id(p)] for p in params], len(self.optimizer.param_groups),
+                                 buffer, self.world, self.rank)
+            for j, (p, view) in enumerate(zip(params, state.views)):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                    state.used[j] = state.has_grad[j] = True
+                p.grad = view
+                self._where[id(p)] = (state, j)
+            self.buckets.append(state)
+        self._module_bucket = {}
+        for module in self.model.modules():
+            idx = [self._where[id(p)][0].index for p in module.parameters(recurse=False) if id(p) in self._where]
+            if idx:
+                self._module_bucket[id(module)] = max(idx)
+        self.plan = plan
+        self._next_apply = self._next_gather = len(self.buckets)
+
+    def _check_plan_agreement(self, plan: Plan):
+        if self.world == 1:
+            return
+        mine = torch.tensor([plan.fingerprint()], dtype=torch.int64, device=self.backend.device)
+        everyone = torch.empty(self.world, dtype=torch.int64, device=self.backend.device)
+        self.backend.all_gather(everyone, mine).wait()
+        values = everyone.tolist()
+        if len(set(values)) > 1:
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            raise PlanMismatchError(
+                f"ranks built different communication plans (ranks {differ} differ from rank 0): the models, "
+                f"their trainable parameters, the optimizer's parameters or the options (schedule, buffer_size) "
+                f"differ between ranks. This rank's plan:\n{plan.describe()}",
+                rank=self.rank, op="plan check", step=self.step_count)
+
+    def replan(self, buffer_size: int):
+        """Re-bucket at an iteration boundary; gradients and pending updates are preserved exactly."""
+        self.synchronize()
+        if self._launched_all or self._in_backward:
+            raise UsageError("replan() must be called between step() and the next backward()")
+        grads = {}
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                grads[id(p)] = view.clone()
+        used = {id(p): u for b in self.buckets for p, u in zip(b.params, b.used)}
+        self.buffer_size = buffer_size
+        self._recording = list(self._module_order)
+        old = self.buckets
+        self.buckets = []
+        for b in old:
+            for p in b.params:
+                p.grad = None
+        self._build_plan()
+        for b in self.buckets:
+            for j, (p, view) in enumerate(zip(b.params, b.views)):
+                view.copy_(grads[id(p)])
+                b.used[j] = used.get(id(p), False)
+
+    # ------------------------------------------------------------- backward
+    def _begin_backward(self):
+        self._in_backward = True
+        self._pass_id += 1
+        if self._launched_all:
+            raise UsageError(
+                f"backward() was called again after the gradients of this step were sent "
+                f"(backward_passes_per_step={self.options.backward_passes_per_step}); call step() first, "
+                f"or accumulate inside `with optimizer.no_sync():`")
+        # Buckets still waiting for their update were not reached by this
+        # forward: apply them now (their parameters cannot have gradients
+        # unless they were read before their own module ran).
+        self._stale = {b.index for b in self.buckets if b.pending}
+        if self._stale:
+            self.synchronize()
+        self._comm_pass = (not self.no_sync) and (self._accumulated + 1 >= self.options.backward_passes_per_step)
+        self._backward_start = self.timeline.now()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad_ready(self, p):
+        if self.plan is None:
+            self._build_plan()
+        if not self._in_backward:
+            self._begin_backward()
+        located = self._where.get(id(p))
+        if located is None:  # not trainable when the plan was made
+            return
+        bucket, j = located
+        if bucket.index in self._stale:
+            raise UsageError(
+                f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
+                f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
+                f"or call optimizer.synchronize() before such a forward")
+        grad = p.grad
+        if grad is None or grad.data_ptr() != bucket.ptrs[j]:
+            # the user replaced or cleared .grad: take its value into the bucket
+            view = bucket.views[j]
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            p.grad = view
+        bucket.used[j] = True
+        if not self._comm_pass or bucket.stamp[j] == self._pass_id:
+            return
+        bucket.stamp[j] = self._pass_id
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False):
+        order = self.plan.backward_order
+        while self._next_launch < len(order):
+            bucket = self.buckets[order[self._next_launch]]
+            if not force and bucket.ready < len(bucket.params):
+                break
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _BucketState):
+        if self.options.schedule == "rsag" and self._next_launch > 0:
+            self._rsag_gather(self.buckets[self.plan.backward_order[self._next_launch - 1]])
+        bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
+        where = dict(bucket=bucket.index, step=self.step_count)
+        self.timeline.begin(("c1", bucket.index), "reduce" if self.options.schedule != "wfbp" else "all_reduce",
+                            "comm", bucket=bucket.index)
+        if self.options.schedule == "wfbp":
+            bucket.first = self.backend.all_reduce(bucket.buffer, "sum", **where)
+        else:
+            bucket.first = self.backend.reduce_scatter(bucket.shard, bucket.buffer, **where)
+        bucket.launched = True
+
+    def _rsag_gather(self, bucket: _BucketState):
+        if bucket.second is None:
+            self._finish_first(bucket)
+            bucket.second = self.backend.all_gather(bucket.buffer, bucket.shard, bucket=bucket.index,
+                                                    step=self.step_count)
+
+    def _end_backward(self):
+        self._in_backward = False
+        self.timeline.span("backward", "compute", self._backward_start)
+        if not self._comm_pass:
+            self._accumulated += 1
+            return
+        self._accumulated = 0
+        self._launch_ready(force=True)
+        if self.options.schedule == "rsag":
+            self._rsag_gather(self.buckets[self.plan.backward_order[-1]])
+        self._launched_all = True
+
+    # ----------------------------------------------------------------- step
+    def _finish_first(self, bucket: _BucketState):
+        """Wait for the bucket's first collective and average the result."""
+        if bucket.reduced:
+            return
+        t0 = self.timeline.now()
+        bucket.first.wait()
+        self.timeline.span("wait reduce", "wait", t0, bucket=bucket.index)
+        self.timeline.end(("c1", bucket.index))
+        if self.options.schedule == "wfbp":
+            bucket.buffer.div_(self.world)
+        else:
+            bucket.shard.div_(self.world)
+        bucket.reduced = True
+
+    def finish_reductions(self):
+        """Wait for every bucket's first collective (in plan order) and average."""
+        self._require_gradients("finish the gradient reduction")
+        for index in self.plan.backward_order:
+            self._finish_first(self.buckets[index])
+
+    def _require_gradients(self, what: str):
+        if self._launched_all:
+            return
+        bpps = self.options.backward_passes_per_step
+        if self.plan is None or self._accumulated == 0:
+            raise UsageError(f"cannot {what}: no backward() since the last step(); call loss.backward() first")
+        raise UsageError(f"cannot {what}: only {self._accumulated} of backward_passes_per_step={bpps} backward "
+                         f"passes were run (or they ran inside no_sync())")
+
+    def _reduced_grad_regions(self):
+        """This rank's averaged gradients: full buffers for wfbp/rsag, shards for dear."""
+        if self.options.schedule == "dear":
+            return [b.shard_grad for b in self.buckets], True
+        return [b.buffer[: b.spec.grad_numel] for b in self.buckets], False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` would."""
+        self.finish_reductions()
+        if self.options.schedule == "rsag":
+            self._wait_gathers()
+        regions, sharded = self._reduced_grad_regions()
+        norm_type = float(norm_type)
+        device = self.backend.device
+        if norm_type == math.inf:
+            local = torch.stack([r.abs().max() if r.numel() else torch.zeros((), dtype=r.dtype) for r in regions])
+            total = local.max().to(torch.float64).reshape(1).to(device)
+            if sharded:
+                self.backend.all_reduce(total, "max", step=self.step_count).wait()
+        else:
+            local = sum(r.double().abs().pow(norm_type).sum() for r in regions)
+            total = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(device)
+            if sharded:
+                self.backend.all_reduce(total, "sum", step=self.step_count).wait()
+            total = total.pow(1.0 / norm_type)
+        total_norm = total.to(torch.float32).reshape(())
+        coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        for region in regions:
+            region.mul_(coef.to(region.dtype))
+        return total_norm.cpu()
+
+    def _wait_gathers(self):
+        for index in self.plan.backward_order:
+            bucket = self.buckets[index]
+            if bucket.second is not None:
+                bucket.second.wait()
+
+    def step(self):
+        self.finish_reductions()
+        t0 = self.timeline.now()
+        self._check_nonfinite()
+        schedule = self.options.schedule
+        for b in self.buckets:
+            b.pending = True
+        self._launched_all = False
+        self._next_launch = 0
+        self.step_count += 1
+        if self._skip_this_step:
+            for b in self.buckets:
+                b.pending = False
+                b.reset_iteration()
+            self.skipped_steps += 1
+            self._next_apply = self._next_gather = len(self.buckets)
+            return
+        if schedule == "dear":
+            # The updates run later (next forward), after an LR scheduler may have
+            # stepped: keep the hyperparameters in force at step().
+            self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            self._next_apply, self._next_gather = 0, 0
+            self._start_gather()
+        else:
+            if schedule == "rsag":
+                self._wait_gathers()
+            self._next_apply, self._next_gather = 0, len(self.buckets)
+            self._apply_through(len(self.buckets) - 1)
+        self.timeline.span("step", "update", t0)
+
+    _skip_this_step = False
+    _hyper = None  # hyperparameters in force at the last step() (dear)
+
+    def _check_nonfinite(self):
+        self._skip_this_step = False
+        policy = self.options.nonfinite
+        if policy == "ignore":
+            return
+        regions, sharded = self._reduced_grad_regions()
+        local = torch.zeros(1, dtype=torch.float32, device=self.backend.device)
+        for r in regions:
+            if r.numel() and not bool(torch.isfinite(r).all()):
+                local.fill_(1.0)
+                break
+        if sharded:
+            self.backend.all_reduce(local, "max", step=self.step_count).wait()
+        if float(local) == 0.0:
+            return
+        if policy == "skip":
+            self._skip_this_step = True
+            return
+        name = self._first_nonfinite_name(regions)
+        raise NonFiniteGradientError(
+            f"the averaged gradient is not finite (first non-finite parameter on this rank's shard: {name}); "
+            f"pass nonfinite='skip' to skip such steps", rank=self.rank, op="step", step=self.step_count)
+
+    def _first_nonfinite_name(self, regions):
+        for bucket, region in zip(self.buckets, regions):
+            if region.numel() and not bool(torch.isfinite(region).all()):
+                bad = int((~torch.isfinite(region)).nonzero()[0])
+                if region.data_ptr() == bucket.shard.data_ptr():
+                    bad += self.rank * bucket.shard.numel()
+                for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
+                    if offset <= bad < offset + p.numel():
+                        return repr(name)
+        return "(on another rank's shard)"
+
+    # --------------------------------------------------------------- feed
+    def _start_gather(self):
+        if self._next_gather < len(self.buckets):
+            bucket = self.buckets[self._next_gather]
+            self.timeline.begin(("c2", bucket.index), "all_gather", "comm", bucket=bucket.index)
+            bucket.second = self.backend.all_gather(bucket.buffer, bucket.shard, bucket=bucket.index,
+                                                    step=self.step_count - 1)
+            self._next_gather += 1
+
+    def _apply_through(self, target: int):
+        """Apply the pending updates of buckets ``_next_apply .. target`` in order."""
+        while self._next_apply <= target:
+            bucket = self.buckets[self._next_apply]
+            if self.options.schedule == "dear":
+                while self._next_gather <= bucket.index:
+                    self._start_gather()
+                t0 = self.timeline.now()
+                bucket.second.wait()
+                self.timeline.span("wait all_gather", "wait", t0, bucket=bucket.index)
+                self.timeline.end(("c2", bucket.index))
+                self._start_gather()  # prefetch the next bucket
+            self._apply_update(bucket)
+            self._next_apply += 1
+
+    def _apply_update(self, bucket: _BucketState):
+        t0 = self.timeline.now()
+        counts = (bucket.flags.float() * self.world).round().tolist()
+        include = []
+        for name, count in zip(bucket.names, counts):
+            if 0 < count < self.world:
+                raise UnusedParameterMismatchError(
+                    f"parameter {name!r} received a gradient on {int(count)} of {self.world} ranks: the ranks ran "
+                    f"different parts of the model. Make every rank use the same parameters each step",
+                    rank=self.rank, op="update", bucket=bucket.index, step=self.step_count - 1)
+            include.append(count > 0)
+        # A parameter unused on every rank keeps the gradient it had: none after
+        # zero_grad(set_to_none=True) (the optimizer skips it), else its last one.
+        include = [inc or had for inc, had in zip(include, bucket.has_grad)]
+        bucket.has_grad = include
+        groups = self.optimizer.param_groups
+        saved = [{k: g[k] for k in (self._hyper[gi] if self._hyper is not None else ())} | {"params": g["params"]}
+                 for gi, g in enumerate(groups)]
+        try:
+            for gi, group in enumerate(groups):
+                if self._hyper is not None:
+                    group.update(self._hyper[gi])
+                members = bucket.group_members[gi] if gi < len(bucket.group_members) else []
+                group["params"] = [p for p in members if include[bucket.params.index(p)]] if not all(include) \
+                    else members
+            self.optimizer.step()
+        finally:
+            for group, live in zip(groups, saved):
+                group.update(live)
+        bucket.pending = False
+        bucket.reset_iteration()
+        if bucket.index in self._zero_pending:
+            self._zero_bucket(bucket, self._zero_pending.pop(bucket.index))
+        self.timeline.span("update", "update", t0, bucket=bucket.index)
+
+    def synchronize(self):
+        """Apply every pending update now (parameters become current)."""
+        if self._next_apply < len(self.buckets) and any(b.pending for b in self.buckets):
+            self._apply_through(len(self.buckets) - 1)
+        self.timeline.flush() if self.timeline.enabled else None
+
+    # ----------------------------------------------------------- gradients
+    def _zero_bucket(self, bucket: _BucketState, set_to_none: bool):
+        bucket.buffer.zero_()
+        bucket.used = [False] * len(bucket.params)
+        if set_to_none:
+            bucket.has_grad = [False] * len(bucket.params)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self.plan is None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        if self._launched_all:
+            raise UsageError("zero_grad() was called after backward() and before step(): the gradients being "
+                             "communicated would be lost; call it before backward() or after step()")
+        for bucket in self.buckets:
+            if bucket.pending:
+                self._zero_pending[bucket.index] = bool(set_to_none)  # zeroed right after its update
+            else:
+                self._zero_bucket(bucket, bool(set_to_none))
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not view:
+                    p.grad = view
+        planned = {id(p) for b in self.buckets for p in b.params}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in planned and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
+    def close(self):
+        self.synchronize()
+        self.remove_hooks()
+        self.timeline.flush()

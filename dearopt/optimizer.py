@@ -1,0 +1,194 @@
+"""``DistOptim``: the user-facing distributed optimizer.
+
+It *is* a ``torch.optim.Optimizer`` (LR schedulers and existing loops accept
+it) that shares ``param_groups``, ``state`` and ``defaults`` with the wrapped
+optimizer, so hyperparameter changes reach the wrapped optimizer at once.  The
+work is done by :class:`dearopt.executor.Executor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from typing import Optional, Union
+
+import torch
+
+from . import runtime
+from .errors import NotInitializedError, UsageError
+from .executor import Executor
+from . import functions
+from .options import Options
+from .plan import DEFAULT_BUFFER_SIZE
+
+__all__ = ["DistOptim"]
+
+_WRAPPED = weakref.WeakSet()
+
+
+def _check_arguments(optimizer, model):
+    if isinstance(optimizer, DistOptim):
+        raise UsageError("this optimizer is already a DistOptim; wrap the plain torch optimizer once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistOptim expects a torch.optim.Optimizer as its first argument, got "
+                        f"{type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"DistOptim expects the model (an nn.Module) as its second argument, got "
+                        f"{type(model).__name__}; the model is needed to hook its forward")
+    if optimizer in _WRAPPED:
+        raise UsageError("this optimizer is already wrapped by another DistOptim; wrap each optimizer once")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("LBFGS is not supported: its update couples all parameters and needs a closure that "
+                        "re-evaluates the model, so it cannot be applied bucket by bucket")
+    in_model = {id(p) for p in model.parameters()}
+    trainable = 0
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in in_model:
+                raise ValueError(f"param group {gi} of the optimizer holds a parameter of shape {tuple(p.shape)} "
+                                 f"that is not a parameter of the model; pass the model those parameters belong to")
+            trainable += p.requires_grad
+    if trainable == 0:
+        raise ValueError("the optimizer holds no parameter that requires grad: there is nothing to train")
+
+
+class DistOptim(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that gradients are averaged across ranks with the chosen schedule.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` whose update is per parameter
+            (SGD, Adam, AdamW, RMSprop, Adagrad, ...).  Under ``dear`` its
+            ``step()`` is called once per bucket with each param group narrowed
+            to the bucket's parameters, so an optimizer that couples parameters
+            across a group (a global norm inside ``step``, LBFGS) would see only
+            a bucket at a time: use ``schedule="wfbp"`` and a ``buffer_size``
+            larger than the model for those (one bucket, one call).
+        model: the module whose forward and backward are scheduled.
+        schedule: ``"dear"`` (default), ``"wfbp"`` or ``"rsag"``; see :class:`dearopt.options.Options`.
+        buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
+        backward_passes_per_step: local accumulation before communicating.
+        broadcast_parameters: copy rank 0's parameters and buffers at construction.
+        broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
+        nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"`` for non-finite averaged gradients.
+        timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
+                 schedule: str = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+                 backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
+                 broadcast_buffers: bool = True, nonfinite: str = "raise", timeline: Optional[str] = None,
+                 debug: bool = False):
+        _check_arguments(optimizer, model)
+        options = Options(schedule=schedule, buffer_size=buffer_size,
+                          backward_passes_per_step=backward_passes_per_step,
+                          broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
+                          nonfinite=nonfinite, timeline=timeline, debug=debug)
+        if not runtime.is_initialized():
+            raise NotInitializedError("call dearopt.init() before creating a DistOptim")
+        self._inner = optimizer
+        self.options = options
+        # Share the wrapped optimizer's containers: schedulers edit the same dicts.
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        main = runtime.get_backend()
+        if options.broadcast_parameters:
+            functions.broadcast_parameters(model, root_rank=0)
+        try:
+            engine = main.fork()
+        except NotImplementedError:
+            engine = main
+        self._engine_backend = engine if engine is not main else None
+        buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
+        self._executor = Executor(optimizer, model, engine, options, buffer)
+        _WRAPPED.add(optimizer)
+
+    # ---------------------------------------------------------------- API
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._inner
+
+    @property
+    def plan(self):
+        """The communication plan (``None`` until the first backward)."""
+        return self._executor.plan
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because of non-finite gradients (``nonfinite="skip"``)."""
+        return self._executor.skipped_steps
+
+    def step(self, closure=None):
+        """Average the gradients across ranks and apply the wrapped optimizer's update.
+
+        Under ``dear`` the update of each bucket is applied during the next
+        forward, just before the bucket's first module runs; call
+        :meth:`synchronize` to apply every pending update now.
+        """
+        if closure is not None:
+            raise UsageError("DistOptim.step() does not take a closure: run forward and backward before step()")
+        self._executor.step()
+        return None
+
+    def synchronize(self) -> None:
+        """Apply every pending update now, so that the parameters are current."""
+        self._executor.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients (their storage stays in the communication buckets)."""
+        self._executor.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm; call between ``backward()`` and ``step()``.
+
+        Equal to ``torch.nn.utils.clip_grad_norm_`` on the averaged gradients
+        of single-process training; costs one scalar all-reduce under ``dear``.
+        """
+        return self._executor.clip_grad_norm_(max_norm, norm_type)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, without communication."""
+        previous = self._executor.no_sync
+        self._executor.no_sync = True
+        try:
+            yield
+        finally:
+            self._executor.no_sync = previous
+
+    def state_dict(self):
+        self.synchronize()
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.synchronize()
+        self._inner.load_state_dict(state_dict)
+        # load_state_dict replaces the group dicts: share them again
+        self.param_groups = self._inner.param_groups
+        self.state = self._inner.state
+
+    def add_param_group(self, param_group) -> None:
+        raise UsageError("add_param_group() after wrapping is not supported: add the group to the plain optimizer "
+                         "before creating the DistOptim")
+
+    def close(self) -> None:
+        """Apply pending updates, remove the hooks and release the engine's communicator."""
+        self._executor.close()
+        if self._engine_backend is not None:
+            self._engine_backend.close()
+            self._engine_backend = None
+        _WRAPPED.discard(self._inner)
+
+    def __repr__(self) -> str:
+        return f"DistOptim({self._inner!r}, schedule={self.options.schedule!r})"
+
+    def __getstate__(self):
+        raise TypeError("DistOptim cannot be pickled; save optimizer.state_dict() instead")

@@ -1,0 +1,60 @@
+"""The knobs of :class:`dearopt.DistOptim`, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Union
+
+from .plan import DEFAULT_BUFFER_SIZE, SCHEDULES, parse_size
+
+__all__ = ["Options", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    schedule: str = "dear"
+    """``"dear"``: reduce-scatter during backward, all-gather + update during
+    the next forward (the DeAR paper).  ``"wfbp"``: all-reduce during backward,
+    update at ``step()`` (Horovod/DDP).  ``"rsag"``: reduce-scatter then
+    all-gather, both during backward (the paper's baseline)."""
+
+    buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE
+    """Bytes per fusion bucket (or ``"25MB"``).  25 MB is DDP's default and the
+    paper's first tuning trial; ``"auto"`` tunes it online."""
+
+    backward_passes_per_step: int = 1
+    """Backward passes accumulated locally before gradients are communicated."""
+
+    broadcast_parameters: bool = True
+    """Copy rank 0's parameters and buffers to every rank at construction (like DDP)."""
+
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm statistics) before each training forward, as DDP does."""
+
+    nonfinite: str = "raise"
+    """What a non-finite averaged gradient does: ``"raise"`` a named error,
+    ``"skip"`` the step on every rank, or ``"ignore"`` it (DDP's behaviour)."""
+
+    timeline: Optional[str] = None
+    """Write Chrome trace events to this path (one file per rank); default ``DEAROPT_TIMELINE``."""
+
+    debug: bool = False
+    """Extra agreement checks per step (parameter checksums); default ``DEAROPT_DEBUG``."""
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.buffer_size != "auto":
+            object.__setattr__(self, "buffer_size", parse_size(self.buffer_size))
+        bpps = self.backward_passes_per_step
+        if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {bpps!r}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
+        if self.timeline is None and os.environ.get("DEAROPT_TIMELINE"):
+            object.__setattr__(self, "timeline", os.environ["DEAROPT_TIMELINE"])
+        if not self.debug and os.environ.get("DEAROPT_DEBUG", "0") not in ("", "0"):
+            object.__setattr__(self, "debug", True)

@@ -1,0 +1,202 @@
+"""The planner: from a model profile and knobs to a communication plan.
+
+Pure functions, free of ``torch.distributed``: the same profile and knobs give
+the same plan on every rank, so collectives, which are matched by the order in
+which ranks start them, line up.  Nothing here depends on timing.
+
+A *profile* lists the trainable parameters in forward execution order
+(:class:`ParamSpec`).  The plan fuses them into :class:`Bucket` s of at most
+``buffer_size`` bytes.  Buckets are filled from the output side (the order in
+which backward produces gradients), so the last bucket in forward order, the
+first whose all-gather the next forward needs, holds the remainder and is the
+smallest: the FeedPipe starts sooner.
+
+Each bucket's flat buffer is laid out as::
+
+    [ gradients of its parameters | one "used" flag per parameter | padding ]
+
+The flags travel with the gradients (no extra message) and tell every rank,
+after the reduction, how many ranks produced a gradient for each parameter.
+The buffer is padded to a multiple of the world size for reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from typing import Iterable, List, Sequence, Tuple, Union
+
+__all__ = ["ParamSpec", "Bucket", "CommOp", "Plan", "build_plan", "parse_size", "SCHEDULES", "DEFAULT_BUFFER_SIZE"]
+
+SCHEDULES = ("dear", "wfbp", "rsag")
+
+DEFAULT_BUFFER_SIZE = 25 * 2**20
+"""25 MiB: PyTorch DDP's default bucket size and the DeAR paper's first trial."""
+
+_UNITS = {"": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}
+
+
+def parse_size(size: Union[int, float, str]) -> int:
+    """Bytes from an int or a string such as ``"25MB"`` or ``"1.5 GiB"`` (binary units)."""
+    if isinstance(size, bool):
+        raise TypeError(f"a size must be bytes or a string like '25MB', got {size!r}")
+    if isinstance(size, (int, float)):
+        value = int(size)
+    elif isinstance(size, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read size {size!r}; write bytes or e.g. '25MB', '512KB', '1GB'")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise TypeError(f"a size must be bytes or a string like '25MB', got {type(size).__name__}")
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {size!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One trainable parameter as the planner sees it."""
+
+    name: str
+    numel: int
+    dtype: str  # e.g. "float32"
+    element_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Parameters communicated together (the unit of fusion)."""
+
+    index: int
+    params: Tuple[int, ...]  # positions in the profile, in forward order
+    offsets: Tuple[int, ...]  # element offset of each parameter's gradient in the buffer
+    dtype: str
+    grad_numel: int  # elements holding gradients
+    padded_numel: int  # buffer length: gradients + flags + padding, a multiple of the world size
+
+    @property
+    def flags_offset(self) -> int:
+        return self.grad_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self._world
+
+    _world: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CommOp:
+    """One collective in the plan.  ``phase`` is ``"backward"`` or ``"forward"``."""
+
+    kind: str  # "reduce_scatter", "all_gather" or "all_reduce"
+    bucket: int
+    phase: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    schedule: str
+    world_size: int
+    buffer_size: int
+    params: Tuple[ParamSpec, ...]
+    buckets: Tuple[Bucket, ...]
+    ops: Tuple[CommOp, ...]
+
+    @property
+    def backward_order(self) -> Tuple[int, ...]:
+        """Buckets in the order backward completes them (and their first collectives start)."""
+        return tuple(reversed(range(len(self.buckets))))
+
+    def bucket_of(self) -> List[int]:
+        """For each parameter position, the index of its bucket."""
+        owner = [0] * len(self.params)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                owner[p] = bucket.index
+        return owner
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of everything that must agree across ranks."""
+        text = repr((self.schedule, self.world_size, self.buffer_size,
+                     [(p.numel, p.dtype) for p in self.params],
+                     [(b.params, b.padded_numel) for b in self.buckets], self.ops))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+    def describe(self) -> str:
+        lines = [f"plan: schedule={self.schedule} world={self.world_size} buffer={self.buffer_size} B, "
+                 f"{len(self.buckets)} buckets"]
+        for b in self.buckets:
+            names = [self.params[p].name for p in b.params]
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} params)" if len(names) > 3 else "")
+            lines.append(f"  bucket {b.index}: {b.grad_numel} x {b.dtype} [{shown}]")
+        return "\n".join(lines)
+
+
+def _ops_for(schedule: str, n_buckets: int) -> Tuple[CommOp, ...]:
+    backward = list(reversed(range(n_buckets)))
+    if schedule == "dear":
+        return tuple([CommOp("reduce_scatter", b, "backward") for b in backward] +
+                     [CommOp("all_gather", b, "forward") for b in range(n_buckets)])
+    if schedule == "wfbp":
+        return tuple(CommOp("all_reduce", b, "backward") for b in backward)
+    if schedule == "rsag":
+        ops = []
+        for b in backward:
+            ops += [CommOp("reduce_scatter", b, "backward"), CommOp("all_gather", b, "backward")]
+        return tuple(ops)
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+
+
+def _padded(numel: int, world: int) -> int:
+    return max(1, -(-numel // world)) * world
+
+
+def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+               world_size: int = 1, schedule: str = "dear") -> Plan:
+    """Fuse ``params`` (forward order) into buckets and list the plan's collectives."""
+    buffer_size = parse_size(buffer_size)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    params = tuple(params)
+    if not params:
+        raise ValueError("the model has no trainable parameters to plan for")
+    # Fill from the output side: walk backward, close a bucket when the next
+    # parameter would overflow it or has another dtype.
+    groups: List[List[int]] = []
+    current: List[int] = []
+    current_bytes = 0
+    for pos in reversed(range(len(params))):
+        spec = params[pos]
+        if current and (current_bytes + spec.nbytes > buffer_size or params[current[0]].dtype != spec.dtype):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(pos)
+        current_bytes += spec.nbytes
+    groups.append(current)
+    groups.reverse()
+    buckets = []
+    for index, members in enumerate(groups):
+        members = sorted(members)
+        offsets, offset = [], 0
+        for pos in members:
+            offsets.append(offset)
+            offset += params[pos].numel
+        padded = _padded(offset + len(members), world_size)
+        buckets.append(Bucket(index=index, params=tuple(members), offsets=tuple(offsets),
+                              dtype=params[members[0]].dtype, grad_numel=offset,
+                              padded_numel=padded, _world=world_size))
+    return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params,
+                buckets=tuple(buckets), ops=_ops_for(schedule, len(buckets)))
+
+
+def profile_sizes(specs: Iterable[ParamSpec]) -> List[int]:
+    return [s.nbytes for s in specs]
