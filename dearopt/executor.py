@@ -412,6 +412,19 @@ class Executor:
             region.mul_(coef.to(region.dtype))
         return total_norm.cpu()
 
+    def reduce_gradients(self):
+        """Finish communication so that every ``p.grad`` holds the averaged gradient (wfbp, rsag).
+
+        Under ``dear`` the averaged gradient exists only as shards until the
+        next forward; this raises there.
+        """
+        if self.options.schedule == "dear":
+            raise UsageError("under schedule='dear' the averaged gradients are sharded until the next forward; "
+                             "use schedule='wfbp' to read averaged gradients before step()")
+        self.finish_reductions()
+        if self.options.schedule == "rsag":
+            self._wait_gathers()
+
     def _wait_gathers(self):
         for index in self.plan.backward_order:
             bucket = self.buckets[index]
