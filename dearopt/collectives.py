@@ -7,7 +7,7 @@ interface, so the transport can be swapped without touching them:
 
 * :class:`TorchDistBackend` runs over ``torch.distributed`` (gloo on CPU,
   NCCL on GPU).
-* ``dearopt.backends.nccl_native`` runs over the csrc NCCL extension.
+* ``dearopt.nccl_native`` runs over the csrc NCCL extension.
 
 Semantics shared by every backend:
 

@@ -34,6 +34,7 @@ from .collectives import CollectiveBackend, Handle
 from .errors import (
     NonFiniteGradientError,
     PlanMismatchError,
+    StepMismatchError,
     UnusedParameterMismatchError,
     UsageError,
 )
@@ -55,7 +56,8 @@ class _BucketState:
         self.buffer = buffer
         self.views = [buffer[o:o + p.numel()].view_as(p) for o, p in zip(spec.offsets, params)]
         self.ptrs = [v.data_ptr() for v in self.views]
-        self.flags = buffer[spec.grad_numel:spec.grad_numel + len(params)]
+        self.flags = buffer[spec.flags_offset:spec.flags_offset + len(params)]
+        self.tags = buffer[spec.tags_offset:spec.tags_offset + world]
         shard_n = spec.padded_numel // world
         self.shard = torch.empty(shard_n, dtype=buffer.dtype, device=buffer.device)
         # the part of this rank's shard that holds gradients (not flags or padding)
@@ -114,6 +116,7 @@ class Executor:
         self._zero_pending: Dict[int, bool] = {}
         self.no_sync = False
         self.skipped_steps = 0
+        self._forwards = 0  # training forwards since the last step(), part of the step tag
         self._register_module_hooks()
         for p in self._trainable():
             self._param_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -150,6 +153,7 @@ class Executor:
         if not training:
             self.synchronize()
             return
+        self._forwards += 1
         if self.options.broadcast_buffers and self.world > 1:
             self._broadcast_buffers()
 
@@ -324,6 +328,8 @@ class Executor:
         if self.options.schedule == "rsag" and self._next_launch > 0:
             self._rsag_gather(self.buckets[self.plan.backward_order[self._next_launch - 1]])
         bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
+        bucket.tags.zero_()
+        bucket.tags[self.rank] = self._tag(bucket.buffer.dtype)
         where = dict(bucket=bucket.index, step=self.step_count)
         self.timeline.begin(("c1", bucket.index), "reduce" if self.options.schedule != "wfbp" else "all_reduce",
                             "comm", bucket=bucket.index)
@@ -351,6 +357,39 @@ class Executor:
             self._rsag_gather(self.buckets[self.plan.backward_order[-1]])
         self._launched_all = True
 
+    # ------------------------------------------------------------ agreement
+    # A rank's step tag encodes its step count and the number of training
+    # forwards since its last step; it must fit the bucket dtype's exact
+    # integers (256 for bfloat16, 2048 for float16, 2**24 for float32).
+    _TAG_STEPS = {torch.bfloat16: 32, torch.float16: 256}
+
+    def _tag(self, dtype) -> int:
+        steps = self._TAG_STEPS.get(dtype, 2**20)
+        return (self.step_count % steps) * 8 + min(self._forwards, 7)
+
+    def _check_tags(self, bucket: _BucketState, step: int):
+        tags = [int(t) for t in bucket.tags.float().round().tolist()]
+        if len(set(tags)) == 1:
+            return
+        seen = ", ".join(f"rank {r}: step {t // 8} ({t % 8} forwards since its last step)" for r, t in enumerate(tags))
+        raise StepMismatchError(
+            f"ranks sent gradients of different steps in one collective ({seen}); a rank skipped or repeated "
+            f"forward/backward/step. No update of this step was applied",
+            rank=self.rank, op="step agreement", bucket=bucket.index, step=step)
+
+    def _check_parameters(self):
+        """Debug mode: every rank must hold the same parameters (checksums compared)."""
+        sums = torch.tensor([float(sum(p.detach().double().sum() for p in b.params)) for b in self.buckets],
+                            dtype=torch.float64, device=self.backend.device)
+        everyone = torch.empty(len(self.buckets) * self.world, dtype=torch.float64, device=self.backend.device)
+        self.backend.all_gather(everyone, sums, step=self.step_count).wait()
+        table = everyone.view(self.world, -1)
+        differ = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
+        if differ:
+            raise StepMismatchError(f"debug check: the parameters of ranks {differ} differ from rank 0's "
+                                    f"(checksums per bucket {table.tolist()})", rank=self.rank,
+                                    op="parameter checksum", step=self.step_count)
+
     # ----------------------------------------------------------------- step
     def _finish_first(self, bucket: _BucketState):
         """Wait for the bucket's first collective and average the result."""
@@ -360,10 +399,11 @@ class Executor:
         bucket.first.wait()
         self.timeline.span("wait reduce", "wait", t0, bucket=bucket.index)
         self.timeline.end(("c1", bucket.index))
+        # average the gradients; flags and tags stay sums
         if self.options.schedule == "wfbp":
-            bucket.buffer.div_(self.world)
+            bucket.buffer[: bucket.spec.grad_numel].div_(self.world)
         else:
-            bucket.shard.div_(self.world)
+            bucket.shard_grad.div_(self.world)
         bucket.reduced = True
 
     def finish_reductions(self):
@@ -432,10 +472,18 @@ class Executor:
                 bucket.second.wait()
 
     def step(self):
+        if self.options.debug and self.plan is not None:
+            self._check_parameters()
         self.finish_reductions()
         t0 = self.timeline.now()
-        self._check_nonfinite()
         schedule = self.options.schedule
+        if schedule == "rsag":
+            self._wait_gathers()
+        if schedule != "dear":
+            for bucket in self.buckets:
+                self._check_tags(bucket, self.step_count)
+        self._check_nonfinite()
+        self._forwards = 0
         for b in self.buckets:
             b.pending = True
         self._launched_all = False
@@ -455,8 +503,6 @@ class Executor:
             self._next_apply, self._next_gather = 0, 0
             self._start_gather()
         else:
-            if schedule == "rsag":
-                self._wait_gathers()
             self._next_apply, self._next_gather = 0, len(self.buckets)
             self._apply_through(len(self.buckets) - 1)
         self.timeline.span("step", "update", t0)
@@ -482,21 +528,35 @@ class Executor:
         if policy == "skip":
             self._skip_this_step = True
             return
-        name = self._first_nonfinite_name(regions)
-        raise NonFiniteGradientError(
-            f"the averaged gradient is not finite (first non-finite parameter on this rank's shard: {name}); "
-            f"pass nonfinite='skip' to skip such steps", rank=self.rank, op="step", step=self.step_count)
+        raise NonFiniteGradientError(self._describe_nonfinite(sharded) + "; pass nonfinite='skip' to skip such "
+                                     "steps", rank=self.rank, op="step", step=self.step_count)
 
-    def _first_nonfinite_name(self, regions):
-        for bucket, region in zip(self.buckets, regions):
-            if region.numel() and not bool(torch.isfinite(region).all()):
-                bad = int((~torch.isfinite(region)).nonzero()[0])
-                if region.data_ptr() == bucket.shard.data_ptr():
-                    bad += self.rank * bucket.shard.numel()
+    def _describe_nonfinite(self, sharded: bool) -> str:
+        """Name the first non-finite parameter and, under dear, the ranks whose own gradients were non-finite."""
+        def first_bad(buffers):
+            position = 0
+            for bucket, buf in zip(self.buckets, buffers):
                 for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
-                    if offset <= bad < offset + p.numel():
-                        return repr(name)
-        return "(on another rank's shard)"
+                    if not bool(torch.isfinite(buf[offset:offset + p.numel()]).all()):
+                        return position, name
+                    position += 1
+            return -1, None
+
+        if not sharded:  # wfbp/rsag: the buffers hold the averaged gradients; origins are unknown
+            _, name = first_bad([b.buffer for b in self.buckets])
+            return f"the averaged gradient of parameter {name!r} is not finite (the rank it came from is unknown)"
+        # dear: the buffers still hold this rank's own gradients (the all-gather has not overwritten them)
+        mine, _ = first_bad([b.buffer for b in self.buckets])
+        mine_t = torch.tensor([mine], dtype=torch.int64, device=self.backend.device)
+        everyone = torch.empty(self.world, dtype=torch.int64, device=self.backend.device)
+        self.backend.all_gather(everyone, mine_t, step=self.step_count).wait()
+        names = [n for b in self.buckets for n in b.names]
+        bad = {r: names[i] for r, i in enumerate(everyone.tolist()) if i >= 0}
+        if not bad:
+            return "the averaged gradient is not finite although every rank's own gradients are finite (overflow)"
+        first = min(bad)
+        return (f"non-finite gradients came from rank(s) {sorted(bad)}; first parameter: {bad[first]!r} on rank "
+                f"{first}")
 
     # --------------------------------------------------------------- feed
     def _start_gather(self):
@@ -518,13 +578,14 @@ class Executor:
                 bucket.second.wait()
                 self.timeline.span("wait all_gather", "wait", t0, bucket=bucket.index)
                 self.timeline.end(("c2", bucket.index))
+                self._check_tags(bucket, self.step_count - 1)
                 self._start_gather()  # prefetch the next bucket
             self._apply_update(bucket)
             self._next_apply += 1
 
     def _apply_update(self, bucket: _BucketState):
         t0 = self.timeline.now()
-        counts = (bucket.flags.float() * self.world).round().tolist()
+        counts = bucket.flags.float().round().tolist()
         include = []
         for name, count in zip(bucket.names, counts):
             if 0 < count < self.world:

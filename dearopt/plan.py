@@ -13,11 +13,13 @@ smallest: the FeedPipe starts sooner.
 
 Each bucket's flat buffer is laid out as::
 
-    [ gradients of its parameters | one "used" flag per parameter | padding ]
+    [ gradients | one "used" flag per parameter | one step tag per rank | padding ]
 
-The flags travel with the gradients (no extra message) and tell every rank,
-after the reduction, how many ranks produced a gradient for each parameter.
-The buffer is padded to a multiple of the world size for reduce-scatter.
+The flags and tags travel with the gradients (no extra message) and are summed,
+not averaged: after the reduction every rank sees how many ranks produced a
+gradient for each parameter, and each rank's step tag in its own slot, so ranks
+that are at different steps are caught before their gradients are mixed.  The
+buffer is padded to a multiple of the world size for reduce-scatter.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from typing import Iterable, List, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 __all__ = ["ParamSpec", "Bucket", "CommOp", "Plan", "build_plan", "parse_size", "SCHEDULES", "DEFAULT_BUFFER_SIZE"]
 
@@ -80,15 +82,19 @@ class Bucket:
     grad_numel: int  # elements holding gradients
     padded_numel: int  # buffer length: gradients + flags + padding, a multiple of the world size
 
+    world_size: int = 1
+
     @property
     def flags_offset(self) -> int:
         return self.grad_numel
 
     @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self._world
+    def tags_offset(self) -> int:
+        return self.grad_numel + len(self.params)
 
-    _world: int = 1
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,13 +196,10 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         for pos in members:
             offsets.append(offset)
             offset += params[pos].numel
-        padded = _padded(offset + len(members), world_size)
+        padded = _padded(offset + len(members) + world_size, world_size)
         buckets.append(Bucket(index=index, params=tuple(members), offsets=tuple(offsets),
                               dtype=params[members[0]].dtype, grad_numel=offset,
-                              padded_numel=padded, _world=world_size))
+                              padded_numel=padded, world_size=world_size))
     return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params,
                 buckets=tuple(buckets), ops=_ops_for(schedule, len(buckets)))
 
-
-def profile_sizes(specs: Iterable[ParamSpec]) -> List[int]:
-    return [s.nbytes for s in specs]
