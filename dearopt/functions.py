@@ -4,14 +4,45 @@ from __future__ import annotations
 
 import io
 import pickle
+import weakref
+import zlib
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Tuple, Union
 
 import torch
 
 from . import runtime
+from .errors import StepMismatchError
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce", "broadcast_tensors"]
+
+
+_OP_CODES = {"allreduce": 1, "broadcast": 2, "broadcast_object": 3}
+_sequence = weakref.WeakKeyDictionary()  # backend -> number of helper collectives issued
+
+
+def _agree(op: str, numel: int = 0, dtype: torch.dtype = None, root: int = 0) -> None:
+    """Check that every rank is issuing the same helper collective (op, sequence number, size, dtype).
+
+    Costs one small all-gather; turns "one rank ran an extra collective" into a
+    named error on every rank instead of a transport abort or a silent mix.
+    """
+    backend = runtime.get_backend()
+    if backend.size == 1:
+        return
+    seq = _sequence.get(backend, 0)
+    _sequence[backend] = seq + 1
+    code = zlib.crc32(str(dtype).encode()) if dtype is not None else -1
+    header = torch.tensor([seq, _OP_CODES[op], numel, code, root], dtype=torch.int64, device=backend.device)
+    everyone = torch.empty(backend.size * header.numel(), dtype=torch.int64, device=backend.device)
+    backend.all_gather(everyone, header, step=seq).wait()
+    rows = everyone.view(backend.size, -1).tolist()
+    if any(row != rows[0] for row in rows):
+        names = {v: k for k, v in _OP_CODES.items()}
+        seen = "; ".join(f"rank {r}: #{row[0]} {names.get(row[1], row[1])} of {row[2]} elements, root {row[4]}"
+                         for r, row in enumerate(rows))
+        raise StepMismatchError(f"ranks issued different collectives ({seen}): a rank ran an extra or a different "
+                                f"dearopt collective", rank=backend.rank, op=op, step=seq)
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, **where) -> None:
@@ -22,6 +53,7 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, **whe
         groups[(t.dtype, t.device)].append(t)
     for (dtype, device), group in groups.items():
         flat = torch.cat([t.detach().reshape(-1) for t in group]).to(backend.device)
+        _agree("broadcast", flat.numel(), dtype, root_rank)
         backend.broadcast(flat, root_rank, **where).wait()
         offset = 0
         with torch.no_grad():
@@ -67,6 +99,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0) -> Any:
     backend = runtime.get_backend()
     if backend.size == 1:
         return obj
+    _agree("broadcast_object", 0, None, root_rank)
     if backend.rank == root_rank:
         buffer = io.BytesIO()
         torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
@@ -104,7 +137,10 @@ def allreduce(value, op: str = "avg"):
     as_float = isinstance(value, (int, float)) and not isinstance(value, bool)
     tensor = torch.as_tensor(value, dtype=torch.float64 if as_float else None).detach().clone()
     original_device = tensor.device
+    if op == "avg" and not tensor.is_floating_point():
+        tensor = tensor.double()
     work = tensor.to(backend.device).reshape(-1).contiguous()
+    _agree("allreduce", work.numel(), work.dtype)
     backend.all_reduce(work, op).wait()
     result = work.view(tensor.shape).to(original_device)
     return result.item() if as_float else result

@@ -38,6 +38,7 @@ class Outcome:
     traceback: str = ""
     exitcode: Optional[int] = None
     seconds: float = 0.0
+    finished_at: float = 0.0  # wall clock (time.time()) when the rank returned or raised
 
     @property
     def ok(self) -> bool:
@@ -65,10 +66,10 @@ def _entry(target, rank, world_size, port, args, kwargs, queue, env, init_kwargs
         value = target(*args, **kwargs)
         buffer = io.BytesIO()
         torch.save(value, buffer)  # plain bytes: no shared-memory tensors that die with the process
-        queue.put((rank, buffer.getvalue(), None, (), "", "", time.monotonic() - start))
+        queue.put((rank, buffer.getvalue(), None, (), "", "", time.monotonic() - start, time.time()))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         queue.put((rank, None, type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__),
-                   str(exc), traceback.format_exc(), time.monotonic() - start))
+                   str(exc), traceback.format_exc(), time.monotonic() - start, time.time()))
     finally:
         try:
             dearopt.shutdown()
@@ -108,10 +109,10 @@ def run_workers(
     deadline = time.monotonic() + timeout
     while len(outcomes) < world_size and time.monotonic() < deadline:
         try:
-            rank, value, etype, etypes, msg, tb, secs = queue.get(timeout=0.1)
+            rank, value, etype, etypes, msg, tb, secs, wall = queue.get(timeout=0.1)
             if value is not None:
                 value = torch.load(io.BytesIO(value), weights_only=False)
-            outcomes[rank] = Outcome(rank, value, etype, etypes, msg, tb, seconds=secs)
+            outcomes[rank] = Outcome(rank, value, etype, etypes, msg, tb, seconds=secs, finished_at=wall)
         except Exception:
             if all(not p.is_alive() for p in procs) and queue.empty():
                 break

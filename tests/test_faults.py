@@ -1,0 +1,312 @@
+"""Fault injection: every fault ends in a named error on every rank, quickly, and every process exits.
+
+Each test runs its own processes under a time limit.  Times are measured from
+the fault (a timestamp the faulty rank writes just before it acts) to the error
+on each survivor.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dearopt
+from harness import free_port, run_workers
+from models import global_batch, loss_fn, make_model, shard
+
+TIMEOUT = 4.0  # dearopt's collective timeout in these tests
+
+
+def _mark_fault(path):
+    with open(path, "w") as fh:
+        fh.write(repr(time.time()))
+
+
+def _train_and_fault(where, fault_dir, schedule="dear", steps=4, fault_step=2, faulty_rank=1):
+    """Train; on `faulty_rank` at `fault_step`, die at `where` (forward, backward or step)."""
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=schedule, buffer_size=64)
+    die = rank == faulty_rank
+    stamp = os.path.join(fault_dir, "fault_time")
+
+    def maybe_die(point, step):
+        if die and step == fault_step and point == where:
+            _mark_fault(stamp)
+            os._exit(17)
+
+    model.fc2.register_forward_hook(lambda *a: maybe_die("forward", state["step"]))
+    model.fc2.weight.register_hook(lambda g: maybe_die("backward", state["step"]) or g)
+    state = {"step": 0}
+    for step in range(steps):
+        state["step"] = step
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        maybe_die("step", step)
+        opt.step()
+    opt.synchronize()
+    return "finished"
+
+
+def _fault_to_error(outcome, fault_dir):
+    with open(os.path.join(fault_dir, "fault_time")) as fh:
+        fault = float(fh.read())
+    return outcome.finished_at - fault
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("where, world", [("forward", 2), ("backward", 2), ("step", 2), ("backward", 3)])
+def test_peer_death_is_a_named_error_on_every_survivor(where, world, tmp_path):
+    start = time.monotonic()
+    outcomes = run_workers(_train_and_fault, world, where, str(tmp_path), expect_errors=True, timeout=60,
+                           init_kwargs={"timeout": 30.0})
+    elapsed = time.monotonic() - start
+    assert outcomes[1].exitcode == 17
+    for o in outcomes:
+        if o.rank == 1:
+            continue
+        assert o.error_type == "PeerLostError", f"rank {o.rank}: {o.error_type}: {o.message}"
+        assert f"rank {o.rank}" in o.message and "op " in o.message and "step" in o.message
+        delay = _fault_to_error(o, str(tmp_path))
+        print(f"{where}, {world} ranks: rank {o.rank} raised {o.error_type} {delay:.3f} s after the fault")
+        assert delay < 5.0, "the transport knew: no waiting for the 30 s timeout"
+        assert o.exitcode == 0  # the process ended by itself (the harness reports, then exits)
+    assert elapsed < 30
+
+
+def _slow_rank(fault_dir):
+    rank = dearopt.rank()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        if rank == 1 and step == 1:
+            _mark_fault(os.path.join(fault_dir, "fault_time"))
+            time.sleep(TIMEOUT + 6)  # hangs in forward longer than the timeout
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+    opt.synchronize()
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_peer_ends_in_a_timeout_that_names_rank_op_bucket_step(tmp_path):
+    outcomes = run_workers(_slow_rank, 2, str(tmp_path), expect_errors=True, timeout=60,
+                           init_kwargs={"timeout": TIMEOUT})
+    o = outcomes[0]
+    assert o.error_type == "CollectiveTimeoutError", o.message
+    # step 0's all-gather of bucket 0 started in step() on both ranks; bucket 1's is the one
+    # rank 1 never starts (it would, in its next forward)
+    for part in ("rank 0", "op all_gather", "bucket 1", "step 0"):
+        assert part in o.message, (part, o.message)
+    delay = _fault_to_error(o, str(tmp_path))
+    print(f"hung peer: rank 0 raised CollectiveTimeoutError {delay:.2f} s after the peer stopped")
+    assert TIMEOUT - 0.5 < delay < TIMEOUT + 3
+
+
+def _skip_one_step(schedule):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=schedule, buffer_size=64)
+    before = None
+    for step in range(4):
+        x, y = global_batch(step, "mlp")
+        opt.zero_grad()
+        loss = loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world))
+        if rank == 1 and step == 1:
+            continue  # rank 1 skips backward() and step() this iteration
+        if step == 2:
+            before = [p.detach().clone() for p in model.parameters()]
+        loss.backward()
+        opt.step()
+    opt.synchronize()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule, world", [("dear", 2), ("wfbp", 2), ("dear", 3)])
+def test_skipped_step_is_caught_before_gradients_are_mixed(schedule, world):
+    outcomes = run_workers(_skip_one_step, world, schedule, expect_errors=True, timeout=60,
+                           init_kwargs={"timeout": 20.0})
+    for o in outcomes:
+        assert o.error_type == "StepMismatchError", f"rank {o.rank}: {o.error_type}: {o.message}"
+        assert f"rank {o.rank}" in o.message and "No update of this step was applied" in o.message
+        assert o.seconds < 15
+
+
+def _extra_helper_collective():
+    dearopt.allreduce(1.0)
+    if dearopt.rank() == 0:
+        dearopt.allreduce(torch.ones(3))  # one extra collective on rank 0
+    return dearopt.broadcast_object({"rank": dearopt.rank()})
+
+
+@pytest.mark.timeout(60)
+def test_an_extra_collective_on_one_rank_is_a_named_error_on_every_rank():
+    outcomes = run_workers(_extra_helper_collective, 2, expect_errors=True, timeout=40,
+                           init_kwargs={"timeout": 10.0})
+    for o in outcomes:
+        assert o.error_type == "StepMismatchError", f"rank {o.rank}: {o.error_type}: {o.message}"
+        assert "extra or a different" in o.message and f"rank {o.rank}" in o.message
+        assert o.seconds < 5
+
+
+def _nonfinite(policy, bad_step=2, steps=4):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.Adam(model.parameters(), lr=0.01), model, buffer_size=64, nonfinite=policy)
+    for step in range(steps):
+        x, y = global_batch(step, "mlp")
+        x = shard(x, rank, world).clone()
+        if rank == 1 and step == bad_step:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        loss_fn("mlp", model(x), shard(y, rank, world)).backward()
+        opt.step()
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()], opt.skipped_steps
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_raise_names_parameter_rank_and_step():
+    outcomes = run_workers(_nonfinite, 2, "raise", expect_errors=True, timeout=40)
+    for o in outcomes:
+        assert o.error_type == "NonFiniteGradientError", o.message
+        assert "rank(s) [1]" in o.message and "'fc1.weight' on rank 1" in o.message and "step 2" in o.message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_nonfinite_skip_keeps_ranks_identical_and_equal_to_a_reference_that_skipped(world):
+    outcomes = run_workers(_nonfinite, world, "skip", timeout=40)
+    model = make_model("mlp")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(4):
+        x, y = global_batch(step, "mlp")
+        opt.zero_grad()
+        loss_fn("mlp", model(x), y).backward()
+        if step != 2:  # the step whose gradient was non-finite is skipped
+            opt.step()
+    for o in outcomes:
+        params, skipped = o.value
+        assert skipped == 1
+        for got, want, first in zip(params, model.parameters(), outcomes[0].value[0]):
+            torch.testing.assert_close(got, first, rtol=0, atol=0)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _diverged_parameters():
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, debug=True)
+    if dearopt.rank() == 1:
+        with torch.no_grad():
+            model.fc3.bias.add_(1.0)  # silent divergence after construction
+    x, y = global_batch(0, "mlp")
+    for _ in range(2):
+        opt.zero_grad()
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.timeout(60)
+def test_debug_mode_catches_diverged_parameters():
+    for o in run_workers(_diverged_parameters, 2, expect_errors=True, timeout=40):
+        assert o.error_type == "StepMismatchError" and "ranks [1] differ" in o.message, o.message
+
+
+def test_collectives_before_init_are_a_named_error():
+    assert not dearopt.is_initialized()
+    with pytest.raises(dearopt.NotInitializedError, match=r"dearopt.init\(\)"):
+        dearopt.allreduce(1.0)
+    model = make_model("mlp")
+    with pytest.raises(dearopt.NotInitializedError, match=r"dearopt.init\(\)"):
+        dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+def _resume(optimizer_name, checkpoint, phase, total=6, split=3):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer_name == "sgd"
+             else torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1))
+    start, stop = {"whole": (0, total), "first": (0, split), "second": (split, total)}[phase]
+    if phase == "second":
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["optimizer"])
+    opt = dearopt.DistOptim(inner, model, buffer_size=64)
+    for step in range(start, stop):
+        x, y = global_batch(step, "mlp")
+        opt.zero_grad()
+        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    if phase == "first" and rank == 0:
+        # the dear schedule's last updates are still pending here: state_dict() applies them first
+        assert any(b.pending for b in opt._executor.buckets)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint)
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_resume_from_checkpoint_is_bit_identical(optimizer_name, tmp_path):
+    checkpoint = str(tmp_path / "ckpt.pt")
+    whole = run_workers(_resume, 2, optimizer_name, checkpoint, "whole")[0].value
+    run_workers(_resume, 2, optimizer_name, checkpoint, "first")
+    resumed = run_workers(_resume, 2, optimizer_name, checkpoint, "second")
+    for o in resumed:
+        for a, b in zip(o.value, whole):
+            assert torch.equal(a, b)
+
+
+DYING_SCRIPT = """
+import os, sys, time, torch, dearopt
+sys.path.insert(0, {tests!r})
+from models import global_batch, loss_fn, make_model, shard
+dearopt.init(timeout=30)
+rank, world = dearopt.rank(), dearopt.size()
+model = make_model("mlp")
+opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64)
+for step in range(4):
+    opt.zero_grad()
+    x, y = global_batch(step, "mlp")
+    loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+    if rank == 1 and step == 2:
+        os._exit(int(os.environ.get("DIE_CODE", "17")))
+    opt.step()
+"""
+
+
+def _launcher_env():
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_survivors_exit_by_themselves_under_launchers(launcher, tmp_path):
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               str(script)]
+    else:
+        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+        if not os.path.exists(mpirun):
+            pytest.skip("no mpirun in the environment")
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, str(script)]
+    env = _launcher_env()
+    if launcher == "mpirun":
+        # mpirun itself terminates the job when a rank exits non-zero; a rank that vanishes with
+        # status 0 leaves the survivor to notice, which is what this test is about
+        env["DIE_CODE"] = "0"
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    assert "PeerLostError" in out.stderr, out.stderr[-3000:]
+    print(f"{launcher}: the job ended {elapsed:.1f} s after launch (collective timeout 30 s)")
+    assert elapsed < 25
