@@ -368,6 +368,8 @@ class Executor:
         return (self.step_count % steps) * 8 + min(self._forwards, 7)
 
     def _check_tags(self, bucket: _BucketState, step: int):
+        if not self.options.check_agreement:
+            return
         tags = [int(t) for t in bucket.tags.float().round().tolist()]
         if len(set(tags)) == 1:
             return
@@ -518,7 +520,8 @@ class Executor:
         regions, sharded = self._reduced_grad_regions()
         local = torch.zeros(1, dtype=torch.float32, device=self.backend.device)
         for r in regions:
-            if r.numel() and not bool(torch.isfinite(r).all()):
+            # one pass, no temporary: the sum is finite iff every element is (or it overflowed)
+            if r.numel() and not bool(torch.isfinite(r.sum())):
                 local.fill_(1.0)
                 break
         if sharded:

@@ -71,19 +71,21 @@ class DistOptim(torch.optim.Optimizer):
         broadcast_parameters: copy rank 0's parameters and buffers at construction.
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
         nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"`` for non-finite averaged gradients.
+        check_agreement: check that all ranks are at the same step (folded into the buckets' messages).
+        debug: compare parameter checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  schedule: str = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
                  backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
-                 broadcast_buffers: bool = True, nonfinite: str = "raise", timeline: Optional[str] = None,
-                 debug: bool = False):
+                 broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
+                 timeline: Optional[str] = None, debug: bool = False):
         _check_arguments(optimizer, model)
         options = Options(schedule=schedule, buffer_size=buffer_size,
                           backward_passes_per_step=backward_passes_per_step,
                           broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
-                          nonfinite=nonfinite, timeline=timeline, debug=debug)
+                          nonfinite=nonfinite, check_agreement=check_agreement, timeline=timeline, debug=debug)
         if not runtime.is_initialized():
             raise NotInitializedError("call dearopt.init() before creating a DistOptim")
         self._inner = optimizer

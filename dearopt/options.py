@@ -38,6 +38,11 @@ class Options:
     """What a non-finite averaged gradient does: ``"raise"`` a named error,
     ``"skip"`` the step on every rank, or ``"ignore"`` it (DDP's behaviour)."""
 
+    check_agreement: bool = True
+    """Check at every step, inside the gradient buckets' own messages, that all
+    ranks are at the same step (no extra message; cost is a few scalar writes
+    per bucket).  Turn off only to measure its cost."""
+
     timeline: Optional[str] = None
     """Write Chrome trace events to this path (one file per rank); default ``DEAROPT_TIMELINE``."""
 

@@ -175,7 +175,7 @@ class BayesianTuner:
     """
 
     def __init__(self, knobs: Sequence[Knob], *, budget: int = 10, xi: float = 0.1, seed: int = 0,
-                 min_improvement: float = 0.01, min_trials: Optional[int] = None, noise: float = 1e-2,
+                 min_improvement: float = 0.005, min_trials: Optional[int] = None, noise: float = 1e-2,
                  dedup_tol: float = 0.01, n_candidates: int = 2000):
         if isinstance(knobs, Knob):
             knobs = [knobs]
@@ -204,7 +204,7 @@ class BayesianTuner:
         self.xi = float(xi)
         self.seed = seed
         self.min_improvement = float(min_improvement)
-        self.min_trials = min_trials if min_trials is not None else 2 + len(knobs)
+        self.min_trials = min_trials if min_trials is not None else 3 + 2 * len(knobs)
         self.dedup_tol = float(dedup_tol)
         self._dim = len(knobs)
 
@@ -225,7 +225,7 @@ class BayesianTuner:
         # cannot identify a scale far below their spacing or far beyond the range.
         self._bo.set_gp_params(
             kernel=ConstantKernel(1.0, (0.1, 10.0)) * Matern(
-                length_scale=[0.3] * self._dim, length_scale_bounds=(0.05, 5.0), nu=2.5),
+                length_scale=[0.3] * self._dim, length_scale_bounds=(0.05, 1.0), nu=2.5),
             alpha=max(float(noise), 1e-6),
         )
         rng = np.random.RandomState(seed + 7919)

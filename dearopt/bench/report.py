@@ -1,0 +1,246 @@
+"""From raw per-rank samples to the numbers, the table, results.json and the PNGs.
+
+Every time is the median over samples of the slowest rank's value for that
+sample (ranks are coupled by the collectives; the slowest rank sets the pace).
+
+Bounds (the DeAR paper):
+
+* Eq. 7, ``dear``: ``max(t_ff, t_ag) + max(t_bp, t_rs)``;
+* Eq. 8, all-reduce schedules (``ddp``, ``wfbp``): ``t_ff + max(t_bp, t_ar)``;
+* ``rsag`` (reduce-scatter then all-gather, both in backward) is Eq. 8 with
+  its own communication: ``t_ff + max(t_bp, t_rs + t_ag)``.
+
+``fraction_of_bound = bound / measured`` (1.0: the schedule hides every
+second of communication the formula says it can).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+from typing import Dict, List, Optional
+
+BOUND_FORMULAS = {
+    "dear": "max(t_ff, t_ag) + max(t_bp, t_rs)",
+    "ddp": "t_ff + max(t_bp, t_ar)",
+    "wfbp": "t_ff + max(t_bp, t_ar)",
+    "rsag": "t_ff + max(t_bp, t_rs + t_ag)",
+}
+
+
+def bound(schedule: str, p: Dict[str, float]) -> float:
+    """The Eq. 7 / Eq. 8 bound of ``schedule`` from the parts ``p`` (seconds)."""
+    if schedule == "dear":
+        return max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"])
+    if schedule == "rsag":
+        return p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"])
+    return p["t_ff"] + max(p["t_bp"], p["t_ar"])
+
+
+def _slowest_median(per_rank: List[List[float]]) -> float:
+    n = min(len(s) for s in per_rank)
+    if n == 0:
+        return math.nan
+    return statistics.median(max(s[i] for s in per_rank) for i in range(n))
+
+
+def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
+    """The results.json document."""
+    first = rank_results[0]
+    world = len(rank_results)
+    parts = {k: _slowest_median([r["parts"][k] for r in rank_results]) for k in first["parts"]}
+    schedules = {}
+    global_batch = first["batch_size"] * world
+    for s in cfg["schedules"]:
+        phases = {k: _slowest_median([r["schedules"][s][k] for r in rank_results])
+                  for k in ("iter", "forward", "backward", "step")}
+        t = phases["iter"]
+        b = bound(s, parts)
+        schedules[s] = {
+            "iter_time": t,
+            "samples_per_s": global_batch / t,
+            "bound": b,
+            "bound_formula": BOUND_FORMULAS.get(s, BOUND_FORMULAS["wfbp"]),
+            "fraction_of_bound": b / t,
+            "phases": {k: v for k, v in phases.items() if k != "iter"},
+            "samples": [r["schedules"][s]["iter"] for r in rank_results],
+        }
+    ref = schedules.get("ddp")
+    for s, row in schedules.items():
+        row["speedup_vs_ddp"] = ref["iter_time"] / row["iter_time"] if ref else None
+    doc = {
+        "model": cfg["model"],
+        "describe": first["describe"],
+        "params": first["params"],
+        "ranks": world,
+        "batch_per_rank": first["batch_size"],
+        "global_batch": global_batch,
+        "link": link,
+        "bucket_mb": cfg["bucket_mb"],
+        "buckets_bytes": first["buckets"],
+        "iterations": cfg["iterations"],
+        "warmup": cfg["warmup"],
+        "rounds": cfg["rounds"],
+        "machine": machine(),
+        "parts": parts,
+        "parts_samples": {k: [r["parts"][k] for r in rank_results] for k in first["parts"]},
+        "schedules": schedules,
+        "wall_s": max(r["wall_s"] for r in rank_results),
+    }
+    if "dear" in schedules and ref:
+        dear = schedules["dear"]
+        doc["targets"] = {"dear_fraction_of_bound>=0.97": dear["fraction_of_bound"] >= 0.97,
+                          "dear_speedup_vs_ddp>=1.08": dear["speedup_vs_ddp"] >= 1.08}
+    return doc
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cores": os.cpu_count(), "arch": platform.machine(), "torch": torch.__version__,
+            "python": platform.python_version(), "backend": "gloo", "threads_per_rank": 1,
+            "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def table(doc: dict) -> str:
+    p = doc["parts"]
+    lines = [
+        f"{doc['describe']}; {doc['params'] / 1e6:.1f} M params; {doc['ranks']} ranks x 1 thread, gloo; "
+        f"link: {doc['link']}; {len(doc['buckets_bytes'])} buckets (<= {doc['bucket_mb']} MiB)",
+        f"parts [s]: t_ff {p['t_ff']:.3f}  t_bp {p['t_bp']:.3f}  t_ar {p['t_ar']:.3f}  "
+        f"t_rs {p['t_rs']:.3f}  t_ag {p['t_ag']:.3f}   (median of {doc['iterations']} iters, slowest rank)",
+        f"{'schedule':<9}{'iter [s]':>9}{'samples/s':>11}{'vs ddp':>8}{'bound [s]':>10}{'of bound':>9}"
+        f"{'fwd [s]':>9}{'bwd [s]':>9}{'step [s]':>9}  bound formula",
+    ]
+    for s, r in doc["schedules"].items():
+        sp = f"{r['speedup_vs_ddp']:.3f}x" if r["speedup_vs_ddp"] is not None else "-"
+        ph = r["phases"]
+        lines.append(f"{s:<9}{r['iter_time']:>9.3f}{r['samples_per_s']:>11.2f}{sp:>8}{r['bound']:>10.3f}"
+                     f"{r['fraction_of_bound']:>9.3f}{ph['forward']:>9.3f}{ph['backward']:>9.3f}{ph['step']:>9.3f}"
+                     f"  {r['bound_formula']}")
+    if "targets" in doc:
+        lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in doc["targets"].items()))
+    return "\n".join(lines)
+
+
+def write(doc: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    with open(os.path.join(out_dir, "table.txt"), "w") as fh:
+        fh.write(table(doc) + "\n")
+    chart(doc, os.path.join(out_dir, "chart.png"))
+
+
+def chart(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["schedules"])
+    rows = [doc["schedules"][n] for n in names]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    xs = range(len(names))
+    ax.bar(xs, [r["iter_time"] for r in rows], color=["#888" if n == "ddp" else "#3a7" if n == "dear" else "#48c"
+                                                      for n in names], label="measured")
+    for x, r in zip(xs, rows):
+        ax.hlines(r["bound"], x - 0.4, x + 0.4, colors="k", linestyles="--", label="bound" if x == 0 else None)
+        sp = f"{r['speedup_vs_ddp']:.2f}x ddp\n" if r["speedup_vs_ddp"] else ""
+        ax.text(x, r["iter_time"], f"{r['iter_time']:.2f}s\n{sp}{r['fraction_of_bound']:.2f} of bound",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("iteration time [s] (median)")
+    top = max(max(r["iter_time"], r["bound"]) for r in rows)
+    ax.set_ylim(0, top * 1.3)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"{doc['model']}, {doc['ranks']} ranks, link {doc['link']}", fontsize=10)
+    keys = ["t_ff", "t_bp", "t_ar", "t_rs", "t_ag"]
+    bx.bar(keys, [doc["parts"][k] for k in keys], color=["#c84", "#c84", "#48c", "#48c", "#48c"])
+    for i, k in enumerate(keys):
+        bx.text(i, doc["parts"][k], f"{doc['parts'][k]:.2f}", ha="center", va="bottom", fontsize=8)
+    bx.set_ylabel("seconds")
+    bx.set_title("measured parts", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ timeline
+_COLORS = {"forward": "#e9a23b", "backward": "#d1603d", "update": "#6a4c93", "step": "#999999",
+           "wait reduce": "#bbbbbb", "wait all_gather": "#bbbbbb", "reduce": "#1982c4", "all_reduce": "#1982c4",
+           "all_gather": "#8ac926"}
+
+
+def load_trace(path: str) -> List[dict]:
+    with open(path) as fh:
+        return [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+
+
+def pick_iteration(events: List[dict], which: Optional[int] = None) -> Optional[dict]:
+    """The ``iteration`` span to show: ``which`` or the second-to-last one recorded."""
+    iters = sorted((e for e in events if e["name"] == "iteration"), key=lambda e: e["ts"])
+    if not iters:
+        return None
+    if which is not None:
+        for e in iters:
+            if e.get("args", {}).get("iteration") == which:
+                return e
+    return iters[-2] if len(iters) >= 2 else iters[-1]
+
+
+def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> Optional[int]:
+    """One iteration per rank (each on its own clock, from its iteration start) as a PNG; returns its index."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    traces = [load_trace(p) for p in paths]
+    chosen = pick_iteration(traces[0], which)
+    index = chosen.get("args", {}).get("iteration") if chosen else None
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 1.3 * len(traces)))
+    lanes = {"compute": 0.0, "detail": 0.33, "comm": 0.66}
+    ticks, labels = [], []
+    for r, events in enumerate(traces):
+        it = pick_iteration(events, index)
+        if it is None:
+            continue
+        start, end = it["ts"], it["ts"] + it["dur"]
+        # communication spans are ended by the waiting side, possibly in the next iteration: clip them
+        for e in events:
+            if e["name"] == "iteration" or e["ts"] + e["dur"] < start or e["ts"] > end:
+                continue
+            name = e["name"]
+            if e.get("tid") == 1:
+                lane = "comm"
+            elif name in ("forward", "backward", "step"):
+                lane = "compute"
+            else:
+                lane = "detail"
+            y = r * 1.2 + lanes[lane]
+            s0 = max(e["ts"], start) - start
+            s1 = min(e["ts"] + e["dur"], end) - start
+            ax.broken_barh([(s0 / 1e6, max(s1 - s0, 1.0) / 1e6)], (y, 0.3),
+                           facecolors=_COLORS.get(name, "#444"), edgecolors="k", linewidth=0.3)
+            b = e.get("args", {}).get("bucket")
+            if b is not None and lane == "comm" and (s1 - s0) / (end - start) > 0.04:
+                ax.text((s0 + s1) / 2e6, y + 0.15, str(b), ha="center", va="center", fontsize=6)
+        for lane, off in lanes.items():
+            ticks.append(r * 1.2 + off + 0.15)
+            labels.append(f"rank {r} {'compute' if lane == 'compute' else 'wait/update' if lane == 'detail' else 'comm'}")
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlabel("seconds from the iteration's start (each rank on its own clock); comm labels: bucket")
+    ax.set_title(f"dear, iteration {index}: forward/backward/step, waits and updates, collectives "
+                 f"(start to completion as seen by the waiting side)", fontsize=9)
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()
+                       if n not in ("wait all_gather", "all_reduce")], fontsize=7, ncol=8, loc="upper center",
+              bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return index

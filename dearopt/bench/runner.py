@@ -1,0 +1,237 @@
+"""What each rank runs: the measured parts and the schedules, in the same processes.
+
+:func:`run_rank` is started on every rank (after ``dearopt.init()``) by
+:func:`dearopt.bench.spawn.spawn`.  It builds one model per schedule (same
+seed, so the same initial weights) plus one plain model for the parts, and then,
+for each of ``rounds`` rounds:
+
+1. the parts: ``t_ff`` (forward + loss), ``t_bp`` (backward, no hooks, no
+   communication), and ``t_ar`` / ``t_rs`` / ``t_ag``: all-reduce,
+   reduce-scatter and all-gather of every gradient bucket of dearopt's plan
+   (25 MiB buckets), started back to back in backward order and waited;
+2. every schedule in turn: warm-up iterations (untimed), then timed
+   iterations (zero_grad + forward + backward + step), then a
+   ``synchronize()`` (untimed) so that no work leaks into the next block.
+
+Interleaving the rounds spreads slow phases of a noisy machine over every
+schedule and the parts alike.  Every sample is returned per rank; the report
+takes, for each sample, the slowest rank, and then the median.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Dict, List
+
+import torch
+
+SCHEDULES = ("ddp", "wfbp", "dear", "rsag")
+"""Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); the others are dearopt schedules."""
+
+
+def _log(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+class _Runner:
+    """One schedule's model, optimizer and iteration."""
+
+    def __init__(self, schedule: str, cfg: dict, timeline_path=None):
+        import dearopt
+        from .models import build
+
+        self.schedule = schedule
+        self.workload = build(cfg["model"], cfg["batch_size"], cfg["size"], seed=cfg["seed"])
+        model = self.workload.model
+        self.model = model
+        inner = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        self.timeline = None
+        if schedule == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.forward_module = DDP(model, bucket_cap_mb=cfg["bucket_mb"])
+            self.opt = inner
+        else:
+            self.forward_module = model
+            self.opt = dearopt.DistOptim(inner, model, schedule=schedule,
+                                         buffer_size=int(cfg["bucket_mb"] * 2**20), timeline=timeline_path)
+            if timeline_path:
+                self.timeline = self.opt._executor.timeline  # forward/iteration spans from the benchmark side
+        self.iteration = 0
+
+    def step(self, x, y) -> Dict[str, float]:
+        """One training iteration; returns its phase times in seconds."""
+        tl = self.timeline
+        t_iter = tl.now() if tl else 0.0
+        t0 = time.perf_counter()
+        self.opt.zero_grad()
+        t_fw = tl.now() if tl else 0.0
+        loss = self.workload.loss(self.forward_module(x), y)
+        if tl:
+            tl.span("forward", "compute", t_fw, iteration=self.iteration)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.opt.step()
+        t3 = time.perf_counter()
+        if tl:
+            tl.span("iteration", "iteration", t_iter, iteration=self.iteration)
+        self.iteration += 1
+        return {"iter": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2}
+
+    def settle(self) -> None:
+        """Finish every pending update (untimed, between blocks)."""
+        if self.schedule != "ddp":
+            self.opt.synchronize()
+
+    def close(self) -> None:
+        if self.schedule != "ddp":
+            self.opt.close()
+
+
+def _barrier(backend) -> None:
+    backend.all_reduce(torch.zeros(1)).wait()
+
+
+def _forward_order_specs(model, workload):
+    """Parameters in forward execution order, as dearopt's planner sees them."""
+    from dearopt.plan import ParamSpec
+
+    order, seen, hooks = [], set(), []
+
+    def pre(module, args):
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+
+    for m in model.modules():
+        hooks.append(m.register_forward_pre_hook(pre))
+    with torch.no_grad():
+        model(workload.make_batch(0)[0])
+    for h in hooks:
+        h.remove()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            order.append(p)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [ParamSpec(names.get(id(p), f"p{i}"), p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
+            for i, p in enumerate(order)]
+
+
+class _Parts:
+    """The plain model and the bucket buffers for t_ff, t_bp, t_ar, t_rs, t_ag."""
+
+    def __init__(self, cfg: dict, world: int, backend):
+        from dearopt.plan import build_plan
+        from .models import build
+
+        self.cfg = cfg
+        self.backend = backend
+        self.workload = build(cfg["model"], cfg["batch_size"], cfg["size"], seed=cfg["seed"])
+        specs = _forward_order_specs(self.workload.model, self.workload)
+        self.plan = build_plan(specs, int(cfg["bucket_mb"] * 2**20), world, "dear")
+        self.full = [torch.randn(b.padded_numel) for b in self.plan.buckets]
+        self.shards = [torch.empty(b.padded_numel // world) for b in self.plan.buckets]
+        self.samples: Dict[str, List[float]] = {k: [] for k in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag")}
+
+    def compute(self, batches, n: int) -> None:
+        model, wl = self.workload.model, self.workload
+        for i in range(n + 1):
+            x, y = batches[i % len(batches)]
+            model.zero_grad(set_to_none=True)
+            _barrier(self.backend)
+            t0 = time.perf_counter()
+            loss = wl.loss(model(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if i:  # the first sample warms up allocator and kernels
+                self.samples["t_ff"].append(t1 - t0)
+                self.samples["t_bp"].append(t2 - t1)
+
+    def comm(self, n: int, warm: bool) -> None:
+        order = self.plan.backward_order
+        be = self.backend
+        kinds = {
+            "t_ar": lambda b: be.all_reduce(self.full[b]),
+            "t_rs": lambda b: be.reduce_scatter(self.shards[b], self.full[b]),
+            "t_ag": lambda b: be.all_gather(self.full[b], self.shards[b]),
+        }
+        for key, start in kinds.items():
+            for i in range(n + (1 if warm else 0)):
+                _barrier(be)
+                t0 = time.perf_counter()
+                handles = [start(b) for b in order]
+                for h in handles:
+                    h.wait()
+                if i or not warm:
+                    self.samples[key].append(time.perf_counter() - t0)
+        for f in self.full:  # keep values bounded across repeated all-reduces
+            f.fill_(1.0)
+
+
+def run_rank(cfg: dict) -> dict:
+    """Measure the parts and every schedule on this rank; returns raw samples."""
+    import dearopt
+
+    rank, world = dearopt.rank(), dearopt.size()
+    torch.set_num_threads(cfg["threads"])
+    backend = dearopt.get_backend()
+    schedules = cfg["schedules"]
+    t_start = time.perf_counter()
+    parts = _Parts(cfg, world, backend)
+    batches = [parts.workload.make_batch(1000 * rank + i) for i in range(cfg["distinct_batches"])]
+    _log(rank, f"{parts.workload.describe}; {parts.workload.n_params() / 1e6:.2f} M params, "
+               f"{len(parts.plan.buckets)} buckets of <= {cfg['bucket_mb']} MiB; building {len(schedules)} models")
+    runners = {}
+    for s in schedules:
+        tl_path = cfg.get("timeline") if s == cfg.get("timeline_schedule") else None
+        runners[s] = _Runner(s, cfg, tl_path)
+    samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
+    rounds, iters = cfg["rounds"], cfg["iterations"]
+    per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+    for r in range(rounds):
+        _log(rank, f"round {r + 1}/{rounds}: parts (t_ff, t_bp, t_ar, t_rs, t_ag)")
+        parts.compute(batches, cfg["part_repeats"])
+        parts.comm(cfg["comm_repeats"], warm=(r == 0))
+        ps = parts.samples
+        _log(rank, "  so far: " + ", ".join(f"{k} {_median(v):.3f}s" for k, v in ps.items()))
+        for s in schedules:
+            runner = runners[s]
+            warm = cfg["warmup"] if r == 0 else 1
+            _barrier(backend)
+            for i in range(warm + per_round[r]):
+                x, y = batches[i % len(batches)]
+                times = runner.step(x, y)
+                if i >= warm:
+                    for k, v in times.items():
+                        samples[s][k].append(v)
+            runner.settle()
+            _barrier(backend)
+            got = samples[s]["iter"]
+            _log(rank, f"  {s:>5}: {len(got)} timed iterations, median {_median(got):.3f}s "
+                       f"(this round: {', '.join(f'{v:.3f}' for v in got[-per_round[r]:]) if per_round[r] else '-'})")
+    for runner in runners.values():
+        runner.close()
+    return {
+        "rank": rank,
+        "parts": parts.samples,
+        "schedules": samples,
+        "buckets": [b.grad_numel * 4 for b in parts.plan.buckets],
+        "params": parts.workload.n_params(),
+        "describe": parts.workload.describe,
+        "batch_size": parts.workload.batch_size,
+        "wall_s": time.perf_counter() - t_start,
+        "pid": os.getpid(),
+    }
+
+
+def _median(values):
+    import statistics
+
+    return statistics.median(values) if values else math.nan
