@@ -251,11 +251,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if self.op == Sum and executor.world > 1:
                     for bucket in executor.buckets:
                         bucket.buffer[:bucket.spec.grad_numel].mul_(executor.world)
+                self._reduce_unplanned(executor)
                 self._reduced = True
         else:
             self._reducer.synchronize()
             self._reduced = True
         self._synchronized = True
+
+    def _unplanned(self, executor) -> List[torch.nn.Parameter]:
+        """Parameters that became trainable after the engine planned its buckets (it does not reduce them)."""
+        if executor.plan is None:
+            return []
+        return [p for p in self._params if p.requires_grad and id(p) not in executor._where]
+
+    def _reduce_unplanned(self, executor) -> None:
+        """Reduce the gradients of parameters unfrozen after planning, in a fixed order, on the engine's channel."""
+        self._extra = self._unplanned(executor)
+        for p in self._extra:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # another rank may have a gradient for it (as Horovod)
+            works, finish = mpi_ops._allreduce_start(p.grad, p.grad, self.op, 1.0, 1.0, "DistributedOptimizer",
+                                                     backend=executor.backend)
+            for w in works:
+                w.wait()
+            finish()
+
+    def _step_unplanned(self) -> None:
+        """Apply the wrapped optimizer to the parameters the engine does not own (see :meth:`_reduce_unplanned`)."""
+        extra = {id(p) for p in getattr(self, "_extra", [])}
+        if not extra:
+            return
+        saved = [g["params"] for g in self._inner.param_groups]
+        try:
+            for g in self._inner.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) in extra]
+            self._inner.step()
+        finally:
+            for g, params in zip(self._inner.param_groups, saved):
+                g["params"] = params
+        self._extra = []
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -284,6 +318,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._reduced = False
         if self._engine is not None:
             self._engine.step()
+            self._step_unplanned()
         else:
             self._inner.step()
         return None

@@ -1,0 +1,545 @@
+"""``dearopt.horovod``: every name of horovod.torch checked against hand computation on 2 (and 3) ranks."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import dearopt.horovod as hvd
+from harness import free_port, run_workers
+from models import global_batch, loss_fn, make_model, shard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "horovod_digits.py")
+
+
+# ----------------------------------------------------------- single process
+@pytest.mark.timeout(30)
+def test_names_before_init_and_out_of_scope_features():
+    assert not hvd.is_initialized()
+    with pytest.raises(ValueError, match="hvd.init"):
+        hvd.rank()
+    with pytest.raises(ValueError):
+        hvd.size()
+    # compression works without init, and the fp16 round trip keeps the dtype
+    t = torch.linspace(-3, 3, 101, dtype=torch.float64)
+    c, ctx = hvd.Compression.fp16.compress(t)
+    assert c.dtype == torch.float16
+    back = hvd.Compression.fp16.decompress(c, ctx)
+    assert back.dtype == torch.float64
+    assert torch.all((back - t).abs() <= t.abs() * 2 ** -11 + 1e-7)
+    ints = torch.arange(5)
+    assert hvd.Compression.fp16.compress(ints)[0] is ints
+    assert hvd.Compression.none.compress(t)[0] is t
+    assert hvd.mpi_built() is False and hvd.mpi_enabled() is False and hvd.gloo_built() is True
+    assert hvd.nccl_built() == (0 if not torch.distributed.is_nccl_available() else hvd.nccl_built())
+    for call, match in [(lambda: hvd.start_timeline("t.json"), "DEAROPT_TIMELINE"),
+                        (lambda: hvd.stop_timeline(), "DEAROPT_TIMELINE"),
+                        (lambda: hvd.ProcessSet([0]), "process sets"),
+                        (lambda: hvd.add_process_set([0]), "process sets"),
+                        (lambda: hvd.init(process_sets=[[0]]), "process sets"),
+                        (lambda: hvd.init(comm=[0]), "comm"),
+                        (lambda: hvd.elastic.run(lambda: None), "elastic"),
+                        (lambda: hvd.elastic.TorchState(), "elastic"),
+                        (lambda: hvd.sparse_allreduce_async(torch.ones(1)), "sparse")]:
+        with pytest.raises(NotImplementedError, match=match):
+            call()
+
+
+def _single_process_checks():
+    model = make_model("mlp")
+    named = list(model.named_parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"init_twice": (hvd.init(), hvd.init(), hvd.size())[-1]}
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(sgd, named_parameters=[named[0], (named[0][0], named[1][1])] + named[2:])
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(sgd, named_parameters=named[1:])
+    with pytest.raises(ValueError, match="tuples"):
+        hvd.DistributedOptimizer(sgd, named_parameters=[p for _, p in named])
+    with pytest.raises(ValueError, match="op != Average"):
+        hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(sgd, backward_passes_per_step=0)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="model"):
+        hvd.DistributedOptimizer(sgd, schedule="dear")
+    with pytest.raises(ValueError, match="supersedes"):
+        hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups is sgd.param_groups
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    hvd.init()  # callable again after shutdown
+    out["after_reinit"] = hvd.allreduce(torch.tensor([2.0])).tolist()
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_single_process_errors_and_reinit():
+    [o] = run_workers(_single_process_checks, 1, init_kwargs=False, timeout=25)
+    assert o.value == {"init_twice": 1, "after_reinit": [2.0]}
+
+
+# ------------------------------------------------------------- collectives
+def _collectives():
+    r, n = hvd.rank(), hvd.size()
+    out = {"rank": r, "size": n, "local": (hvd.local_rank(), hvd.local_size()),
+           "cross": (hvd.cross_rank(), hvd.cross_size()), "gloo": hvd.gloo_enabled()}
+    x = torch.tensor([1.0, 2.0, 3.0]) * (r + 1)
+    out["avg"] = hvd.allreduce(x)
+    out["sum"] = hvd.allreduce(x, op=hvd.Sum)
+    out["min"] = hvd.allreduce(x, op=hvd.Min)
+    out["max"] = hvd.allreduce(x, op=hvd.Max)
+    out["product"] = hvd.allreduce(x, op=hvd.Product)
+    out["scaled_avg"] = hvd.allreduce(x, prescale_factor=2.0, postscale_factor=0.25)
+    out["scaled_sum"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5, name="s")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["average_false"] = hvd.allreduce(x, average=False)
+    out["deprecation"] = any(issubclass(w.category, DeprecationWarning) for w in caught)
+    out["int_avg"] = hvd.allreduce(torch.tensor([7, 8]) * (r + 1))
+    out["x_untouched"] = x.clone()
+    y = x.clone()
+    out["inplace_is_same"] = hvd.allreduce_(y, op=hvd.Sum) is y
+    out["inplace"] = y
+    h = hvd.allreduce_async(x, op=hvd.Max)
+    out["async"] = hvd.synchronize(h)
+    z = x.clone()
+    h = hvd.allreduce_async_(z)
+    out["async_inplace_same"] = hvd.synchronize(h) is z
+    out["async_inplace"] = z
+    fp = torch.linspace(-1, 1, 1001) * (r + 1) + 0.1234567
+    out["fp16"] = hvd.allreduce(fp, compression=hvd.Compression.fp16)
+    out["fp16_dtype"] = str(out["fp16"].dtype)
+    # grouped
+    group = [x, torch.arange(4, dtype=torch.float64) * (r + 1), torch.tensor([r + 1])]
+    out["grouped"] = hvd.grouped_allreduce(group, op=hvd.Sum)
+    h = hvd.grouped_allreduce_async(group)
+    out["grouped_async"] = hvd.synchronize(h)
+    g2 = [t.clone() for t in group]
+    out["grouped_inplace_same"] = all(a is b for a, b in zip(hvd.grouped_allreduce_(g2, op=hvd.Sum), g2))
+    out["grouped_inplace"] = g2
+    g3 = [t.clone() for t in group]
+    hvd.synchronize(hvd.grouped_allreduce_async_(g3, op=hvd.Max))
+    out["grouped_async_inplace"] = g3
+    # allgather with uneven first dims: rank r contributes r+1 rows
+    mine = torch.full((r + 1, 2), float(r)) + torch.arange(2.0)
+    out["allgather"] = hvd.allgather(mine)
+    out["allgather_async"] = hvd.synchronize(hvd.allgather_async(torch.tensor([r] * (r + 2))))
+    out["grouped_allgather"] = hvd.grouped_allgather([mine, torch.tensor([r])])
+    # broadcast
+    b = torch.arange(3.0) + 10 * r
+    out["bcast"] = hvd.broadcast(b, root_rank=n - 1)
+    out["b_untouched"] = b.clone()
+    b2 = b.clone()
+    out["bcast_inplace_same"] = hvd.broadcast_(b2, 0) is b2
+    out["bcast_inplace"] = b2
+    out["bcast_async"] = hvd.synchronize(hvd.broadcast_async(b, 1))
+    b3 = b.clone()
+    hvd.synchronize(hvd.broadcast_async_(b3, 1))
+    out["bcast_async_inplace"] = b3
+    # alltoall: rank r sends j+1 rows of value 100*r+j to rank j
+    splits = [j + 1 for j in range(n)]
+    send = torch.cat([torch.full((j + 1,), 100.0 * r + j) for j in range(n)])
+    out["alltoall"] = hvd.alltoall(send, splits=splits)
+    out["alltoall_even"] = hvd.alltoall(torch.arange(2.0 * n) + 10 * r)
+    # reducescatter: 2n+1 rows, so the split is uneven
+    rs = torch.arange((2 * n + 1) * 2, dtype=torch.float32).view(2 * n + 1, 2) * (r + 1)
+    out["reducescatter"] = hvd.reducescatter(rs)
+    out["reducescatter_sum"] = hvd.synchronize(hvd.reducescatter_async(rs, op=hvd.Sum))
+    # objects, barrier, join
+    out["bobj"] = hvd.broadcast_object({"rank": r, "list": [r] * 3}, root_rank=n - 1)
+    out["gobj"] = hvd.allgather_object(("rank", r, "x" * (r * 50)))
+    hvd.barrier()
+    if r == n - 1:
+        time.sleep(0.3)
+    out["join"] = hvd.join()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_match_hand_computation(world):
+    outs = [o.value for o in run_workers(_collectives, world, timeout=50)]
+    n = world
+    x = [torch.tensor([1.0, 2.0, 3.0]) * (r + 1) for r in range(n)]
+    total = sum(x)
+    close = torch.testing.assert_close
+    for r, o in enumerate(outs):
+        assert (o["rank"], o["size"], o["local"], o["cross"], o["gloo"]) == (r, n, (r, n), (0, 1), True)
+        close(o["avg"], total / n)
+        close(o["sum"], total)
+        close(o["min"], x[0])
+        close(o["max"], x[-1])
+        close(o["product"], torch.stack(x).prod(0))
+        close(o["scaled_avg"], 0.25 * sum(2.0 * t for t in x) / n)
+        close(o["scaled_sum"], 0.5 * sum(3.0 * t for t in x))
+        close(o["average_false"], total)
+        assert o["deprecation"]
+        assert o["int_avg"].tolist() == [7 * sum(range(1, n + 1)) // n, 8 * sum(range(1, n + 1)) // n]
+        close(o["x_untouched"], x[r])
+        assert o["inplace_is_same"] and o["async_inplace_same"]
+        close(o["inplace"], total)
+        close(o["async"], x[-1])
+        close(o["async_inplace"], total / n)
+        # fp16: each input rounds by <= 2^-11 relative, the sum and the average by one more rounding each
+        exact = sum(torch.linspace(-1, 1, 1001) * (q + 1) + 0.1234567 for q in range(n)) / n
+        assert o["fp16_dtype"] == "torch.float32"
+        assert float((o["fp16"] - exact).abs().max()) <= 3 * 2 ** -11 * float(exact.abs().max()) + 1e-6
+        assert float((o["fp16"] - exact).abs().max()) > 0  # it did travel as float16
+        close(o["grouped"][0], total)
+        close(o["grouped"][1], torch.arange(4, dtype=torch.float64) * sum(range(1, n + 1)))
+        assert o["grouped"][2].tolist() == [sum(range(1, n + 1))]
+        close(o["grouped_async"][0], total / n)
+        close(o["grouped_inplace"][0], total)
+        assert o["grouped_inplace_same"]
+        close(o["grouped_async_inplace"][1], torch.arange(4, dtype=torch.float64) * n)
+        want = torch.cat([torch.full((q + 1, 2), float(q)) + torch.arange(2.0) for q in range(n)])
+        close(o["allgather"], want)
+        assert o["allgather_async"].tolist() == [q for q in range(n) for _ in range(q + 2)]
+        close(o["grouped_allgather"][0], want)
+        assert o["grouped_allgather"][1].tolist() == list(range(n))
+        close(o["bcast"], torch.arange(3.0) + 10 * (n - 1))
+        close(o["b_untouched"], torch.arange(3.0) + 10 * r)
+        assert o["bcast_inplace_same"]
+        close(o["bcast_inplace"], torch.arange(3.0))
+        close(o["bcast_async"], torch.arange(3.0) + 10)
+        close(o["bcast_async_inplace"], torch.arange(3.0) + 10)
+        data, received = o["alltoall"]
+        assert received.tolist() == [r + 1] * n
+        close(data, torch.cat([torch.full((r + 1,), 100.0 * q + r) for q in range(n)]))
+        close(o["alltoall_even"], torch.cat([torch.arange(2.0 * n)[2 * r:2 * r + 2] + 10 * q for q in range(n)]))
+        rows = [3, 2] if n == 2 else [3, 2, 2]  # 2n+1 rows: the first rank gets the extra one
+        full = torch.arange((2 * n + 1) * 2, dtype=torch.float32).view(2 * n + 1, 2) * sum(range(1, n + 1))
+        mine = full[sum(rows[:r]):sum(rows[:r + 1])]
+        close(o["reducescatter"], mine / n)
+        close(o["reducescatter_sum"], mine)
+        assert o["bobj"] == {"rank": n - 1, "list": [n - 1] * 3}
+        assert o["gobj"] == [("rank", q, "x" * (q * 50)) for q in range(n)]
+        assert o["join"] == n - 1
+
+
+# --------------------------------------------------------- handles, autograd
+def _handles_and_autograd():
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    # life cycle: the last rank starts late, so rank 0's op is certainly still in flight
+    if r == n - 1:
+        time.sleep(1.0)
+    h = hvd.allreduce_async(torch.ones(1000) * (r + 1), op=hvd.Sum)
+    polls = [hvd.poll(h)]
+    deadline = time.monotonic() + 20
+    while not hvd.poll(h) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    polls.append(hvd.poll(h))
+    out["polls"] = polls
+    out["result"] = hvd.synchronize(h)[:3]
+    out["second_synchronize"] = hvd.synchronize(h)
+    try:
+        hvd.poll(h)
+        out["poll_after"] = "no error"
+    except ValueError as exc:
+        out["poll_after"] = str(exc)
+    # autograd: allreduce (Average): y = mean_q(x_q); loss_r = sum(w_r * y)
+    w = torch.tensor([1.0, 2.0]) * (r + 1)
+    x = torch.tensor([0.5, -1.0], requires_grad=True)
+    (hvd.allreduce(x) * w).sum().backward()
+    out["grad_allreduce"] = x.grad.clone()
+    x.grad = None
+    (hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0) * w).sum().backward()
+    out["grad_allreduce_sum"] = x.grad.clone()
+    # allgather: rank r has r+1 rows; loss_r = sum(c_r * gathered) with c_r = r+1 per element
+    a = torch.ones(r + 1, 2, requires_grad=True)
+    (hvd.allgather(a) * (r + 1) * torch.arange(1.0, 1.0 + sum(range(1, n + 1))).unsqueeze(1)).sum().backward()
+    out["grad_allgather"] = a.grad.clone()
+    # broadcast from root 1: loss_r = (r+1) * sum(b)
+    b = torch.ones(3, requires_grad=True)
+    (hvd.broadcast(b, root_rank=1) * (r + 1)).sum().backward()
+    out["grad_broadcast"] = b.grad.clone()
+    # grouped allreduce
+    g1, g2 = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    o1, o2 = hvd.grouped_allreduce([g1, g2], op=hvd.Sum)
+    ((o1 * (r + 1)).sum() + (o2 * 2).sum()).backward()
+    out["grad_grouped"] = (g1.grad.clone(), g2.grad.clone())
+    # fp16-compressed allreduce is differentiable too
+    c = torch.ones(2, requires_grad=True)
+    (hvd.allreduce(c, compression=hvd.Compression.fp16) * (r + 1)).sum().backward()
+    out["grad_fp16"] = c.grad.clone()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_handles_and_autograd():
+    n = 2
+    outs = [o.value for o in run_workers(_handles_and_autograd, n, timeout=50)]
+    close = torch.testing.assert_close
+    s = sum(range(1, n + 1))  # sum over ranks of (r+1)
+    for r, o in enumerate(outs):
+        if r == 0:
+            assert o["polls"] == [False, True], o["polls"]
+        assert o["polls"][-1] is True
+        close(o["result"], torch.full((3,), float(s)))
+        assert o["second_synchronize"] is None
+        assert "already been synchronized" in o["poll_after"]
+        # d/dx of sum_q loss_q as Horovod defines it: allreduce (Average) of the upstream gradients
+        close(o["grad_allreduce"], torch.tensor([1.0, 2.0]) * s / n)
+        # Sum with prescale 2: backward is again Sum with prescale 2
+        close(o["grad_allreduce_sum"], 2.0 * torch.tensor([1.0, 2.0]) * s)
+        rows = torch.arange(1.0, 1.0 + s).unsqueeze(1).expand(-1, 2)
+        offset = sum(range(1, r + 1))
+        close(o["grad_allgather"], (rows * s)[offset:offset + r + 1])
+        close(o["grad_broadcast"], torch.full((3,), float(s)) if r == 1 else torch.zeros(3))
+        close(o["grad_grouped"][0], torch.full((2,), float(s)))
+        close(o["grad_grouped"][1], torch.full((3,), 2.0 * n))
+        close(o["grad_fp16"], torch.full((2,), s / n))
+
+
+# --------------------------------------------------------------- optimizer
+STEPS = 4
+
+
+def _reference(opt_name="adam", bpps=1, clip=None, scale=1.0, freeze_at=None, unfreeze_at=None):
+    model = make_model("mlp")
+    _set_frozen(model, -1, freeze_at, unfreeze_at)
+    opt = _make_opt(opt_name, model)
+    for step in range(STEPS):
+        _set_frozen(model, step, freeze_at, unfreeze_at)
+        opt.zero_grad()
+        for micro in range(bpps):
+            x, y = global_batch(step * bpps + micro, "mlp")
+            (loss_fn("mlp", model(x), y) * scale).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _make_opt(name, model):
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _set_frozen(model, step, freeze_at, unfreeze_at):
+    if freeze_at is not None and step == freeze_at:
+        model.fc2.weight.requires_grad_(False)
+    if unfreeze_at is not None and step == unfreeze_at:
+        model.fc2.weight.requires_grad_(True)
+
+
+def _train(opt_name="adam", bpps=1, clip=None, op=hvd.Average, predivide=1.0, compression="none", schedule="wfbp",
+           freeze_at=None, unfreeze_at=None, step_after_sync=False):
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(1 + r)
+    model = make_model("mlp", seed=r)  # different on every rank until broadcast
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = _make_opt(opt_name, model)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # empty state: must work on every rank
+    _set_frozen(model, -1, freeze_at, unfreeze_at)
+    kwargs = {"model": model} if schedule == "dear" else {}
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, compression), backward_passes_per_step=bpps,
+                                   op=op, gradient_predivide_factor=predivide, schedule=schedule, **kwargs)
+    warned = []
+    for step in range(STEPS):
+        _set_frozen(model, step, freeze_at, unfreeze_at)
+        opt.zero_grad()
+        for micro in range(bpps):
+            x, y = global_batch(step * bpps + micro, "mlp")
+            loss_fn("mlp", model(shard(x, r, n)), shard(y, r, n)).backward()
+        if clip is not None or step_after_sync:
+            opt.synchronize()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if step_after_sync:
+                    opt.step()
+                else:
+                    with opt.skip_synchronize():
+                        opt.step()
+            warned += [str(w.message) for w in caught if "skip_synchronize" in str(w.message)]
+        else:
+            opt.step()
+    if schedule == "dear":
+        model.state_dict()  # applies the updates still pending under dear
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return params, warned
+
+
+CASES = {
+    # name: (train kwargs, reference kwargs, tolerance)
+    "default (engine, wfbp, Average)": ({}, {}, 1e-5),
+    "sgd momentum": ({"opt_name": "sgd"}, {"opt_name": "sgd"}, 1e-5),
+    "backward_passes_per_step=2": ({"bpps": 2}, {"bpps": 2}, 1e-5),
+    "synchronize + clip + skip_synchronize": ({"clip": 0.05}, {"clip": 0.05}, 1e-5),
+    "step after synchronize warns": ({"step_after_sync": True}, {}, 1e-5),
+    "op=Sum": ({"op": hvd.Sum, "opt_name": "sgd"}, {"scale": 2.0, "opt_name": "sgd"}, 1e-5),
+    "gradient_predivide_factor=2": ({"predivide": 2.0}, {}, 1e-5),
+    "fp16 compression": ({"compression": "fp16", "opt_name": "sgd"}, {"opt_name": "sgd"}, 2e-3),
+    "fp16 + Sum": ({"compression": "fp16", "op": hvd.Sum, "opt_name": "sgd"},
+                   {"scale": 2.0, "opt_name": "sgd"}, 2e-3),
+    "fp16 + predivide + bpps=2 + clip": ({"compression": "fp16", "predivide": 2.0, "bpps": 2, "clip": 0.05},
+                                         {"bpps": 2, "clip": 0.05}, 2e-3),
+    "schedule=dear with model=": ({"schedule": "dear"}, {}, 1e-5),
+    "frozen at construction, unfrozen at step 2 (engine)": ({"freeze_at": -1, "unfreeze_at": 2},
+                                                             {"freeze_at": -1, "unfreeze_at": 2}, 1e-5),
+    "requires_grad toggled (hooks)": ({"freeze_at": 1, "unfreeze_at": 3, "compression": "fp16"},
+                                      {"freeze_at": 1, "unfreeze_at": 3}, 2e-3),
+    "frozen at construction, unfrozen at step 2 (hooks)": ({"freeze_at": -1, "unfreeze_at": 2, "compression": "fp16"},
+                                                            {"freeze_at": -1, "unfreeze_at": 2}, 2e-3),
+}
+ENGINE_BUG_CASES = {
+    # Fails in dearopt/executor.py Executor._apply_update: `bucket.params.index(p)` compares tensors with ==
+    # when a planned parameter got no gradient on any rank (here: frozen after construction).
+    "requires_grad toggled (engine)": ({"freeze_at": 1, "unfreeze_at": 3}, {"freeze_at": 1, "unfreeze_at": 3}, 1e-5),
+}
+ALL_CASES = {**CASES, **ENGINE_BUG_CASES}
+
+
+def _train_cases(names):
+    results = {}
+    for name in names:
+        try:
+            results[name] = _train(**ALL_CASES[name][0])
+        except Exception as exc:  # report per case; the other cases still run
+            results[name] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
+@pytest.mark.timeout(90)
+def test_distributed_optimizer_matches_single_process():
+    """Each rank trains on its half of the global batch; the result equals one process on the whole batch."""
+    _check_cases(list(CASES))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(reason="engine bug: Executor._apply_update looks parameters up with list.index (tensor ==) when "
+                          "a planned parameter has no gradient on any rank", strict=False)
+def test_distributed_optimizer_parameter_frozen_after_construction():
+    _check_cases(list(ENGINE_BUG_CASES))
+
+
+def _check_cases(names):
+    [o0, o1] = [o.value for o in run_workers(_train_cases, 2, names, timeout=80)]
+    failures = [f"{name}: {o0[name]}" for name in names if isinstance(o0[name], str)]
+    for name in names:
+        if isinstance(o0[name], str):
+            continue
+        _, ref_kwargs, tol = ALL_CASES[name]
+        want = _reference(**ref_kwargs)
+        for got, warned in (o0[name], o1[name]):
+            for i, (g, w) in enumerate(zip(got, want)):
+                try:
+                    torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+                except AssertionError as exc:
+                    failures.append(f"{name}: parameter {i}: {str(exc).splitlines()[0]}")
+            if name == "step after synchronize warns":
+                assert len(warned) == STEPS and "optimizer.skip_synchronize()" in warned[0]
+            else:
+                assert warned == [], (name, warned)
+        torch.testing.assert_close(o0[name][0], o1[name][0], rtol=0, atol=0)  # ranks agree bit for bit
+    assert not failures, "\n".join(failures)
+
+
+def _zero_grad_between_backward_and_step():
+    r = hvd.rank()
+    model = make_model("mlp")
+    errors = []
+    for compression in ("none", "fp16"):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=getattr(hvd.Compression, compression))
+        model(torch.ones(2, 6) * r).sum().backward()
+        try:
+            opt.zero_grad()
+        except AssertionError as exc:
+            errors.append(str(exc))
+        opt.step()
+        opt.zero_grad()
+        opt.close()
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_zero_grad_before_step_raises_like_horovod():
+    for o in run_workers(_zero_grad_between_backward_and_step, 2, timeout=50):
+        assert len(o.value) == 2 and all("race condition" in e for e in o.value)
+
+
+# --------------------------------------------------------------- example
+def _accuracy(output):
+    values = re.findall(r"final test accuracy: ([0-9.]+)%", output)
+    assert values, output[-3000:]
+    return float(values[-1])
+
+
+def _clean_env():
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "PMIX_"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def _run_single():
+    out = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=100, env=_clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    return _accuracy(out.stdout)
+
+
+@pytest.mark.timeout(150)
+def test_example_under_horovodrun_environment_matches_one_process():
+    single = _run_single()
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = _clean_env()
+        env.update({"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
+                    "HOROVOD_LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen([sys.executable, EXAMPLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+    outputs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            outputs.append(stdout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    distributed = _accuracy(outputs[0])
+    checksums = re.findall(r"parameter checksums per rank: \[(.*)\]", outputs[0])[0].split(", ")
+    print(f"horovod_digits.py: one process {single:.2f}%, 2 ranks (HOROVOD_* env) {distributed:.2f}%")
+    assert single > 90.0
+    assert len(set(checksums)) == 1  # the ranks hold the same model
+    assert abs(distributed - single) <= 1.0
+
+
+_MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(_MPIRUN is None, reason="no mpirun")
+def test_example_under_mpirun_with_fp16_and_clipping():
+    out = subprocess.run([_MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, EXAMPLE,
+                          "--fp16-allreduce", "--clip", "1.0"], capture_output=True, text=True, timeout=120,
+                         env=_clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    distributed = _accuracy(out.stdout)
+    single = subprocess.run([sys.executable, EXAMPLE, "--clip", "1.0"], capture_output=True, text=True, timeout=100,
+                            env=_clean_env())
+    assert single.returncode == 0, single.stderr[-3000:]
+    print(f"horovod_digits.py --clip 1.0: one process {_accuracy(single.stdout):.2f}%, "
+          f"mpirun -np 2 --fp16-allreduce {distributed:.2f}%")
+    assert abs(distributed - _accuracy(single.stdout)) <= 1.5
