@@ -52,6 +52,8 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
     first = rank_results[0]
     world = len(rank_results)
     parts = {k: _slowest_median([r["parts"][k] for r in rank_results]) for k in first["parts"]}
+    overlap = {k: _slowest_median([r["overlap"][k] for r in rank_results]) for k in first.get("overlap", {})
+               if all(r["overlap"][k] for r in rank_results)}
     schedules = {}
     global_batch = first["batch_size"] * world
     for s in cfg["schedules"]:
@@ -87,6 +89,8 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
         "machine": machine(),
         "parts": parts,
         "parts_samples": {k: [r["parts"][k] for r in rank_results] for k in first["parts"]},
+        "overlap": overlap,
+        "source": source(),
         "schedules": schedules,
         "wall_s": max(r["wall_s"] for r in rank_results),
     }
@@ -95,6 +99,21 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
         doc["targets"] = {"dear_fraction_of_bound>=0.97": dear["fraction_of_bound"] >= 0.97,
                           "dear_speedup_vs_ddp>=1.08": dear["speedup_vs_ddp"] >= 1.08}
     return doc
+
+
+def source() -> dict:
+    """The dearopt commit measured (and whether its working tree had edits)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "dearopt"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        return {"commit": head, "dirty_files": [line[3:] for line in dirty if line.strip()]}
+    except Exception as exc:  # not a git checkout
+        return {"commit": None, "error": str(exc)}
 
 
 def machine() -> dict:
@@ -121,6 +140,10 @@ def table(doc: dict) -> str:
         lines.append(f"{s:<9}{r['iter_time']:>9.3f}{r['samples_per_s']:>11.2f}{sp:>8}{r['bound']:>10.3f}"
                      f"{r['fraction_of_bound']:>9.3f}{ph['forward']:>9.3f}{ph['backward']:>9.3f}{ph['step']:>9.3f}"
                      f"  {r['bound_formula']}")
+    o = doc.get("overlap") or {}
+    if o:
+        lines.append("compute while communicating [s]: " + "  ".join(f"{k} {v:.3f}" for k, v in o.items()) +
+                     "   (ideal: max of the two parts)")
     if "targets" in doc:
         lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in doc["targets"].items()))
     return "\n".join(lines)
@@ -150,7 +173,7 @@ def chart(doc: dict, path: str) -> None:
     for x, r in zip(xs, rows):
         ax.hlines(r["bound"], x - 0.4, x + 0.4, colors="k", linestyles="--", label="bound" if x == 0 else None)
         sp = f"{r['speedup_vs_ddp']:.2f}x ddp\n" if r["speedup_vs_ddp"] else ""
-        ax.text(x, r["iter_time"], f"{r['iter_time']:.2f}s\n{sp}{r['fraction_of_bound']:.2f} of bound",
+        ax.text(x, r["iter_time"], f"{r['iter_time']:.3g}s\n{sp}{r['fraction_of_bound']:.2f} of bound",
                 ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("iteration time [s] (median)")
@@ -161,7 +184,7 @@ def chart(doc: dict, path: str) -> None:
     keys = ["t_ff", "t_bp", "t_ar", "t_rs", "t_ag"]
     bx.bar(keys, [doc["parts"][k] for k in keys], color=["#c84", "#c84", "#48c", "#48c", "#48c"])
     for i, k in enumerate(keys):
-        bx.text(i, doc["parts"][k], f"{doc['parts'][k]:.2f}", ha="center", va="bottom", fontsize=8)
+        bx.text(i, doc["parts"][k], f"{doc['parts'][k]:.3g}", ha="center", va="bottom", fontsize=8)
     bx.set_ylabel("seconds")
     bx.set_title("measured parts", fontsize=10)
     fig.tight_layout()
@@ -171,7 +194,8 @@ def chart(doc: dict, path: str) -> None:
 
 # ------------------------------------------------------------------ timeline
 _COLORS = {"forward": "#e9a23b", "backward": "#d1603d", "update": "#6a4c93", "step": "#999999",
-           "wait reduce": "#bbbbbb", "wait all_gather": "#bbbbbb", "reduce": "#1982c4", "all_reduce": "#1982c4",
+           "wait reduce": "#bbbbbb", "wait all_gather": "#bbbbbb", "reduce": "#1982c4", "reduce_scatter": "#1982c4",
+           "all_reduce": "#1982c4",
            "all_gather": "#8ac926"}
 
 
@@ -238,7 +262,7 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> 
     ax.set_title(f"dear, iteration {index}: forward/backward/step, waits and updates, collectives "
                  f"(start to completion as seen by the waiting side)", fontsize=9)
     ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()
-                       if n not in ("wait all_gather", "all_reduce")], fontsize=7, ncol=8, loc="upper center",
+                       if n not in ("wait all_gather", "all_reduce", "reduce")], fontsize=7, ncol=8, loc="upper center",
               bbox_to_anchor=(0.5, -0.25))
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -27,8 +27,10 @@ from typing import Dict, List
 
 import torch
 
-SCHEDULES = ("ddp", "wfbp", "dear", "rsag")
-"""Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); the others are dearopt schedules."""
+from dearopt.plan import SCHEDULES as _DEAROPT_SCHEDULES
+
+SCHEDULES = ("ddp",) + tuple(_DEAROPT_SCHEDULES)
+"""Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); the others are dearopt's (``dearopt.plan.SCHEDULES``)."""
 
 
 def _log(rank: int, text: str) -> None:
@@ -138,6 +140,8 @@ class _Parts:
         self.full = [torch.randn(b.padded_numel) for b in self.plan.buckets]
         self.shards = [torch.empty(b.padded_numel // world) for b in self.plan.buckets]
         self.samples: Dict[str, List[float]] = {k: [] for k in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag")}
+        # diagnostics: compute while the collectives run (both started at once, time to finish both)
+        self.overlap: Dict[str, List[float]] = {k: [] for k in ("t_ff||ag", "t_bp||rs", "t_bp||ar")}
 
     def compute(self, batches, n: int) -> None:
         model, wl = self.workload.model, self.workload
@@ -153,6 +157,42 @@ class _Parts:
             if i:  # the first sample warms up allocator and kernels
                 self.samples["t_ff"].append(t1 - t0)
                 self.samples["t_bp"].append(t2 - t1)
+
+    def overlapped(self, batches, n: int) -> None:
+        """Forward while every all-gather runs; backward while every reduce-scatter (all-reduce) runs.
+
+        On a CPU-only machine the collectives' copies, sums and socket work take
+        cores from the compute: these show how much, against the idealized
+        ``max(t_ff, t_ag)`` and ``max(t_bp, t_rs)`` of the bounds.
+        """
+        model, wl, be = self.workload.model, self.workload, self.backend
+        order = self.plan.backward_order
+        for i in range(n):
+            x, y = batches[i % len(batches)]
+            model.zero_grad(set_to_none=True)
+            _barrier(be)
+            t0 = time.perf_counter()
+            handles = [be.all_gather(self.full[b], self.shards[b]) for b in reversed(order)]
+            loss = wl.loss(model(x), y)
+            for h in handles:
+                h.wait()
+            self.overlap["t_ff||ag"].append(time.perf_counter() - t0)
+            for key in ("t_bp||rs", "t_bp||ar"):
+                if key == "t_bp||ar":
+                    model.zero_grad(set_to_none=True)
+                    loss = wl.loss(model(x), y)
+                _barrier(be)
+                t0 = time.perf_counter()
+                if key == "t_bp||rs":
+                    handles = [be.reduce_scatter(self.shards[b], self.full[b]) for b in order]
+                else:
+                    handles = [be.all_reduce(self.full[b]) for b in order]
+                loss.backward()
+                for h in handles:
+                    h.wait()
+                self.overlap[key].append(time.perf_counter() - t0)
+            for f in self.full:
+                f.fill_(1.0)
 
     def comm(self, n: int, warm: bool) -> None:
         order = self.plan.backward_order
@@ -199,6 +239,8 @@ def run_rank(cfg: dict) -> dict:
         _log(rank, f"round {r + 1}/{rounds}: parts (t_ff, t_bp, t_ar, t_rs, t_ag)")
         parts.compute(batches, cfg["part_repeats"])
         parts.comm(cfg["comm_repeats"], warm=(r == 0))
+        if cfg.get("overlap_repeats"):
+            parts.overlapped(batches, cfg["overlap_repeats"])
         ps = parts.samples
         _log(rank, "  so far: " + ", ".join(f"{k} {_median(v):.3f}s" for k, v in ps.items()))
         for s in schedules:
@@ -221,6 +263,7 @@ def run_rank(cfg: dict) -> dict:
     return {
         "rank": rank,
         "parts": parts.samples,
+        "overlap": parts.overlap,
         "schedules": samples,
         "buckets": [b.grad_numel * 4 for b in parts.plan.buckets],
         "params": parts.workload.n_params(),

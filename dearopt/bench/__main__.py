@@ -1,0 +1,120 @@
+"""Is dearopt faster than what users would use instead, and how close to its bound is it?
+
+Runs torch DDP (gloo, bucket_cap_mb=25) and dearopt's schedules side by side in
+the same processes on the same inputs, measures the parts t_ff, t_bp, t_ar,
+t_rs, t_ag, and reports per schedule the median iteration time, global
+samples/s, speedup over DDP and the fraction of its bound (Eq. 7 for dear,
+Eq. 8 for all-reduce schedules) reached.
+
+    python -m dearopt.bench --model resnet50 --rate 3gbit --out bench-out/resnet50-3gbit --timeline
+    python -m dearopt.bench --model tiny --iterations 2 --out /tmp/b          # smoke test
+
+Writes DIR/results.json, DIR/table.txt, DIR/chart.png and, with --timeline,
+DIR/timeline.rank<r>.json (Chrome trace) and DIR/timeline.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+from .netns import SHAPED_ENV, can_shape, run_shaped
+
+
+def parse_args(argv):
+    from .models import MODELS
+    from .runner import SCHEDULES
+
+    p = argparse.ArgumentParser(prog="python -m dearopt.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet50", choices=MODELS)
+    p.add_argument("--schedules", default="ddp,wfbp,dear",
+                   help=f"comma-separated, compared in this order (known: {','.join(SCHEDULES)}); default ddp,wfbp,dear")
+    p.add_argument("--rsag", action="store_true", help="also run dearopt's rsag schedule")
+    p.add_argument("--ranks", type=int, default=2, help="local ranks, one torch thread each (default 2)")
+    p.add_argument("--rate", default=None, help="emulated link rate, e.g. 3gbit (root + iproute2); default unshaped")
+    p.add_argument("--iterations", "-k", type=int, default=8, help="timed iterations per schedule (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations before the first timed block (default 2)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleave: split the timed iterations into this many rounds of parts + every schedule")
+    p.add_argument("--part-repeats", type=int, default=None, help="t_ff/t_bp samples per round (default: iterations/rounds)")
+    p.add_argument("--comm-repeats", type=int, default=2, help="t_ar/t_rs/t_ag samples per round (default 2)")
+    p.add_argument("--overlap-repeats", type=int, default=1,
+                   help="per round: forward during all-gathers, backward during reduce-scatters/all-reduces "
+                        "(diagnostic, not used in the bounds); 0 to skip (default 1)")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank (default: resnet50 16, bert 2, tiny 8)")
+    p.add_argument("--size", type=int, default=None, help="image side or sequence length (default: 64, 64, 16)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb and dearopt buffer_size in MiB")
+    p.add_argument("--lr", type=float, default=1e-3, help="SGD (momentum 0.9) learning rate")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--out", default=None, help="directory for results.json, chart.png (and timeline files)")
+    p.add_argument("--timeline", action="store_true", help="record the dear run's timeline; render DIR/timeline.png")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    if args.rsag and "rsag" not in schedules:
+        schedules.append("rsag")
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        p.error(f"unknown schedules {unknown}; known: {SCHEDULES}")
+    if len(set(schedules)) != len(schedules):
+        p.error("a schedule is listed twice")
+    if args.timeline and "dear" not in schedules:
+        p.error("--timeline records the dear run: include dear in --schedules")
+    if args.timeline and not args.out:
+        p.error("--timeline needs --out DIR")
+    if args.rounds < 1 or args.iterations < args.rounds:
+        p.error("need --rounds >= 1 and --iterations >= --rounds")
+    args.schedule_list = schedules
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.rate and not os.environ.get(SHAPED_ENV):
+        reason = can_shape()
+        if reason is None:
+            try:
+                return run_shaped(args.rate, [sys.executable, "-m", "dearopt.bench", *argv])
+            except Exception as exc:  # namespace or qdisc could not be set up
+                reason = str(exc)
+        print(f"note: cannot emulate {args.rate} ({reason}); running unshaped", flush=True)
+    link = os.environ.get(SHAPED_ENV) or "unshaped loopback"
+    from . import report
+    from .runner import run_rank
+    from .spawn import spawn
+
+    out = os.path.abspath(args.out) if args.out else None
+    timeline = os.path.join(out, "timeline.json") if args.timeline else None
+    if out:
+        os.makedirs(out, exist_ok=True)
+        for old in glob.glob(os.path.join(out, "timeline.rank*.json")):
+            os.remove(old)
+    cfg = {"model": args.model, "schedules": args.schedule_list, "batch_size": args.batch_size, "size": args.size,
+           "seed": args.seed, "lr": args.lr, "bucket_mb": args.bucket_mb, "threads": args.threads,
+           "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
+           "part_repeats": args.part_repeats or max(1, args.iterations // args.rounds),
+           "comm_repeats": args.comm_repeats, "overlap_repeats": args.overlap_repeats, "distinct_batches": 4,
+           "timeline": timeline, "timeline_schedule": "dear" if timeline else None}
+    print(f"[bench] {args.model}: {args.ranks} ranks, link {link}, schedules {','.join(args.schedule_list)}, "
+          f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds", flush=True)
+    results = spawn(run_rank, args.ranks, cfg, threads=args.threads)
+    doc = report.summarize(results, cfg, link)
+    print(report.table(doc), flush=True)
+    if out:
+        if timeline:
+            paths = sorted(glob.glob(os.path.join(out, "timeline.rank*.json")))
+            if paths:
+                idx = report.render_timeline(paths, os.path.join(out, "timeline.png"))
+                doc["timeline"] = {"files": [os.path.basename(p) for p in paths], "png": "timeline.png",
+                                   "iteration_shown": idx}
+        report.write(doc, out)
+        print(f"[bench] wrote {os.path.join(out, 'results.json')} and chart.png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The benchmark command end to end (tiny model) and the timeline a DistOptim run writes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dearopt
+from harness import run_workers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(120)
+def test_bench_end_to_end_tiny(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "dearopt.bench", "--model", "tiny", "--ranks", "2", "--iterations", "2",
+           "--warmup", "1", "--rounds", "2", "--schedules", "ddp,wfbp,dear", "--rsag", "--out", str(out),
+           "--timeline"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "of bound" in proc.stdout and "dear" in proc.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["ranks"] == 2 and doc["model"] == "tiny" and doc["link"] == "unshaped loopback"
+    assert list(doc["schedules"]) == ["ddp", "wfbp", "dear", "rsag"]
+    p = doc["parts"]
+    for key in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag"):
+        assert p[key] > 0, key
+    expected = {
+        "ddp": p["t_ff"] + max(p["t_bp"], p["t_ar"]),  # Eq. 8
+        "wfbp": p["t_ff"] + max(p["t_bp"], p["t_ar"]),  # Eq. 8
+        "dear": max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"]),  # Eq. 7
+        "rsag": p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"]),  # Eq. 8 with rs + ag
+    }
+    ddp_time = doc["schedules"]["ddp"]["iter_time"]
+    for name, row in doc["schedules"].items():
+        assert row["iter_time"] > 0
+        assert len(row["samples"]) == 2 and all(len(s) == 2 for s in row["samples"])  # 2 ranks x 2 iterations
+        assert row["bound"] == pytest.approx(expected[name], rel=1e-12)
+        assert row["fraction_of_bound"] == pytest.approx(row["bound"] / row["iter_time"], rel=1e-12)
+        assert row["speedup_vs_ddp"] == pytest.approx(ddp_time / row["iter_time"], rel=1e-12)
+        assert row["samples_per_s"] == pytest.approx(doc["global_batch"] / row["iter_time"], rel=1e-12)
+    assert doc["global_batch"] == 2 * doc["batch_per_rank"]
+    assert (out / "chart.png").stat().st_size > 1000
+    assert (out / "timeline.png").stat().st_size > 1000
+    assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
+
+
+def test_bounds_formulas():
+    from dearopt.bench.report import bound
+
+    p = {"t_ff": 1.0, "t_bp": 2.0, "t_ar": 3.0, "t_rs": 1.5, "t_ag": 1.25}
+    assert bound("dear", p) == max(1.0, 1.25) + max(2.0, 1.5)
+    assert bound("ddp", p) == bound("wfbp", p) == 1.0 + 3.0
+    assert bound("rsag", p) == 1.0 + 2.75
+
+
+def _timeline_run(path, steps):
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    # ~2 KB buckets: several buckets for a model of ~6 KB
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="dear",
+                            buffer_size=2048, timeline=path)
+    g = torch.Generator().manual_seed(dearopt.rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        opt.step()
+    opt.synchronize()
+    n = len(opt.plan.buckets)
+    opt.close()
+    return n
+
+
+@pytest.mark.timeout(60)
+def test_distoptim_timeline_has_every_span(tmp_path):
+    from dearopt.timeline import timeline_path_for_rank
+
+    path = str(tmp_path / "trace.json")
+    steps = 3
+    outcomes = run_workers(_timeline_run, 2, path, steps, timeout=50)
+    n_buckets = outcomes[0].value
+    assert n_buckets >= 2
+    for rank in range(2):
+        with open(timeline_path_for_rank(path, rank)) as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+        assert all(e["pid"] == rank and e["dur"] >= 0 for e in events)
+        names = [e["name"] for e in events]
+        assert names.count("backward") == steps
+        # the first collective is named "reduce" or "reduce_scatter"; a bucket may be sent in several pieces
+        for kinds in (("reduce", "reduce_scatter"), ("all_gather",)):
+            spans = [e for e in events if e["name"] in kinds]
+            assert spans and all(e["tid"] == 1 for e in spans), kinds
+            per_bucket = {b: sum(1 for e in spans if e["args"]["bucket"] == b) for b in range(n_buckets)}
+            assert all(per_bucket[b] >= steps for b in range(n_buckets)), (kinds, per_bucket)
+        for kind in ("wait reduce", "wait all_gather"):
+            assert {e["args"]["bucket"] for e in events if e["name"] == kind} == set(range(n_buckets)), kind
+        assert names.count("step") == steps
+        assert sum(1 for e in events if e["name"] == "update") == steps * n_buckets
