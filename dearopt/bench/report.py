@@ -193,7 +193,8 @@ def chart(doc: dict, path: str) -> None:
 
 
 # ------------------------------------------------------------------ timeline
-_COLORS = {"forward": "#e9a23b", "backward": "#d1603d", "update": "#6a4c93", "step": "#999999",
+_COLORS = {"forward": "#e9a23b", "loss.backward()": "#d1603d", "opt.step()": "#999999",
+           "backward": "#f0b49e", "update": "#6a4c93", "step": "#cccccc",
            "wait reduce": "#bbbbbb", "wait all_gather": "#bbbbbb", "reduce": "#1982c4", "reduce_scatter": "#1982c4",
            "all_reduce": "#1982c4",
            "all_gather": "#8ac926"}
@@ -236,13 +237,15 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> 
             continue
         start, end = it["ts"], it["ts"] + it["dur"]
         # communication spans are ended by the waiting side, possibly in the next iteration: clip them
-        for e in events:
+        # compute lane: the benchmark's own spans (forward, loss.backward(), opt.step()); detail lane: dearopt's
+        # (backward from the first gradient hook, step, waits, updates), longest first so short ones stay visible
+        for e in sorted(events, key=lambda e: -e["dur"]):
             if e["name"] == "iteration" or e["ts"] + e["dur"] < start or e["ts"] > end:
                 continue
             name = e["name"]
             if e.get("tid") == 1:
                 lane = "comm"
-            elif name in ("forward", "backward", "step"):
+            elif name in ("forward", "loss.backward()", "opt.step()"):
                 lane = "compute"
             else:
                 lane = "detail"
@@ -256,11 +259,11 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> 
                 ax.text((s0 + s1) / 2e6, y + 0.15, str(b), ha="center", va="center", fontsize=6)
         for lane, off in lanes.items():
             ticks.append(r * 1.2 + off + 0.15)
-            labels.append(f"rank {r} {'compute' if lane == 'compute' else 'wait/update' if lane == 'detail' else 'comm'}")
+            labels.append(f"rank {r} {'benchmark' if lane == 'compute' else 'dearopt' if lane == 'detail' else 'comm'}")
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlabel("seconds from the iteration's start (each rank on its own clock); comm labels: bucket")
-    ax.set_title(f"dear, iteration {index}: forward/backward/step, waits and updates, collectives "
-                 f"(start to completion as seen by the waiting side)", fontsize=9)
+    ax.set_title(f"dear, iteration {index}: benchmark calls; dearopt's backward (from the first gradient), step, "
+                 f"waits, updates; collectives (start to completion as seen by the waiting side)", fontsize=9)
     ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()
                        if n not in ("wait all_gather", "all_reduce", "reduce")], fontsize=7, ncol=8, loc="upper center",
               bbox_to_anchor=(0.5, -0.25))

@@ -75,11 +75,16 @@ class _Runner:
         if tl:
             tl.span("forward", "compute", t_fw, iteration=self.iteration)
         t1 = time.perf_counter()
+        t_bw = tl.now() if tl else 0.0
         loss.backward()
         t2 = time.perf_counter()
+        if tl:
+            tl.span("loss.backward()", "compute", t_bw, iteration=self.iteration)
+        t_st = tl.now() if tl else 0.0
         self.opt.step()
         t3 = time.perf_counter()
         if tl:
+            tl.span("opt.step()", "compute", t_st, iteration=self.iteration)
             tl.span("iteration", "iteration", t_iter, iteration=self.iteration)
         self.iteration += 1
         return {"iter": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2}
