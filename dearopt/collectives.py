@@ -218,13 +218,14 @@ class TorchDistBackend(CollectiveBackend):
     """
 
     name = "torch"
+    WORKSPACE_ENTRIES = 512
 
     def __init__(self, rank: int, size: int, timeout: float, group=None):
         super().__init__(rank, size, timeout)
         self.group = group
         self.pg_backend = dist.get_backend(group)
         self.name = f"torch-{self.pg_backend}"
-        self._workspace: Dict[Tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._workspace: Dict[tuple, torch.Tensor] = {}
         self._use_all_to_all = self.pg_backend == "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
 
@@ -255,11 +256,15 @@ class TorchDistBackend(CollectiveBackend):
         if not self._use_all_to_all:
             return self._start("reduce_scatter", where, dist.reduce_scatter_tensor, out_shard, in_full)
         # The receive buffer is keyed by the output shard so that several
-        # reduce-scatters may be in flight at once without sharing memory.
-        recv = self._workspace.get(("rs", out_shard.data_ptr(), in_full.numel(), in_full.dtype))
+        # reduce-scatters may be in flight at once without sharing memory; the
+        # cache is bounded (an evicted buffer lives on while its op needs it).
+        key = ("rs", out_shard.data_ptr(), in_full.numel(), in_full.dtype)
+        recv = self._workspace.pop(key, None)
         if recv is None:
             recv = torch.empty_like(in_full)
-            self._workspace[("rs", out_shard.data_ptr(), in_full.numel(), in_full.dtype)] = recv
+        self._workspace[key] = recv
+        while len(self._workspace) > self.WORKSPACE_ENTRIES:
+            self._workspace.pop(next(iter(self._workspace)))
         chunks = recv.view(self.size, out_shard.numel())
 
         def finish():

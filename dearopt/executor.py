@@ -25,7 +25,10 @@ never be paired with the engine's.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -45,6 +48,73 @@ from .timeline import Timeline
 __all__ = ["Executor"]
 
 
+class _Piece:
+    """One partition of a bucket's buffer: the unit each collective works on."""
+
+    def __init__(self, bucket: "_BucketState", index: int, start: int, end: int, shard: torch.Tensor,
+                 grad_numel: int, world: int, rank: int):
+        self.bucket = bucket
+        self.index = index
+        self.full = bucket.buffer[start:end]
+        self.shard = shard
+        n = (end - start) // world
+        first_element = start + rank * n  # the buffer element this rank's shard starts at
+        self.shard_grad = shard[: max(0, min(n, grad_numel - first_element))]
+        self.full_grad = self.full[: max(0, min(end, grad_numel) - start)]
+        self.first: Optional[Handle] = None  # reduce-scatter or all-reduce
+        self.second: Optional[Handle] = None  # all-gather
+        self.reduced = False
+
+
+class _Op:
+    """A planned collective bound to its piece."""
+
+    __slots__ = ("spec", "piece", "nbytes", "handle")
+
+    def __init__(self, spec, piece: _Piece):
+        self.spec = spec
+        self.piece = piece
+        self.nbytes = spec.nbytes
+        self.handle: Optional[Handle] = None
+
+
+class _CreditWindow:
+    """At most ``credit`` bytes of collectives in flight (ByteScheduler's credit; None: unbounded)."""
+
+    def __init__(self, credit: Optional[int]):
+        self.credit = credit
+        self.inflight: List[_Op] = []
+        self.inflight_bytes = 0
+        self.max_inflight_bytes = 0
+
+    def _reap(self):
+        for op in [op for op in self.inflight if op.handle.is_completed()]:
+            self._release(op)
+
+    def _release(self, op: _Op):
+        self.inflight.remove(op)
+        self.inflight_bytes -= op.nbytes
+
+    def has_room(self, nbytes: int) -> bool:
+        if self.credit is None:
+            return True
+        self._reap()
+        return not self.inflight or self.inflight_bytes + nbytes <= self.credit
+
+    def make_room(self, nbytes: int) -> None:
+        """Block (with the backend's timeout) until ``nbytes`` more fit; waits on the oldest op first."""
+        while not self.has_room(nbytes):
+            oldest = self.inflight[0]
+            oldest.handle.wait()
+            self._release(oldest)
+
+    def add(self, op: _Op) -> None:
+        if self.credit is not None:
+            self.inflight.append(op)
+            self.inflight_bytes += op.nbytes
+            self.max_inflight_bytes = max(self.max_inflight_bytes, self.inflight_bytes)
+
+
 class _BucketState:
     """Run-time state of one planned bucket."""
 
@@ -58,39 +128,52 @@ class _BucketState:
         self.ptrs = [v.data_ptr() for v in self.views]
         self.flags = buffer[spec.flags_offset:spec.flags_offset + len(params)]
         self.tags = buffer[spec.tags_offset:spec.tags_offset + world]
-        shard_n = spec.padded_numel // world
-        self.shard = torch.empty(shard_n, dtype=buffer.dtype, device=buffer.device)
-        # the part of this rank's shard that holds gradients (not flags or padding)
-        lo, hi = rank * shard_n, min((rank + 1) * shard_n, spec.grad_numel)
-        self.shard_grad = self.shard[: max(0, hi - lo)]
+        self.shard = torch.empty(spec.padded_numel // world, dtype=buffer.dtype, device=buffer.device)
+        self.pieces: List[_Piece] = []
+        offset = 0
+        for k, (start, end) in enumerate(spec.pieces or ((0, spec.padded_numel),)):
+            n = (end - start) // world
+            self.pieces.append(_Piece(self, k, start, end, self.shard[offset:offset + n], spec.grad_numel, world, rank))
+            offset += n
         self.group_members = [[p for p, g in zip(params, group_of) if g == gi] for gi in range(n_groups)]
-        self.group_index = group_of
         self.used = [False] * len(params)  # got a gradient since the last zero_grad (sent as flags)
         self.has_grad = [False] * len(params)  # what `p.grad is not None` would be without buckets
         self.stamp = [-1] * len(params)
-        self.ready = 0
         self.reset_iteration()
 
     def reset_iteration(self):
-        self.first: Optional[Handle] = None  # reduce-scatter or all-reduce
-        self.second: Optional[Handle] = None  # all-gather
-        self.launched = False
-        self.reduced = False  # first stage waited and averaged
+        for piece in self.pieces:
+            piece.first = piece.second = None
+            piece.reduced = False
+        self.meta_written = False  # flags and step tag written into the buffer for this iteration
         self.pending = False  # reduced gradients await the optimizer
         self.ready = 0
+
+    @property
+    def reduced(self) -> bool:
+        return all(piece.reduced for piece in self.pieces)
 
 
 class Executor:
     """Carries out a :class:`~dearopt.plan.Plan` for one model and optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                 backend: CollectiveBackend, options: Options, buffer_size: int):
+                 backend: CollectiveBackend, options: Options, buffer_size: int,
+                 partition_size: Optional[int] = None):
         self.optimizer = optimizer
         self.model = model
         self.backend = backend
         self.options = options
         self.buffer_size = buffer_size
+        self.partition_size = partition_size
         self.rank, self.world = backend.rank, backend.size
+        # Data collectives follow the plan's order on `backend`; the few control
+        # messages (buffers, plan check, norms, profile) go on their own channel,
+        # so that their place among the data ops never depends on timing.
+        try:
+            self.control = backend.fork()
+        except NotImplementedError:
+            self.control = backend
         self.timeline = Timeline(options.timeline, self.rank)
         self.plan: Optional[Plan] = None
         self.buckets: List[_BucketState] = []
@@ -109,17 +192,34 @@ class Executor:
         self._accumulated = 0  # backward passes since the last communicating one
         self._comm_pass = False
         self._launched_all = False  # this window's gradients are being communicated
-        self._next_launch = 0  # position in plan.backward_order
+        self._all_ready = False  # backward ended: every bucket counts as ready
+        self._first_ops: List[_Op] = []  # reductions in plan order
+        self._gather_ops: List[_Op] = []  # all-gathers in plan order
+        self._first_pos = 0  # next reduction to issue
+        self._gather_pos = 0  # next all-gather to issue
+        self._last_first_pos: Dict[int, int] = {}  # bucket -> position of its last reduction
         self._next_apply = 0  # FeedPipe: next bucket whose update is due
-        self._next_gather = 0  # FeedPipe: next bucket whose all-gather is not started
+        self.window = _CreditWindow(None if options.credit == "auto" else options.credit)
+        self.launch_log = collections.deque(maxlen=100_000)  # (step, kind, bucket, piece) in issue order
+        self._profile = None  # (ready_times, bandwidth) from rank 0, for priority ordering
+        self._ready_times: Optional[List[float]] = None
+        self._first_issue_time = None
+        self._reductions_done_time = None
         self._stale = set()
         self._zero_pending: Dict[int, bool] = {}
         self.no_sync = False
         self.skipped_steps = 0
         self._forwards = 0  # training forwards since the last step(), part of the step tag
         self._register_module_hooks()
+        self._hooked = set()
+        self._hook_new_params()
+
+    def _hook_new_params(self):
+        """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
         for p in self._trainable():
-            self._param_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._param_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # ------------------------------------------------------------------ hooks
     def _trainable(self):
@@ -133,7 +233,7 @@ class Executor:
 
     def _register_module_hooks(self):
         self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_hook))
-        owned = {id(p) for p in self._trainable()}
+        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         for module in self.model.modules():
             if any(id(p) in owned for p in module.parameters(recurse=False)):
                 self._hooks.append(module.register_forward_pre_hook(self._module_pre_hook))
@@ -154,6 +254,7 @@ class Executor:
             self.synchronize()
             return
         self._forwards += 1
+        self._hook_new_params()
         if self.options.broadcast_buffers and self.world > 1:
             self._broadcast_buffers()
 
@@ -175,7 +276,7 @@ class Executor:
             by_dtype.setdefault(b.dtype, []).append(b)
         for dtype, group in by_dtype.items():
             flat = torch.cat([b.reshape(-1) for b in group]).to(self.backend.device)
-            self.backend.broadcast(flat, 0, step=self.step_count).wait()
+            self.control.broadcast(flat, 0, step=self.step_count).wait()
             offset = 0
             for b in group:
                 b.copy_(flat[offset:offset + b.numel()].view_as(b))
@@ -199,7 +300,10 @@ class Executor:
         self._recording = None
         specs = [ParamSpec(self._names.get(id(p), f"param{i}"), p.numel(), str(p.dtype).replace("torch.", ""),
                            p.element_size()) for i, p in enumerate(ordered)]
-        plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule)
+        ready, bandwidth = self._profile if self._profile is not None else (None, None)
+        plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
+                          partition_size=self.partition_size, priority=self.options.priority,
+                          ready_times=ready, bandwidth=bandwidth)
         self._check_plan_agreement(plan)
         group_of_param = {}
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -225,15 +329,19 @@ class Executor:
             idx = [self._where[id(p)][0].index for p in module.parameters(recurse=False) if id(p) in self._where]
             if idx:
                 self._module_bucket[id(module)] = max(idx)
+        ops = [_Op(spec, self.buckets[spec.bucket].pieces[spec.piece]) for spec in plan.ops]
+        self._first_ops = [op for op in ops if op.spec.kind != "all_gather"]
+        self._gather_ops = [op for op in ops if op.spec.kind == "all_gather"]
+        self._last_first_pos = {op.spec.bucket: i for i, op in enumerate(self._first_ops)}
         self.plan = plan
-        self._next_apply = self._next_gather = len(self.buckets)
+        self._next_apply = len(self.buckets)
 
     def _check_plan_agreement(self, plan: Plan):
         if self.world == 1:
             return
         mine = torch.tensor([plan.fingerprint()], dtype=torch.int64, device=self.backend.device)
         everyone = torch.empty(self.world, dtype=torch.int64, device=self.backend.device)
-        self.backend.all_gather(everyone, mine).wait()
+        self.control.all_gather(everyone, mine).wait()
         values = everyone.tolist()
         if len(set(values)) > 1:
             differ = [r for r, v in enumerate(values) if v != values[0]]
@@ -243,17 +351,25 @@ class Executor:
                 f"differ between ranks. This rank's plan:\n{plan.describe()}",
                 rank=self.rank, op="plan check", step=self.step_count)
 
-    def replan(self, buffer_size: int):
-        """Re-bucket at an iteration boundary; gradients and pending updates are preserved exactly."""
+    def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
+               credit: Optional[int] = None, _inside_backward: bool = False):
+        """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly."""
         self.synchronize()
-        if self._launched_all or self._in_backward:
+        if self._launched_all or (self._in_backward and not _inside_backward):
             raise UsageError("replan() must be called between step() and the next backward()")
+        if buffer_size is not None:
+            self.buffer_size = buffer_size
+        if partition_size is not None:
+            self.partition_size = partition_size
+        if credit is not None:
+            self.window = _CreditWindow(credit)
         grads = {}
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
                 grads[id(p)] = view.clone()
         used = {id(p): u for b in self.buckets for p, u in zip(b.params, b.used)}
-        self.buffer_size = buffer_size
+        had = {id(p): h for b in self.buckets for p, h in zip(b.params, b.has_grad)}
+        stamps = {id(p): st for b in self.buckets for p, st in zip(b.params, b.stamp)}
         self._recording = list(self._module_order)
         old = self.buckets
         self.buckets = []
@@ -263,8 +379,13 @@ class Executor:
         self._build_plan()
         for b in self.buckets:
             for j, (p, view) in enumerate(zip(b.params, b.views)):
+                if id(p) not in grads:  # newly trainable: _build_plan took its .grad, if any
+                    continue
                 view.copy_(grads[id(p)])
                 b.used[j] = used.get(id(p), False)
+                b.has_grad[j] = had.get(id(p), False)
+                b.stamp[j] = stamps.get(id(p), -1)
+                b.ready += b.stamp[j] == self._pass_id
 
     # ------------------------------------------------------------- backward
     def _begin_backward(self):
@@ -282,8 +403,22 @@ class Executor:
         if self._stale:
             self.synchronize()
         self._comm_pass = (not self.no_sync) and (self._accumulated + 1 >= self.options.backward_passes_per_step)
+        if self._comm_pass:  # what this window's step tag says, fixed before any of its ops start
+            self._comm_step, self._comm_forwards = self.step_count, self._forwards
         self._backward_start = self.timeline.now()
+        self._backward_wall = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._hook_new_params()
+        if any(id(p) not in self._where for p in self._trainable()):
+            self._profile_pending = False
+            self.replan(_inside_backward=True)  # a parameter was unfrozen: plan it (same on every rank)
+        if self._profile_pending:
+            self._profile_pending = False
+            self.replan(_inside_backward=True)  # the priority order from rank 0's profile
+        if (self.options.priority and self._comm_pass and self._profile is None
+                and self.step_count == self.PROFILE_STEP):
+            self._ready_times = [math.inf] * len(self.plan.params)
+            self._first_issue_time = None
 
     def _on_grad_ready(self, p):
         if self.plan is None:
@@ -313,37 +448,68 @@ class Executor:
             return
         bucket.stamp[j] = self._pass_id
         bucket.ready += 1
-        self._launch_ready()
+        if self._ready_times is not None:
+            self._ready_times[bucket.spec.params[j]] = time.perf_counter() - self._backward_wall
+        if bucket.ready == len(bucket.params):
+            self._pump_first()
 
-    def _launch_ready(self, force: bool = False):
-        order = self.plan.backward_order
-        while self._next_launch < len(order):
-            bucket = self.buckets[order[self._next_launch]]
-            if not force and bucket.ready < len(bucket.params):
-                break
-            self._launch(bucket)
-            self._next_launch += 1
+    def _bucket_ready(self, bucket: _BucketState) -> bool:
+        return self._all_ready or bucket.ready >= len(bucket.params)
 
-    def _launch(self, bucket: _BucketState):
-        if self.options.schedule == "rsag" and self._next_launch > 0:
-            self._rsag_gather(self.buckets[self.plan.backward_order[self._next_launch - 1]])
-        bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
-        bucket.tags.zero_()
-        bucket.tags[self.rank] = self._tag(bucket.buffer.dtype)
-        where = dict(bucket=bucket.index, step=self.step_count)
-        self.timeline.begin(("c1", bucket.index), "reduce" if self.options.schedule != "wfbp" else "all_reduce",
-                            "comm", bucket=bucket.index)
-        if self.options.schedule == "wfbp":
-            bucket.first = self.backend.all_reduce(bucket.buffer, "sum", **where)
+    def _pump_first(self, force_through: int = -1):
+        """Issue reductions in plan order while their bucket is ready and the credit allows.
+
+        Ops at positions <= ``force_through`` are issued regardless of
+        readiness, blocking (with the timeout) for credit if needed.  The order
+        never depends on timing: an op waits for every op before it.
+        """
+        ops = self._first_ops
+        while self._first_pos < len(ops):
+            op = ops[self._first_pos]
+            forced = self._first_pos <= force_through
+            if not forced and not self._bucket_ready(op.piece.bucket):
+                return
+            if not self.window.has_room(op.nbytes):
+                if not forced:
+                    return
+                self.window.make_room(op.nbytes)
+            if self.options.schedule == "rsag" and self._first_pos > 0:
+                self._rsag_gather(ops[self._first_pos - 1])
+            self._issue(op)
+            self._first_pos += 1
+
+    def _write_meta(self, bucket: _BucketState):
+        if not bucket.meta_written:
+            bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
+            bucket.tags.zero_()
+            bucket.tags[self.rank] = self._tag(bucket.buffer.dtype)
+            bucket.meta_written = True
+
+    def _issue(self, op: _Op):
+        piece, kind = op.piece, op.spec.kind
+        bucket = piece.bucket
+        where = dict(bucket=bucket.index, step=self._comm_step)
+        if kind == "all_gather":
+            op.handle = piece.second = self.backend.all_gather(piece.full, piece.shard, **where)
         else:
-            bucket.first = self.backend.reduce_scatter(bucket.shard, bucket.buffer, **where)
-        bucket.launched = True
+            self._write_meta(bucket)
+            if self._first_issue_time is None:
+                self._first_issue_time = time.perf_counter()
+            if kind == "all_reduce":
+                op.handle = piece.first = self.backend.all_reduce(piece.full, "sum", **where)
+            else:
+                op.handle = piece.first = self.backend.reduce_scatter(piece.shard, piece.full, **where)
+        self.window.add(op)
+        self.launch_log.append((where["step"], kind, bucket.index, piece.index))
+        self.timeline.begin(("comm", kind, bucket.index, piece.index), kind, "comm", bucket=bucket.index,
+                            piece=piece.index)
 
-    def _rsag_gather(self, bucket: _BucketState):
-        if bucket.second is None:
-            self._finish_first(bucket)
-            bucket.second = self.backend.all_gather(bucket.buffer, bucket.shard, bucket=bucket.index,
-                                                    step=self.step_count)
+    def _rsag_gather(self, op: _Op):
+        piece = op.piece
+        if piece.second is None:
+            self._finish_piece(piece)
+            gather = _Op(dataclasses.replace(op.spec, kind="all_gather"), piece)
+            self._issue(gather)
 
     def _end_backward(self):
         self._in_backward = False
@@ -352,9 +518,13 @@ class Executor:
             self._accumulated += 1
             return
         self._accumulated = 0
-        self._launch_ready(force=True)
-        if self.options.schedule == "rsag":
-            self._rsag_gather(self.buckets[self.plan.backward_order[-1]])
+        self._all_ready = True
+        if self.options.schedule == "bytescheduler":
+            self._pump_first()  # the rest goes as credit frees, during the next forward
+        else:
+            self._pump_first(force_through=len(self._first_ops) - 1)
+            if self.options.schedule == "rsag":
+                self._rsag_gather(self._first_ops[-1])
         self._launched_all = True
 
     # ------------------------------------------------------------ agreement
@@ -365,7 +535,7 @@ class Executor:
 
     def _tag(self, dtype) -> int:
         steps = self._TAG_STEPS.get(dtype, 2**20)
-        return (self.step_count % steps) * 8 + min(self._forwards, 7)
+        return (self._comm_step % steps) * 8 + min(self._comm_forwards, 7)
 
     def _check_tags(self, bucket: _BucketState, step: int):
         if not self.options.check_agreement:
@@ -384,7 +554,7 @@ class Executor:
         sums = torch.tensor([float(sum(p.detach().double().sum() for p in b.params)) for b in self.buckets],
                             dtype=torch.float64, device=self.backend.device)
         everyone = torch.empty(len(self.buckets) * self.world, dtype=torch.float64, device=self.backend.device)
-        self.backend.all_gather(everyone, sums, step=self.step_count).wait()
+        self.control.all_gather(everyone, sums, step=self.step_count).wait()
         table = everyone.view(self.world, -1)
         differ = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
         if differ:
@@ -393,26 +563,28 @@ class Executor:
                                     op="parameter checksum", step=self.step_count)
 
     # ----------------------------------------------------------------- step
-    def _finish_first(self, bucket: _BucketState):
-        """Wait for the bucket's first collective and average the result."""
-        if bucket.reduced:
+    def _finish_piece(self, piece: _Piece):
+        """Wait for the piece's reduction and average it (flags and tags stay sums)."""
+        if piece.reduced:
             return
         t0 = self.timeline.now()
-        bucket.first.wait()
-        self.timeline.span("wait reduce", "wait", t0, bucket=bucket.index)
-        self.timeline.end(("c1", bucket.index))
-        # average the gradients; flags and tags stay sums
-        if self.options.schedule == "wfbp":
-            bucket.buffer[: bucket.spec.grad_numel].div_(self.world)
+        piece.first.wait()
+        self.timeline.span("wait reduce", "wait", t0, bucket=piece.bucket.index, piece=piece.index)
+        self.timeline.end(("comm", "all_reduce" if self.options.schedule in ("wfbp", "bytescheduler")
+                           else "reduce_scatter", piece.bucket.index, piece.index))
+        if self.options.schedule in ("wfbp", "bytescheduler"):
+            piece.full_grad.div_(self.world)
         else:
-            bucket.shard_grad.div_(self.world)
-        bucket.reduced = True
+            piece.shard_grad.div_(self.world)
+        piece.reduced = True
+        self._reductions_done_time = time.perf_counter()
 
     def finish_reductions(self):
-        """Wait for every bucket's first collective (in plan order) and average."""
+        """Issue every remaining reduction, wait for all (in plan order) and average."""
         self._require_gradients("finish the gradient reduction")
-        for index in self.plan.backward_order:
-            self._finish_first(self.buckets[index])
+        self._pump_first(force_through=len(self._first_ops) - 1)
+        for op in self._first_ops:
+            self._finish_piece(op.piece)
 
     def _require_gradients(self, what: str):
         if self._launched_all:
@@ -424,9 +596,9 @@ class Executor:
                          f"passes were run (or they ran inside no_sync())")
 
     def _reduced_grad_regions(self):
-        """This rank's averaged gradients: full buffers for wfbp/rsag, shards for dear."""
+        """This rank's averaged gradients: full buffers for wfbp/rsag/bytescheduler, shards for dear."""
         if self.options.schedule == "dear":
-            return [b.shard_grad for b in self.buckets], True
+            return [piece.shard_grad for b in self.buckets for piece in b.pieces], True
         return [b.buffer[: b.spec.grad_numel] for b in self.buckets], False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -441,12 +613,12 @@ class Executor:
             local = torch.stack([r.abs().max() if r.numel() else torch.zeros((), dtype=r.dtype) for r in regions])
             total = local.max().to(torch.float64).reshape(1).to(device)
             if sharded:
-                self.backend.all_reduce(total, "max", step=self.step_count).wait()
+                self.control.all_reduce(total, "max", step=self.step_count).wait()
         else:
             local = sum(r.double().abs().pow(norm_type).sum() for r in regions)
             total = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(device)
             if sharded:
-                self.backend.all_reduce(total, "sum", step=self.step_count).wait()
+                self.control.all_reduce(total, "sum", step=self.step_count).wait()
             total = total.pow(1.0 / norm_type)
         total_norm = total.to(torch.float32).reshape(())
         coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
@@ -468,49 +640,73 @@ class Executor:
             self._wait_gathers()
 
     def _wait_gathers(self):
-        for index in self.plan.backward_order:
-            bucket = self.buckets[index]
-            if bucket.second is not None:
-                bucket.second.wait()
+        for op in self._first_ops:
+            if op.piece.second is not None:
+                op.piece.second.wait()
 
     def step(self):
         if self.options.debug and self.plan is not None:
             self._check_parameters()
-        self.finish_reductions()
-        t0 = self.timeline.now()
         schedule = self.options.schedule
+        deferred = schedule == "bytescheduler"  # reductions finish in the next forward
+        if deferred:
+            self._require_gradients("step")
+        else:
+            self.finish_reductions()
+        t0 = self.timeline.now()
         if schedule == "rsag":
             self._wait_gathers()
-        if schedule != "dear":
+        if schedule in ("wfbp", "rsag"):
             for bucket in self.buckets:
                 self._check_tags(bucket, self.step_count)
-        self._check_nonfinite()
+        if not deferred:
+            self._check_nonfinite()
+        if self._ready_times is not None:
+            self._share_profile()
         self._forwards = 0
         for b in self.buckets:
             b.pending = True
-        self._launched_all = False
-        self._next_launch = 0
+        self._launched_all = self._all_ready = False
         self.step_count += 1
         if self._skip_this_step:
             for b in self.buckets:
-                b.pending = False
                 b.reset_iteration()
+            self._first_pos = self._gather_pos = 0
             self.skipped_steps += 1
-            self._next_apply = self._next_gather = len(self.buckets)
+            self._next_apply = len(self.buckets)
             return
-        if schedule == "dear":
+        self._next_apply = 0
+        if schedule in ("dear", "bytescheduler"):
             # The updates run later (next forward), after an LR scheduler may have
             # stepped: keep the hyperparameters in force at step().
             self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            self._next_apply, self._next_gather = 0, 0
-            self._start_gather()
+            if schedule == "dear":
+                self._gather_pos = 0
+                self._pump_gather(force_through=0, prefetch=False)
         else:
-            self._next_apply, self._next_gather = 0, len(self.buckets)
             self._apply_through(len(self.buckets) - 1)
         self.timeline.span("step", "update", t0)
 
+    def _share_profile(self):
+        """Rank 0's gradient-ready times and bandwidth go to every rank; the next backward re-plans with them."""
+        ready = [t if math.isfinite(t) else 0.0 for t in self._ready_times]
+        span = (self._reductions_done_time or 0) - (self._first_issue_time or 0)
+        total = sum(op.nbytes for op in self._first_ops)
+        bandwidth = total / span if span > 0 else 1e9
+        profile = torch.tensor(ready + [bandwidth], dtype=torch.float64, device=self.backend.device)
+        self.control.broadcast(profile, 0, step=self.step_count).wait()
+        values = profile.tolist()
+        self._profile = (values[:-1], values[-1])
+        self._ready_times = None
+        self._profile_pending = True
+
     _skip_this_step = False
     _hyper = None  # hyperparameters in force at the last step() (dear)
+    _profile_pending = False
+    _comm_step = 0  # the step whose gradients are being communicated
+    _comm_forwards = 0  # training forwards before that step's communicating backward
+    PROFILE_STEP = 1
+    """The step whose timings order a priority plan (step 0 builds the plan and is not typical)."""
 
     def _check_nonfinite(self):
         self._skip_this_step = False
@@ -525,7 +721,7 @@ class Executor:
                 local.fill_(1.0)
                 break
         if sharded:
-            self.backend.all_reduce(local, "max", step=self.step_count).wait()
+            self.control.all_reduce(local, "max", step=self.step_count).wait()
         if float(local) == 0.0:
             return
         if policy == "skip":
@@ -552,7 +748,7 @@ class Executor:
         mine, _ = first_bad([b.buffer for b in self.buckets])
         mine_t = torch.tensor([mine], dtype=torch.int64, device=self.backend.device)
         everyone = torch.empty(self.world, dtype=torch.int64, device=self.backend.device)
-        self.backend.all_gather(everyone, mine_t, step=self.step_count).wait()
+        self.control.all_gather(everyone, mine_t, step=self.step_count).wait()
         names = [n for b in self.buckets for n in b.names]
         bad = {r: names[i] for r, i in enumerate(everyone.tolist()) if i >= 0}
         if not bad:
@@ -562,29 +758,59 @@ class Executor:
                 f"{first}")
 
     # --------------------------------------------------------------- feed
-    def _start_gather(self):
-        if self._next_gather < len(self.buckets):
-            bucket = self.buckets[self._next_gather]
-            self.timeline.begin(("c2", bucket.index), "all_gather", "comm", bucket=bucket.index)
-            bucket.second = self.backend.all_gather(bucket.buffer, bucket.shard, bucket=bucket.index,
-                                                    step=self.step_count - 1)
-            self._next_gather += 1
+    def _pump_gather(self, force_through: int = -1, prefetch: bool = True):
+        """Issue all-gathers in bucket order: those of buckets <= ``force_through`` now (blocking for
+        credit), further ones as far as the credit allows, or, without a credit, one bucket ahead of
+        the bucket being updated (``prefetch``)."""
+        ops = self._gather_ops
+        if self.window.credit is not None:
+            ahead = len(self.buckets)
+        else:
+            ahead = self._next_apply + 1 if prefetch else force_through
+        while self._gather_pos < len(ops):
+            op = ops[self._gather_pos]
+            forced = op.spec.bucket <= force_through
+            if not forced and (op.spec.bucket > ahead or not self.window.has_room(op.nbytes)):
+                return
+            self.window.make_room(op.nbytes)
+            self._issue(op)
+            self._gather_pos += 1
+
+    def _wait_bucket(self, bucket: _BucketState):
+        """Make the bucket's averaged gradient complete in its buffer (dear: all-gather; bytescheduler: all-reduce)."""
+        if self.options.schedule == "dear":
+            self._pump_gather(force_through=bucket.index)
+            for piece in bucket.pieces:
+                t0 = self.timeline.now()
+                piece.second.wait()
+                self.timeline.span("wait all_gather", "wait", t0, bucket=bucket.index, piece=piece.index)
+                self.timeline.end(("comm", "all_gather", bucket.index, piece.index))
+        else:
+            self._pump_first(force_through=self._last_first_pos[bucket.index])
+            for piece in bucket.pieces:
+                self._finish_piece(piece)
+        self._check_tags(bucket, self.step_count - 1)
+        if self.options.schedule == "bytescheduler" and self.options.nonfinite == "raise":
+            if not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum())):
+                raise NonFiniteGradientError(
+                    self._describe_nonfinite(False) + " (bytescheduler checks bucket by bucket, so earlier buckets "
+                    "of this step were already updated)", rank=self.rank, op="update", bucket=bucket.index,
+                    step=self.step_count - 1)
 
     def _apply_through(self, target: int):
         """Apply the pending updates of buckets ``_next_apply .. target`` in order."""
         while self._next_apply <= target:
             bucket = self.buckets[self._next_apply]
+            if self.options.schedule in ("dear", "bytescheduler"):
+                self._wait_bucket(bucket)
             if self.options.schedule == "dear":
-                while self._next_gather <= bucket.index:
-                    self._start_gather()
-                t0 = self.timeline.now()
-                bucket.second.wait()
-                self.timeline.span("wait all_gather", "wait", t0, bucket=bucket.index)
-                self.timeline.end(("c2", bucket.index))
-                self._check_tags(bucket, self.step_count - 1)
-                self._start_gather()  # prefetch the next bucket
+                self._pump_gather()  # prefetch the next bucket(s) while this one is updated
+            elif self.options.schedule == "bytescheduler":
+                self._pump_first()
             self._apply_update(bucket)
             self._next_apply += 1
+        if self._next_apply == len(self.buckets):
+            self._first_pos = self._gather_pos = 0
 
     def _apply_update(self, bucket: _BucketState):
         t0 = self.timeline.now()
@@ -609,8 +835,10 @@ class Executor:
                 if self._hyper is not None:
                     group.update(self._hyper[gi])
                 members = bucket.group_members[gi] if gi < len(bucket.group_members) else []
-                group["params"] = [p for p in members if include[bucket.params.index(p)]] if not all(include) \
-                    else members
+                if not all(include):
+                    position = {id(q): k for k, q in enumerate(bucket.params)}
+                    members = [p for p in members if include[position[id(p)]]]
+                group["params"] = members
             self.optimizer.step()
         finally:
             for group, live in zip(groups, saved):
@@ -662,3 +890,5 @@ class Executor:
         self.synchronize()
         self.remove_hooks()
         self.timeline.flush()
+        if self.control is not self.backend:
+            self.control.close()

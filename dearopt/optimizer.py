@@ -65,8 +65,10 @@ class DistOptim(torch.optim.Optimizer):
             a bucket at a time: use ``schedule="wfbp"`` and a ``buffer_size``
             larger than the model for those (one bucket, one call).
         model: the module whose forward and backward are scheduled.
-        schedule: ``"dear"`` (default), ``"wfbp"`` or ``"rsag"``; see :class:`dearopt.options.Options`.
+        schedule: ``"dear"`` (default), ``"wfbp"``, ``"rsag"`` or ``"bytescheduler"``; see
+            :class:`dearopt.options.Options`.
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
+        partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
         backward_passes_per_step: local accumulation before communicating.
         broadcast_parameters: copy rank 0's parameters and buffers at construction.
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
@@ -78,11 +80,13 @@ class DistOptim(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  schedule: str = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-                 backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
+                 partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
+                 priority: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  timeline: Optional[str] = None, debug: bool = False):
         _check_arguments(optimizer, model)
-        options = Options(schedule=schedule, buffer_size=buffer_size,
+        options = Options(schedule=schedule, buffer_size=buffer_size, partition_size=partition_size,
+                          credit=credit, priority=priority,
                           backward_passes_per_step=backward_passes_per_step,
                           broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
                           nonfinite=nonfinite, check_agreement=check_agreement, timeline=timeline, debug=debug)
@@ -109,7 +113,8 @@ class DistOptim(torch.optim.Optimizer):
             engine = main
         self._engine_backend = engine if engine is not main else None
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
-        self._executor = Executor(optimizer, model, engine, options, buffer)
+        partition = None if options.partition_size == "auto" else options.partition_size
+        self._executor = Executor(optimizer, model, engine, options, buffer, partition)
         _WRAPPED.add(optimizer)
 
     # ---------------------------------------------------------------- API

@@ -25,6 +25,19 @@ class Options:
     """Bytes per fusion bucket (or ``"25MB"``).  25 MB is DDP's default and the
     paper's first tuning trial; ``"auto"`` tunes it online."""
 
+    partition_size: Union[int, str, None] = None
+    """Split each bucket into collectives of at most this many bytes (ByteScheduler's
+    partitioning); ``None``: one collective per bucket; ``"auto"``: tuned."""
+
+    credit: Union[int, str, None] = None
+    """At most this many bytes of collectives in flight (ByteScheduler's credit);
+    ``None``: unbounded for reductions, all-gathers one bucket ahead; ``"auto"``: tuned."""
+
+    priority: bool = False
+    """Order reductions by priority (layers near the input first) where the data
+    allows, from a profile of step 1 taken on rank 0 and shared once; the order
+    is part of the plan, identical on every rank."""
+
     backward_passes_per_step: int = 1
     """Backward passes accumulated locally before gradients are communicated."""
 
@@ -52,8 +65,17 @@ class Options:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.buffer_size != "auto":
-            object.__setattr__(self, "buffer_size", parse_size(self.buffer_size))
+        for knob in ("buffer_size", "partition_size", "credit"):
+            value = getattr(self, knob)
+            if value is not None and value != "auto":
+                object.__setattr__(self, knob, parse_size(value))
+        if self.buffer_size is None:
+            raise ValueError("buffer_size must be a size or 'auto', not None")
+        if self.schedule == "rsag" and (self.partition_size is not None or self.credit is not None or self.priority):
+            raise ValueError("schedule='rsag' is the paper's baseline and takes no partition_size, credit or priority")
+        if self.schedule == "bytescheduler" and self.nonfinite == "skip":
+            raise ValueError("nonfinite='skip' needs every gradient before the first update; schedule='bytescheduler' "
+                             "updates bucket by bucket: use 'raise' or 'ignore', or schedule='dear'")
         bpps = self.backward_passes_per_step
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {bpps!r}")

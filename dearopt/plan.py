@@ -27,11 +27,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
-__all__ = ["ParamSpec", "Bucket", "CommOp", "Plan", "build_plan", "parse_size", "SCHEDULES", "DEFAULT_BUFFER_SIZE"]
+__all__ = ["ParamSpec", "Bucket", "CommOp", "Plan", "build_plan", "priority_sequence", "parse_size", "SCHEDULES",
+           "DEFAULT_BUFFER_SIZE"]
 
-SCHEDULES = ("dear", "wfbp", "rsag")
+SCHEDULES = ("dear", "wfbp", "rsag", "bytescheduler")
 
 DEFAULT_BUFFER_SIZE = 25 * 2**20
 """25 MiB: PyTorch DDP's default bucket size and the DeAR paper's first trial."""
@@ -81,8 +82,8 @@ class Bucket:
     dtype: str
     grad_numel: int  # elements holding gradients
     padded_numel: int  # buffer length: gradients + flags + padding, a multiple of the world size
-
     world_size: int = 1
+    pieces: Tuple[Tuple[int, int], ...] = ()  # partitions [start, end) of the buffer, each a multiple of the world size
 
     @property
     def flags_offset(self) -> int:
@@ -99,11 +100,13 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class CommOp:
-    """One collective in the plan.  ``phase`` is ``"backward"`` or ``"forward"``."""
+    """One collective in the plan, on one piece (partition) of one bucket."""
 
     kind: str  # "reduce_scatter", "all_gather" or "all_reduce"
     bucket: int
-    phase: str
+    piece: int
+    phase: str  # "backward" or "forward": where the schedule normally issues it
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +117,18 @@ class Plan:
     params: Tuple[ParamSpec, ...]
     buckets: Tuple[Bucket, ...]
     ops: Tuple[CommOp, ...]
+    partition_size: Optional[int] = None
+    priority: bool = False
+
+    @property
+    def first_ops(self) -> Tuple[CommOp, ...]:
+        """The reductions (reduce-scatter or all-reduce), in issue order."""
+        return tuple(op for op in self.ops if op.kind != "all_gather")
+
+    @property
+    def gather_ops(self) -> Tuple[CommOp, ...]:
+        """The all-gathers, in issue order."""
+        return tuple(op for op in self.ops if op.kind == "all_gather")
 
     @property
     def backward_order(self) -> Tuple[int, ...]:
@@ -130,9 +145,9 @@ class Plan:
 
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
-        text = repr((self.schedule, self.world_size, self.buffer_size,
+        text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority,
                      [(p.numel, p.dtype) for p in self.params],
-                     [(b.params, b.padded_numel) for b in self.buckets], self.ops))
+                     [(b.params, b.padded_numel, b.pieces) for b in self.buckets], self.ops))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def describe(self) -> str:
@@ -145,19 +160,55 @@ class Plan:
         return "\n".join(lines)
 
 
-def _ops_for(schedule: str, n_buckets: int) -> Tuple[CommOp, ...]:
-    backward = list(reversed(range(n_buckets)))
-    if schedule == "dear":
-        return tuple([CommOp("reduce_scatter", b, "backward") for b in backward] +
-                     [CommOp("all_gather", b, "forward") for b in range(n_buckets)])
-    if schedule == "wfbp":
-        return tuple(CommOp("all_reduce", b, "backward") for b in backward)
+def priority_sequence(ops: Sequence[CommOp], ready: Sequence[float], bandwidth: float,
+                      latency: float = 0.0) -> List[CommOp]:
+    """ByteScheduler's order, decided once from a profile instead of negotiated every iteration.
+
+    Simulates one link: whenever it is free, the highest-priority op whose
+    gradient is ready (``ready[op.bucket]`` seconds after backward starts) goes
+    next; priority is the forward order (bucket, then piece).  The result is a
+    fixed sequence: every rank computes the same one from the same profile.
+    """
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    remaining = list(ops)
+    sequence: List[CommOp] = []
+    clock = 0.0
+    while remaining:
+        available = [op for op in remaining if ready[op.bucket] <= clock]
+        if not available:
+            clock = min(ready[op.bucket] for op in remaining)
+            continue
+        op = min(available, key=lambda o: (o.bucket, o.piece))
+        remaining.remove(op)
+        sequence.append(op)
+        clock += latency + op.nbytes / bandwidth
+    return sequence
+
+
+def _ops_for(schedule: str, buckets: Sequence["Bucket"], element_size: Sequence[int],
+             ready: Optional[Sequence[float]], bandwidth: Optional[float]) -> Tuple[CommOp, ...]:
+    def ops(kind, bucket, phase):
+        return [CommOp(kind, bucket.index, k, phase, (end - start) * element_size[bucket.index])
+                for k, (start, end) in enumerate(bucket.pieces)]
+
+    backward = list(reversed(buckets))
+    first_kind = "all_reduce" if schedule in ("wfbp", "bytescheduler") else "reduce_scatter"
+    first = [op for b in backward for op in ops(first_kind, b, "backward")]
+    if ready is not None and bandwidth:
+        first = priority_sequence(first, ready, bandwidth)
     if schedule == "rsag":
-        ops = []
-        for b in backward:
-            ops += [CommOp("reduce_scatter", b, "backward"), CommOp("all_gather", b, "backward")]
-        return tuple(ops)
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+        return tuple(op for b in backward for op in ops("reduce_scatter", b, "backward") + ops("all_gather", b, "backward"))
+    if schedule == "dear":
+        return tuple(first + [op for b in buckets for op in ops("all_gather", b, "forward")])
+    return tuple(first)
+
+
+def _pieces(padded: int, world: int, element_size: int, partition_size: Optional[int]) -> Tuple[Tuple[int, int], ...]:
+    if partition_size is None:
+        return ((0, padded),)
+    step = max(world, (partition_size // element_size) // world * world)
+    return tuple((start, min(start + step, padded)) for start in range(0, padded, step))
 
 
 def _padded(numel: int, world: int) -> int:
@@ -165,9 +216,20 @@ def _padded(numel: int, world: int) -> int:
 
 
 def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-               world_size: int = 1, schedule: str = "dear") -> Plan:
-    """Fuse ``params`` (forward order) into buckets and list the plan's collectives."""
+               world_size: int = 1, schedule: str = "dear", *, partition_size: Union[int, str, None] = None,
+               priority: bool = False, ready_times: Optional[Sequence[float]] = None,
+               bandwidth: Optional[float] = None) -> Plan:
+    """Fuse ``params`` (forward order) into buckets and list the plan's collectives.
+
+    ``partition_size`` splits each bucket's buffer into pieces of at most that
+    many bytes, each its own collective.  With ``priority`` and a profile
+    (``ready_times``: seconds after backward starts at which each parameter's
+    gradient is ready, and the link's ``bandwidth`` in bytes/s) the reductions
+    are ordered by :func:`priority_sequence`; without a profile they go in the
+    order backward produces them.
+    """
     buffer_size = parse_size(buffer_size)
+    partition_size = None if partition_size is None else parse_size(partition_size)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
     if world_size < 1:
@@ -197,9 +259,18 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
             offsets.append(offset)
             offset += params[pos].numel
         padded = _padded(offset + len(members) + world_size, world_size)
+        element = params[members[0]].element_size
         buckets.append(Bucket(index=index, params=tuple(members), offsets=tuple(offsets),
                               dtype=params[members[0]].dtype, grad_numel=offset,
-                              padded_numel=padded, world_size=world_size))
+                              padded_numel=padded, world_size=world_size,
+                              pieces=_pieces(padded, world_size, element, partition_size)))
+    bucket_ready = None
+    if priority and ready_times is not None:
+        if len(ready_times) != len(params):
+            raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
+        bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
+    ops = _ops_for(schedule, buckets, [params[b.params[0]].element_size for b in buckets], bucket_ready,
+                   bandwidth if priority else None)
     return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params,
-                buckets=tuple(buckets), ops=_ops_for(schedule, len(buckets)))
+                buckets=tuple(buckets), ops=ops, partition_size=partition_size, priority=priority)
 
