@@ -29,3 +29,4 @@ __version__ = "0.1.0"
 from .optimizer import DistOptim
 from .options import Options
 from .plan import Plan, build_plan, parse_size
+from .tuner import BayesianTuner, Knob, TuningController

@@ -363,6 +363,8 @@ class Executor:
             self.partition_size = partition_size
         if credit is not None:
             self.window = _CreditWindow(credit)
+        if self.plan is None:  # nothing recorded yet: the first plan will use the new knobs
+            return
         grads = {}
         for b in self.buckets:
             for p, view in zip(b.params, b.views):

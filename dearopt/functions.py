@@ -94,12 +94,17 @@ def broadcast_parameters(model_or_state_dict: Union[torch.nn.Module, Dict[str, t
     )
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0) -> Any:
-    """Return ``root_rank``'s ``obj`` on every rank (pickled; for small objects and state)."""
-    backend = runtime.get_backend()
+def broadcast_object(obj: Any = None, root_rank: int = 0, backend=None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; for small objects and state).
+
+    ``backend`` defaults to the runtime's; the engine passes its own control channel.
+    """
+    own = backend is None
+    backend = runtime.get_backend() if own else backend
     if backend.size == 1:
         return obj
-    _agree("broadcast_object", 0, None, root_rank)
+    if own:
+        _agree("broadcast_object", 0, None, root_rank)
     if backend.rank == root_rank:
         buffer = io.BytesIO()
         torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)

@@ -76,6 +76,10 @@ class DistOptim(torch.optim.Optimizer):
         check_agreement: check that all ranks are at the same step (folded into the buckets' messages).
         debug: compare parameter checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
+        tuner: a :class:`dearopt.tuner.BayesianTuner` over any of ``buffer_size``, ``partition_size``
+            and ``credit``; built by default for the knobs set to ``"auto"`` (buffer: 1 MB .. min(100 MB,
+            model size), first trial 25 MB, 10 trials).  Its trials and result: ``optimizer.tuning``.
+        tuning_steps: iterations measured per trial (after one discarded iteration).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
@@ -83,7 +87,7 @@ class DistOptim(torch.optim.Optimizer):
                  partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
                  priority: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
-                 timeline: Optional[str] = None, debug: bool = False):
+                 timeline: Optional[str] = None, debug: bool = False, tuner=None, tuning_steps: int = 10):
         _check_arguments(optimizer, model)
         options = Options(schedule=schedule, buffer_size=buffer_size, partition_size=partition_size,
                           credit=credit, priority=priority,
@@ -115,7 +119,39 @@ class DistOptim(torch.optim.Optimizer):
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
         partition = None if options.partition_size == "auto" else options.partition_size
         self._executor = Executor(optimizer, model, engine, options, buffer, partition)
+        self.tuning = self._make_tuning(tuner, tuning_steps)
         _WRAPPED.add(optimizer)
+
+    def _make_tuning(self, tuner, tuning_steps):
+        """The online tuner of the knobs set to "auto" (DeAR section IV.B); None when nothing is tuned."""
+        from . import tuner as tuning  # bayes_opt is imported only when a tuner is built
+
+        auto = [k for k in ("buffer_size", "partition_size", "credit") if getattr(self.options, k) == "auto"]
+        if tuner is None and not auto:
+            return None
+        if tuner is None:
+            model_bytes = sum(p.numel() * p.element_size() for g in self.param_groups for p in g["params"])
+            mb = tuning.MB
+            knobs = []
+            if "buffer_size" in auto:
+                high = min(100 * mb, max(model_bytes, 2 * mb))
+                knobs.append(tuning.buffer_size_knob(high=high, initial=min(25 * mb, high)))
+            if "partition_size" in auto:
+                knobs.append(tuning.Knob("partition_size", 256 * 1024, 16 * mb, log=True, initial=4 * mb, integer=True))
+            if "credit" in auto:
+                knobs.append(tuning.Knob("credit", 1 * mb, 64 * mb, log=True, initial=16 * mb, integer=True))
+            tuner = tuning.BayesianTuner(knobs, budget=10 if len(knobs) == 1 else 20)
+        if not isinstance(tuner, tuning.BayesianTuner):
+            raise TypeError(f"tuner must be a dearopt.tuner.BayesianTuner, got {type(tuner).__name__}")
+        control = self._executor.control
+        controller = tuning.TuningController(
+            tuner, warmup_steps=1, measure_steps=tuning_steps, is_root=control.rank == 0,
+            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
+        self._apply_knobs(controller.current)
+        return controller
+
+    def _apply_knobs(self, knobs) -> None:
+        self._executor.replan(**{k: int(v) for k, v in knobs.items()})
 
     # ---------------------------------------------------------------- API
     @property
@@ -143,6 +179,10 @@ class DistOptim(torch.optim.Optimizer):
         if closure is not None:
             raise UsageError("DistOptim.step() does not take a closure: run forward and backward before step()")
         self._executor.step()
+        if self.tuning is not None and not self.tuning.finished:
+            knobs = self.tuning.on_step_end()
+            if knobs:
+                self._apply_knobs(knobs)  # every rank, at the same step boundary
         return None
 
     def synchronize(self) -> None:
