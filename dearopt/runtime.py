@@ -10,6 +10,7 @@ adopted instead of creating a new one.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -57,6 +58,7 @@ class _Runtime:
 
 
 _runtime: Optional[_Runtime] = None
+_exit_hook_registered = False
 
 
 def _resolve_timeout(timeout: Optional[float], env: Mapping[str, str]) -> float:
@@ -182,6 +184,22 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
     else:
         comm = TorchDistBackend(launch.rank, launch.size, seconds)
     _runtime = _Runtime(launch=launch, backend=comm, timeout=seconds, owns_process_group=owns)
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        # gloo's worker threads drop their last reference to a finished op's
+        # tensors after wait() has returned; if that happens while the
+        # interpreter is finalizing, the thread cannot take the GIL and the
+        # process aborts.  Tearing the process groups down (which joins those
+        # threads) before finalization closes that window.
+        atexit.register(_shutdown_at_exit)
+        _exit_hook_registered = True
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception:  # a peer may be gone already; exiting anyway
+        pass
 
 
 def shutdown() -> None:
