@@ -11,6 +11,15 @@ import torch
 import dearopt
 from harness import run_workers
 
+def bound_from(schedule, p):
+    """Eq. 7 (dear), Eq. 8 (all-reduce schedules), Eq. 8 with t_rs + t_ag (rsag), written out independently."""
+    if schedule == "dear":
+        return max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"])
+    if schedule == "rsag":
+        return p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"])
+    return p["t_ff"] + max(p["t_bp"], p["t_ar"])
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,6 +54,18 @@ def test_bench_end_to_end_tiny(tmp_path):
         assert row["speedup_vs_ddp"] == pytest.approx(ddp_time / row["iter_time"], rel=1e-12)
         assert row["samples_per_s"] == pytest.approx(doc["global_batch"] / row["iter_time"], rel=1e-12)
     assert doc["global_batch"] == 2 * doc["batch_per_rank"]
+    for name, row in doc["schedules"].items():  # best-sample statistics, same formulas on the fastest parts
+        assert row["bound_min"] == pytest.approx(
+            bound_from(name, doc["parts_min"]), rel=1e-12)
+        assert row["fraction_of_bound_min"] == pytest.approx(row["bound_min"] / row["iter_time_min"], rel=1e-12)
+    # re-rendering from the stored samples reproduces the numbers
+    rerun = subprocess.run([sys.executable, "-m", "dearopt.bench", "--rerender", str(out)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert rerun.returncode == 0, rerun.stderr
+    again = json.loads((out / "results.json").read_text())
+    for name in doc["schedules"]:
+        assert again["schedules"][name]["bound"] == pytest.approx(doc["schedules"][name]["bound"], rel=1e-12)
+        assert again["schedules"][name]["iter_time"] == pytest.approx(doc["schedules"][name]["iter_time"], rel=1e-12)
     assert (out / "chart.png").stat().st_size > 1000
     assert (out / "timeline.png").stat().st_size > 1000
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]

@@ -11,6 +11,8 @@ Eq. 8 for all-reduce schedules) reached.
 
 Writes DIR/results.json, DIR/table.txt, DIR/chart.png and, with --timeline,
 DIR/timeline.rank<r>.json (Chrome trace) and DIR/timeline.png.
+``python -m dearopt.bench --rerender DIR`` recomputes the numbers from the samples in DIR/results.json;
+``python -m dearopt.bench --markdown DIR...`` prints them as the tables of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -71,8 +73,36 @@ def parse_args(argv):
     return args
 
 
+def rerender(directory: str) -> int:
+    """Recompute every number from the samples in DIR/results.json; rewrite it, table.txt and chart.png."""
+    import json
+
+    from . import report
+
+    path = os.path.join(directory, "results.json")
+    with open(path) as fh:
+        doc = report.derive(json.load(fh))
+    print(report.table(doc), flush=True)
+    report.write(doc, directory)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--markdown"]:  # tables for docs/benchmarks.md from finished runs
+        import json
+
+        from . import report
+
+        for directory in argv[1:]:
+            with open(os.path.join(directory, "results.json")) as fh:
+                print(report.markdown(report.derive(json.load(fh))) + "\n")
+        return 0
+    if argv[:1] == ["--rerender"]:
+        if len(argv) != 2:
+            print("usage: python -m dearopt.bench --rerender DIR", file=sys.stderr)
+            return 2
+        return rerender(argv[1])
     args = parse_args(argv)
     if args.rate and not os.environ.get(SHAPED_ENV):
         reason = can_shape()
