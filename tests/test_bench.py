@@ -13,7 +13,7 @@ from harness import run_workers
 
 def bound_from(schedule, p):
     """Eq. 7 (dear), Eq. 8 (all-reduce schedules), Eq. 8 with t_rs + t_ag (rsag), written out independently."""
-    if schedule == "dear":
+    if schedule in ("dear", "dear+pc"):
         return max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"])
     if schedule == "rsag":
         return p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"])
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_end_to_end_tiny(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "dearopt.bench", "--model", "tiny", "--ranks", "2", "--iterations", "2",
-           "--warmup", "1", "--rounds", "2", "--schedules", "ddp,wfbp,dear", "--rsag", "--out", str(out),
+           "--warmup", "1", "--rounds", "2", "--schedules", "ddp,wfbp,dear,dear+pc,bytescheduler", "--rsag", "--out", str(out),
            "--timeline"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
@@ -35,7 +35,7 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert "of bound" in proc.stdout and "dear" in proc.stdout
     doc = json.loads((out / "results.json").read_text())
     assert doc["ranks"] == 2 and doc["model"] == "tiny" and doc["link"] == "unshaped loopback"
-    assert list(doc["schedules"]) == ["ddp", "wfbp", "dear", "rsag"]
+    assert list(doc["schedules"]) == ["ddp", "wfbp", "dear", "dear+pc", "bytescheduler", "rsag"]
     p = doc["parts"]
     for key in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag"):
         assert p[key] > 0, key
@@ -45,6 +45,8 @@ def test_bench_end_to_end_tiny(tmp_path):
         "dear": max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"]),  # Eq. 7
         "rsag": p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"]),  # Eq. 8 with rs + ag
     }
+    expected["dear+pc"] = expected["dear"]  # dear with priority, partitions and credit: still Eq. 7
+    expected["bytescheduler"] = expected["wfbp"]  # per-partition all-reduce: Eq. 8
     ddp_time = doc["schedules"]["ddp"]["iter_time"]
     for name, row in doc["schedules"].items():
         assert row["iter_time"] > 0

@@ -23,6 +23,8 @@ import platform
 import statistics
 from typing import Dict, List, Optional
 
+from .runner import base_schedule
+
 BOUND_FORMULAS = {
     "dear": "max(t_ff, t_ag) + max(t_bp, t_rs)",
     "ddp": "t_ff + max(t_bp, t_ar)",
@@ -33,6 +35,7 @@ BOUND_FORMULAS = {
 
 def bound(schedule: str, p: Dict[str, float]) -> float:
     """The Eq. 7 / Eq. 8 bound of ``schedule`` from the parts ``p`` (seconds)."""
+    schedule = base_schedule(schedule)
     if schedule == "dear":
         return max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"])
     if schedule == "rsag":
@@ -102,7 +105,7 @@ def derive(doc: dict) -> dict:
             "iter_time": t,
             "samples_per_s": doc["global_batch"] / t,
             "bound": bound(s, doc["parts"]),
-            "bound_formula": BOUND_FORMULAS.get(s, BOUND_FORMULAS["wfbp"]),
+            "bound_formula": BOUND_FORMULAS.get(base_schedule(s), BOUND_FORMULAS["wfbp"]),
             "iter_time_min": t_min,
             "bound_min": bound(s, doc["parts_min"]),
         })
@@ -151,13 +154,13 @@ def table(doc: dict) -> str:
         f"link: {doc['link']}; {len(doc['buckets_bytes'])} buckets (<= {doc['bucket_mb']} MiB)",
         f"parts [s]: t_ff {p['t_ff']:.3f}  t_bp {p['t_bp']:.3f}  t_ar {p['t_ar']:.3f}  "
         f"t_rs {p['t_rs']:.3f}  t_ag {p['t_ag']:.3f}   (medians; per sample the slowest rank)",
-        f"{'schedule':<9}{'iter [s]':>9}{'samples/s':>11}{'vs ddp':>8}{'bound [s]':>10}{'of bound':>9}"
+        f"{'schedule':<14}{'iter [s]':>9}{'samples/s':>11}{'vs ddp':>8}{'bound [s]':>10}{'of bound':>9}"
         f"{'fwd [s]':>9}{'bwd [s]':>9}{'step [s]':>9}  bound formula",
     ]
     for s, r in doc["schedules"].items():
         sp = f"{r['speedup_vs_ddp']:.3f}x" if r["speedup_vs_ddp"] is not None else "-"
         ph = r["phases"]
-        lines.append(f"{s:<9}{r['iter_time']:>9.3f}{r['samples_per_s']:>11.2f}{sp:>8}{r['bound']:>10.3f}"
+        lines.append(f"{s:<14}{r['iter_time']:>9.3f}{r['samples_per_s']:>11.2f}{sp:>8}{r['bound']:>10.3f}"
                      f"{r['fraction_of_bound']:>9.3f}{ph['forward']:>9.3f}{ph['backward']:>9.3f}{ph['step']:>9.3f}"
                      f"  {r['bound_formula']}")
     o = doc.get("overlap") or {}

@@ -29,8 +29,22 @@ import torch
 
 from dearopt.plan import SCHEDULES as _DEAROPT_SCHEDULES
 
-SCHEDULES = ("ddp",) + tuple(_DEAROPT_SCHEDULES)
-"""Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); the others are dearopt's (``dearopt.plan.SCHEDULES``)."""
+VARIANTS = {
+    # name: (dearopt schedule, extra DistOptim keywords); the bucket size is --bucket-mb for all
+    "dear+pc": ("dear", {"priority": True, "partition_size": 4 * 2**20, "credit": 16 * 2**20}),
+    "dear-nocheck": ("dear", {"check_agreement": False, "nonfinite": "ignore"}),
+}
+"""Configured variants: ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
+(issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9)."""
+
+SCHEDULES = ("ddp",) + tuple(_DEAROPT_SCHEDULES) + tuple(VARIANTS)
+"""Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.plan.SCHEDULES``)
+and the configured :data:`VARIANTS`."""
+
+
+def base_schedule(name: str) -> str:
+    """The dearopt schedule (or ``ddp``) a benchmark schedule name runs."""
+    return VARIANTS[name][0] if name in VARIANTS else name
 
 
 def _log(rank: int, text: str) -> None:
@@ -58,8 +72,9 @@ class _Runner:
             self.opt = inner
         else:
             self.forward_module = model
-            self.opt = dearopt.DistOptim(inner, model, schedule=schedule,
-                                         buffer_size=int(cfg["bucket_mb"] * 2**20), timeline=timeline_path)
+            base, extra = VARIANTS.get(schedule, (schedule, {}))
+            self.opt = dearopt.DistOptim(inner, model, schedule=base,
+                                         buffer_size=int(cfg["bucket_mb"] * 2**20), timeline=timeline_path, **extra)
             if timeline_path:
                 self.timeline = self.opt._executor.timeline  # forward/iteration spans from the benchmark side
         self.iteration = 0
