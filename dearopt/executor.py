@@ -266,6 +266,15 @@ class Executor:
             target = self._module_bucket.get(id(module))
             if target is not None and target >= self._next_apply and self.buckets[target].pending:
                 self._apply_through(target)
+            elif self.window.credit is not None and self.buckets[self._next_apply].pending:
+                self._refill()
+
+    def _refill(self):
+        """Start the ops that were held back for credit and now fit (at any module's forward)."""
+        if self.options.schedule == "dear":
+            self._pump_gather()
+        elif self.options.schedule == "bytescheduler":
+            self._pump_first()
 
     def _broadcast_buffers(self):
         buffers = [b for b in self.model.buffers() if b.numel() > 0]
@@ -387,7 +396,9 @@ class Executor:
                 b.used[j] = used.get(id(p), False)
                 b.has_grad[j] = had.get(id(p), False)
                 b.stamp[j] = stamps.get(id(p), -1)
-                b.ready += b.stamp[j] == self._pass_id
+                # gradients already counted in the backward pass now running (a re-plan inside backward);
+                # at a step boundary the stamps belong to the finished pass and nothing is ready yet
+                b.ready += self._in_backward and b.stamp[j] == self._pass_id
 
     # ------------------------------------------------------------- backward
     def _begin_backward(self):
@@ -452,7 +463,9 @@ class Executor:
         bucket.ready += 1
         if self._ready_times is not None:
             self._ready_times[bucket.spec.params[j]] = time.perf_counter() - self._backward_wall
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) or self.window.credit is not None:
+            # with a credit window, an op held back for credit may start at any gradient hook once
+            # earlier ops have finished, not only when the next bucket completes
             self._pump_first()
 
     def _bucket_ready(self, bucket: _BucketState) -> bool:
