@@ -135,6 +135,8 @@ def test_skipped_step_is_caught_before_gradients_are_mixed(schedule, world):
         assert o.error_type == "StepMismatchError", f"rank {o.rank}: {o.error_type}: {o.message}"
         assert f"rank {o.rank}" in o.message and "No update of this step was applied" in o.message
         assert o.seconds < 15
+        print(f"skipped step ({schedule}, {world} ranks): rank {o.rank} raised {o.error_type} "
+              f"{o.seconds:.3f} s into its run")
 
 
 def _extra_helper_collective():
@@ -152,6 +154,7 @@ def test_an_extra_collective_on_one_rank_is_a_named_error_on_every_rank():
         assert o.error_type == "StepMismatchError", f"rank {o.rank}: {o.error_type}: {o.message}"
         assert "extra or a different" in o.message and f"rank {o.rank}" in o.message
         assert o.seconds < 5
+        print(f"extra collective: rank {o.rank} raised {o.error_type} {o.seconds:.3f} s into its run")
 
 
 def _nonfinite(policy, bad_step=2, steps=4):
@@ -176,6 +179,7 @@ def test_nonfinite_raise_names_parameter_rank_and_step():
     for o in outcomes:
         assert o.error_type == "NonFiniteGradientError", o.message
         assert "rank(s) [1]" in o.message and "'fc1.weight' on rank 1" in o.message and "step 2" in o.message
+        print(f"non-finite (raise): rank {o.rank} raised {o.error_type} {o.seconds:.3f} s into its run")
 
 
 @pytest.mark.timeout(60)

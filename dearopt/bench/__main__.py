@@ -53,6 +53,10 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--out", default=None, help="directory for results.json, chart.png (and timeline files)")
     p.add_argument("--timeline", action="store_true", help="record the dear run's timeline; render DIR/timeline.png")
+    p.add_argument("--rebuild", action=argparse.BooleanOptionalAction, default=None,
+                   help="build each schedule's model at the start of each round and drop it after (all of them at "
+                        "once do not fit in memory for BERT-Base on 24 GiB); default: on for bert, off otherwise. "
+                        "Each round then starts with --warmup untimed iterations")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
            "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
            "part_repeats": args.part_repeats or max(1, args.iterations // args.rounds),
            "comm_repeats": args.comm_repeats, "overlap_repeats": args.overlap_repeats, "distinct_batches": 4,
-           "timeline": timeline, "timeline_schedule": "dear" if timeline else None}
+           "timeline": timeline, "timeline_schedule": "dear" if timeline else None,
+           "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert"}
     print(f"[bench] {args.model}: {args.ranks} ranks, link {link}, schedules {','.join(args.schedule_list)}, "
           f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds", flush=True)
     results = spawn(run_rank, args.ranks, cfg, threads=args.threads)

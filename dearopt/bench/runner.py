@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import gc
 import time
 from typing import Dict, List
 
@@ -246,12 +247,23 @@ def run_rank(cfg: dict) -> dict:
     t_start = time.perf_counter()
     parts = _Parts(cfg, world, backend)
     batches = [parts.workload.make_batch(1000 * rank + i) for i in range(cfg["distinct_batches"])]
+    rebuild = cfg.get("rebuild", False)
     _log(rank, f"{parts.workload.describe}; {parts.workload.n_params() / 1e6:.2f} M params, "
-               f"{len(parts.plan.buckets)} buckets of <= {cfg['bucket_mb']} MiB; building {len(schedules)} models")
+               f"{len(parts.plan.buckets)} buckets of <= {cfg['bucket_mb']} MiB; "
+               + ("building a model per schedule and round" if rebuild else f"building {len(schedules)} models"))
     runners = {}
-    for s in schedules:
-        tl_path = cfg.get("timeline") if s == cfg.get("timeline_schedule") else None
-        runners[s] = _Runner(s, cfg, tl_path)
+
+    def runner_for(s, r):
+        # Kept for the whole run, or (rebuild: a model per schedule at once does not fit in memory, as
+        # BERT-Base x 5 schedules x 2 ranks on 24 GiB) built for each round and dropped after it.
+        if s not in runners:
+            timeline = s == cfg.get("timeline_schedule") and (not rebuild or r == cfg["rounds"] - 1)
+            runners[s] = _Runner(s, cfg, cfg.get("timeline") if timeline else None)
+        return runners[s]
+
+    if not rebuild:
+        for s in schedules:
+            runner_for(s, 0)
     samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
     rounds, iters = cfg["rounds"], cfg["iterations"]
     per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
@@ -264,8 +276,8 @@ def run_rank(cfg: dict) -> dict:
         ps = parts.samples
         _log(rank, "  so far: " + ", ".join(f"{k} {_median(v):.3f}s" for k, v in ps.items()))
         for s in schedules:
-            runner = runners[s]
-            warm = cfg["warmup"] if r == 0 else 1
+            runner = runner_for(s, r)
+            warm = cfg["warmup"] if r == 0 or rebuild else 1
             _barrier(backend)
             for i in range(warm + per_round[r]):
                 x, y = batches[i % len(batches)]
@@ -274,6 +286,10 @@ def run_rank(cfg: dict) -> dict:
                     for k, v in times.items():
                         samples[s][k].append(v)
             runner.settle()
+            if rebuild:
+                runners.pop(s).close()
+                del runner
+                gc.collect()
             _barrier(backend)
             got = samples[s]["iter"]
             _log(rank, f"  {s:>5}: {len(got)} timed iterations, median {_median(got):.3f}s "
