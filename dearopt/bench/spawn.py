@@ -15,7 +15,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, threads, args, queue):
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose launcher was killed exits too, instead of computing on as an orphan."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dearopt-bench-parent-watch", daemon=True).start()
+
+
+def _entry(fn, rank, world, port, threads, args, queue, parent):
+    _exit_with_parent(parent)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     import torch
@@ -36,7 +50,8 @@ def spawn(fn: Callable, world_size: int, *args, threads: int = 1, timeout: float
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, queue, os.getpid()))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results = {}
