@@ -70,6 +70,15 @@ def test_bench_end_to_end_tiny(tmp_path):
         assert again["schedules"][name]["iter_time"] == pytest.approx(doc["schedules"][name]["iter_time"], rel=1e-12)
     assert (out / "chart.png").stat().st_size > 1000
     assert (out / "timeline.png").stat().st_size > 1000
+    # the README's summary row: every schedule's median, dear vs DDP and dear's fraction of its bound
+    summary = subprocess.run([sys.executable, "-m", "dearopt.bench", "--summary", str(out)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    row = summary.stdout.strip().splitlines()[-1].strip("|").split("|")
+    rows = doc["schedules"]
+    assert [float(c) for c in row[2:2 + len(rows)]] == [round(r["iter_time"], 3) for r in rows.values()]
+    assert row[-2].strip() == f"{rows['ddp']['iter_time'] / rows['dear']['iter_time']:.3f}x"
+    assert float(row[-1]) == round(rows["dear"]["bound"] / rows["dear"]["iter_time"], 3)
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
 
 

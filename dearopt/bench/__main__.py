@@ -12,7 +12,8 @@ Eq. 8 for all-reduce schedules) reached.
 Writes DIR/results.json, DIR/table.txt, DIR/chart.png and, with --timeline,
 DIR/timeline.rank<r>.json (Chrome trace) and DIR/timeline.png.
 ``python -m dearopt.bench --rerender DIR`` recomputes the numbers from the samples in DIR/results.json;
-``python -m dearopt.bench --markdown DIR...`` prints them as the tables of docs/benchmarks.md.
+``python -m dearopt.bench --markdown DIR...`` prints them as the tables of docs/benchmarks.md;
+``python -m dearopt.bench --summary DIR...`` prints one row per run (the README's table).
 """
 
 from __future__ import annotations
@@ -101,6 +102,17 @@ def main(argv=None) -> int:
         for directory in argv[1:]:
             with open(os.path.join(directory, "results.json")) as fh:
                 print(report.markdown(report.derive(json.load(fh))) + "\n")
+        return 0
+    if argv[:1] == ["--summary"]:  # one row per finished run: iteration times, dear vs DDP and vs its bound
+        import json
+
+        from . import report
+
+        docs = []
+        for directory in argv[1:]:
+            with open(os.path.join(directory, "results.json")) as fh:
+                docs.append(report.derive(json.load(fh)))
+        print(report.summary(docs))
         return 0
     if argv[:1] == ["--rerender"]:
         if len(argv) != 2:

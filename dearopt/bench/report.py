@@ -199,9 +199,11 @@ def markdown(doc: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s, r in doc["schedules"].items():
         ph = r.get("phases", {})
-        out.append(f"| {s} | {r['iter_time']:.3f} | {r['samples_per_s']:.2f} | {r['speedup_vs_ddp']:.3f}x | "
+        vs_ddp = f"{r['speedup_vs_ddp']:.3f}x" if r.get("speedup_vs_ddp") else "-"  # no ddp in this run
+        vs_ddp_min = f"{r['speedup_vs_ddp_min']:.3f}x" if r.get("speedup_vs_ddp_min") else "-"
+        out.append(f"| {s} | {r['iter_time']:.3f} | {r['samples_per_s']:.2f} | {vs_ddp} | "
                    f"{r['bound']:.3f} | {r['fraction_of_bound']:.3f} | {r.get('iter_time_min', math.nan):.3f} | "
-                   f"{r.get('speedup_vs_ddp_min') or math.nan:.3f}x | {r.get('fraction_of_bound_min', math.nan):.3f} | "
+                   f"{vs_ddp_min} | {r.get('fraction_of_bound_min', math.nan):.3f} | "
                    f"{ph.get('forward', math.nan):.2f} / {ph.get('backward', math.nan):.2f} / "
                    f"{ph.get('step', math.nan):.2f} |")
     return "\n".join(out)
@@ -329,3 +331,20 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return index
+
+
+def summary(docs: List[dict]) -> str:
+    """A markdown table with one row per run: median iteration time of each schedule, dear vs DDP and vs Eq. 7."""
+    names: List[str] = []
+    for doc in docs:
+        names += [n for n in doc["schedules"] if n not in names]
+    head = "| model | link | " + " | ".join(f"{n} [s]" for n in names) + " | dear vs DDP | dear of Eq. 7 bound |"
+    lines = [head, "|---|---|" + "---:|" * (len(names) + 2)]
+    for doc in docs:
+        rows = doc["schedules"]
+        cells = [f"{rows[n]['iter_time']:.3f}" if n in rows else "-" for n in names]
+        dear = rows.get("dear")
+        vs = f"{dear['speedup_vs_ddp']:.3f}x" if dear and dear.get("speedup_vs_ddp") else "-"
+        frac = f"{dear['fraction_of_bound']:.3f}" if dear else "-"
+        lines.append(f"| {doc['model']} | {doc['link']} | " + " | ".join(cells) + f" | {vs} | {frac} |")
+    return "\n".join(lines)
