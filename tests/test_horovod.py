@@ -400,12 +400,12 @@ CASES = {
     "frozen at construction, unfrozen at step 2 (hooks)": ({"freeze_at": -1, "unfreeze_at": 2, "compression": "fp16"},
                                                             {"freeze_at": -1, "unfreeze_at": 2}, 2e-3),
 }
-ENGINE_BUG_CASES = {
-    # Fails in dearopt/executor.py Executor._apply_update: `bucket.params.index(p)` compares tensors with ==
-    # when a planned parameter got no gradient on any rank (here: frozen after construction).
+FROZEN_LATER_CASES = {
+    # A planned parameter that gets no gradient on any rank for a while (frozen after construction, then
+    # unfrozen): once an engine bug (parameters looked up with list.index, i.e. tensor ==), now a regression test.
     "requires_grad toggled (engine)": ({"freeze_at": 1, "unfreeze_at": 3}, {"freeze_at": 1, "unfreeze_at": 3}, 1e-5),
 }
-ALL_CASES = {**CASES, **ENGINE_BUG_CASES}
+ALL_CASES = {**CASES, **FROZEN_LATER_CASES}
 
 
 def _train_cases(names):
@@ -425,10 +425,8 @@ def test_distributed_optimizer_matches_single_process():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(reason="engine bug: Executor._apply_update looks parameters up with list.index (tensor ==) when "
-                          "a planned parameter has no gradient on any rank", strict=False)
 def test_distributed_optimizer_parameter_frozen_after_construction():
-    _check_cases(list(ENGINE_BUG_CASES))
+    _check_cases(list(FROZEN_LATER_CASES))
 
 
 def _check_cases(names):
