@@ -641,6 +641,22 @@ class Executor:
             region.mul_(coef.to(region.dtype))
         return total_norm.cpu()
 
+    def unscale_(self, scale: float):
+        """Divide the averaged gradients (shards under dear) by ``scale``."""
+        scale = float(scale)
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"unscale_ needs a positive finite scale, got {scale}")
+        self.finish_reductions()
+        if self._unscaled_at == self.step_count:
+            raise UsageError("unscale_() was already called since the last step(); the gradients would be divided "
+                             "twice")
+        self._unscaled_at = self.step_count
+        if self.options.schedule == "rsag":
+            self._wait_gathers()
+        regions, _ = self._reduced_grad_regions()
+        for region in regions:
+            region.div_(scale)
+
     def reduce_gradients(self):
         """Finish communication so that every ``p.grad`` holds the averaged gradient (wfbp, rsag).
 
@@ -716,6 +732,7 @@ class Executor:
         self._profile_pending = True
 
     _skip_this_step = False
+    _unscaled_at = -1  # the step whose gradients unscale_() divided
     _hyper = None  # hyperparameters in force at the last step() (dear)
     _profile_pending = False
     _comm_step = 0  # the step whose gradients are being communicated

@@ -201,6 +201,18 @@ class DistOptim(torch.optim.Optimizer):
         """
         return self._executor.clip_grad_norm_(max_norm, norm_type)
 
+    def unscale_(self, scale: float) -> None:
+        """Divide the averaged gradients by ``scale``; call between ``backward()`` and ``step()``.
+
+        For loss scaling done by hand (``(loss * scale).backward()``), the
+        counterpart of ``GradScaler.unscale_``: under ``dear`` the averaged
+        gradients exist only as shards until the next forward, so they cannot
+        be divided through ``p.grad``. With ``nonfinite="skip"`` a step whose
+        scaled gradients overflowed is skipped on every rank
+        (:attr:`skipped_steps` grows), which is the signal to lower the scale.
+        """
+        self._executor.unscale_(scale)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally, without communication."""

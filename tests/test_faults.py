@@ -157,17 +157,29 @@ def test_an_extra_collective_on_one_rank_is_a_named_error_on_every_rank():
         print(f"extra collective: rank {o.rank} raised {o.error_type} {o.seconds:.3f} s into its run")
 
 
-def _nonfinite(policy, bad_step=2, steps=4):
+def _nonfinite_optimizer(model, scale):
+    # with loss scaling, SGD: its update is proportional to the gradient, so a missed unscale shows (Adam's would not)
+    if scale is None:
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _nonfinite(policy, bad_step=2, steps=4, scale=None):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(torch.optim.Adam(model.parameters(), lr=0.01), model, buffer_size=64, nonfinite=policy)
+    opt = dearopt.DistOptim(_nonfinite_optimizer(model, scale), model, buffer_size=64, nonfinite=policy)
     for step in range(steps):
         x, y = global_batch(step, "mlp")
         x = shard(x, rank, world).clone()
         if rank == 1 and step == bad_step:
             x[0, 0] = float("nan")
         opt.zero_grad()
-        loss_fn("mlp", model(x), shard(y, rank, world)).backward()
+        loss = loss_fn("mlp", model(x), shard(y, rank, world))
+        if scale is None:
+            loss.backward()
+        else:  # loss scaling by hand: scaled backward, unscale the averaged gradients before step()
+            (loss * scale).backward()
+            opt.unscale_(scale)
         opt.step()
     opt.synchronize()
     return [p.detach().clone() for p in model.parameters()], opt.skipped_steps
@@ -183,11 +195,12 @@ def test_nonfinite_raise_names_parameter_rank_and_step():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world", [2, 3])
-def test_nonfinite_skip_keeps_ranks_identical_and_equal_to_a_reference_that_skipped(world):
-    outcomes = run_workers(_nonfinite, world, "skip", timeout=40)
+@pytest.mark.parametrize("world, scale", [(2, None), (3, None), (2, 1024.0)])
+def test_nonfinite_skip_keeps_ranks_identical_and_equal_to_a_reference_that_skipped(world, scale):
+    # scale: the loss is scaled by hand and the averaged gradients unscaled with optimizer.unscale_()
+    outcomes = run_workers(_nonfinite, world, "skip", 2, 4, scale, timeout=40)
     model = make_model("mlp")
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = _nonfinite_optimizer(model, scale)
     for step in range(4):
         x, y = global_batch(step, "mlp")
         opt.zero_grad()
