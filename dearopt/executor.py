@@ -610,6 +610,12 @@ class Executor:
         raise UsageError(f"cannot {what}: only {self._accumulated} of backward_passes_per_step={bpps} backward "
                          f"passes were run (or they ran inside no_sync())")
 
+    def _finish_averaging(self):
+        """Complete this step's reductions (and, for rsag, its all-gathers): the averaged gradients are final."""
+        self.finish_reductions()
+        if self.options.schedule == "rsag":
+            self._wait_gathers()
+
     def _reduced_grad_regions(self):
         """This rank's averaged gradients: full buffers for wfbp/rsag/bytescheduler, shards for dear."""
         if self.options.schedule == "dear":
@@ -618,9 +624,7 @@ class Executor:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` would."""
-        self.finish_reductions()
-        if self.options.schedule == "rsag":
-            self._wait_gathers()
+        self._finish_averaging()
         regions, sharded = self._reduced_grad_regions()
         norm_type = float(norm_type)
         device = self.backend.device
@@ -646,13 +650,11 @@ class Executor:
         scale = float(scale)
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"unscale_ needs a positive finite scale, got {scale}")
-        self.finish_reductions()
         if self._unscaled_at == self.step_count:
             raise UsageError("unscale_() was already called since the last step(); the gradients would be divided "
                              "twice")
+        self._finish_averaging()
         self._unscaled_at = self.step_count
-        if self.options.schedule == "rsag":
-            self._wait_gathers()
         regions, _ = self._reduced_grad_regions()
         for region in regions:
             region.div_(scale)
@@ -666,9 +668,7 @@ class Executor:
         if self.options.schedule == "dear":
             raise UsageError("under schedule='dear' the averaged gradients are sharded until the next forward; "
                              "use schedule='wfbp' to read averaged gradients before step()")
-        self.finish_reductions()
-        if self.options.schedule == "rsag":
-            self._wait_gathers()
+        self._finish_averaging()
 
     def _wait_gathers(self):
         for op in self._first_ops:

@@ -215,6 +215,24 @@ def test_nonfinite_skip_keeps_ranks_identical_and_equal_to_a_reference_that_skip
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_unscale_misuse_is_named():
+    dearopt.init()
+    try:
+        model = make_model("mlp")
+        opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64)
+        x, y = global_batch(0, "mlp")
+        (loss_fn("mlp", model(x), y) * 8.0).backward()
+        with pytest.raises(ValueError, match="positive finite scale"):
+            opt.unscale_(0.0)
+        opt.unscale_(8.0)
+        with pytest.raises(dearopt.UsageError, match="already called"):
+            opt.unscale_(8.0)  # would divide twice
+        opt.step()
+        opt.close()
+    finally:
+        dearopt.shutdown()
+
+
 def _diverged_parameters():
     model = make_model("mlp")
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, debug=True)
