@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import datetime
 import re
+import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -228,6 +229,13 @@ class TorchDistBackend(CollectiveBackend):
         self._workspace: Dict[tuple, torch.Tensor] = {}
         self._use_all_to_all = self.pg_backend == "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
+        self._forks: "weakref.WeakSet[TorchDistBackend]" = weakref.WeakSet()
+        self._closed = False
+
+    def _check_open(self, op_name: str, where: dict) -> None:
+        if self._closed:
+            raise CollectiveError(f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
+                                  rank=self.rank, op=op_name, **where)
 
     def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:
         try:
@@ -237,18 +245,38 @@ class TorchDistBackend(CollectiveBackend):
         return _TorchHandle(self, work, op_name, where, finish)
 
     def fork(self) -> "TorchDistBackend":
+        if self._closed:
+            raise CollectiveError("fork: this collective backend is closed", rank=self.rank, op="fork")
         group = dist.new_group(backend=self.pg_backend, timeout=datetime.timedelta(seconds=self.timeout))
-        return TorchDistBackend(self.rank, self.size, self.timeout, group=group)
+        child = TorchDistBackend(self.rank, self.size, self.timeout, group=group)
+        self._forks.add(child)
+        return child
 
     def close(self) -> None:
-        if self.group is not None and dist.is_initialized():
+        """Close the forks made from this backend, then this one's own group.
+
+        The group object is released here, not left to whoever still holds
+        this backend: a process group's worker threads are joined only when
+        its last reference goes, and if that happened while the interpreter
+        is finalizing (an optimizer freed at exit), a worker thread dropping
+        its last tensor could not take the GIL and the process would abort.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for child in list(self._forks):
+            child.close()
+        self._forks.clear()
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
             try:
-                dist.destroy_process_group(self.group)
+                dist.destroy_process_group(group)
             except Exception:  # already torn down with the default group
                 pass
         self._workspace.clear()
 
     def reduce_scatter(self, out_shard, in_full, **where) -> Handle:
+        self._check_open("reduce_scatter", where)
         self.check_shapes("reduce_scatter", in_full, out_shard)
         if self.size == 1:
             out_shard.copy_(in_full)
@@ -273,6 +301,7 @@ class TorchDistBackend(CollectiveBackend):
         return self._start("reduce_scatter", where, dist.all_to_all_single, recv, in_full, finish=finish)
 
     def all_gather(self, out_full, in_shard, **where) -> Handle:
+        self._check_open("all_gather", where)
         self.check_shapes("all_gather", out_full, in_shard)
         if self.size == 1:
             out_full.copy_(in_shard)
@@ -280,6 +309,7 @@ class TorchDistBackend(CollectiveBackend):
         return self._start("all_gather", where, _all_gather_flat, out_full, in_shard)
 
     def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
+        self._check_open("all_reduce", where)
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
         if self.size == 1:
@@ -294,6 +324,7 @@ class TorchDistBackend(CollectiveBackend):
         return self._start("all_reduce", where, dist.all_reduce, tensor, op=_TORCH_OPS[op])
 
     def broadcast(self, tensor, root: int = 0, **where) -> Handle:
+        self._check_open("broadcast", where)
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} is not a rank of a world of size {self.size}")
         if self.size == 1:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dearopt.errors import LaunchEnvironmentError
 from dearopt.launch import detect_launch
@@ -73,6 +74,30 @@ def test_init_is_idempotent_and_world_of_one():
     finally:
         dearopt.shutdown()
     assert not dearopt.is_initialized()
+
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to count threads")
+def test_shutdown_closes_forked_communicators_and_joins_their_threads():
+    # The engine runs on forked communicators that optimizers keep alive.  If
+    # shutdown left their process groups to be freed during interpreter
+    # finalization, a gloo worker thread could abort the process at exit
+    # ("terminate called without an active exception").  So shutdown must
+    # close every fork and join its threads while the interpreter is alive,
+    # even though a reference to the fork is still held here.
+    import dearopt
+
+    before = _threads()
+    dearopt.init()
+    fork = dearopt.get_backend().fork()
+    assert _threads() > before  # the fork's gloo worker threads
+    dearopt.shutdown()
+    assert _threads() == before
+    with pytest.raises(dearopt.CollectiveError, match="closed"):
+        fork.all_reduce(torch.ones(2))
 
 
 PROBE = (
