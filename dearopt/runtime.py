@@ -203,7 +203,12 @@ def _shutdown_at_exit() -> None:
 
 
 def shutdown() -> None:
-    """Leave the job; :func:`init` may be called again afterwards."""
+    """Leave the job; :func:`init` may be called again afterwards.
+
+    Every communicator dearopt made is closed, including those of existing
+    :class:`~dearopt.DistOptim` objects: using one after ``shutdown()`` raises
+    :class:`~dearopt.CollectiveError`; make a new one after the next ``init()``.
+    """
     global _runtime
     if _runtime is None:
         return
