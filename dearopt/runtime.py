@@ -161,6 +161,7 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
         owns = False
     else:
         launch = detect_launch(env)
+        _bind_torch_defaults_before_init()
         pg_backend = "gloo" if chosen == "nccl-native" else chosen
         if chosen == "nccl":
             torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
@@ -193,6 +194,25 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
         # threads) before finalization closes that window.
         atexit.register(_shutdown_at_exit)
         _exit_hook_registered = True
+
+
+def _bind_torch_defaults_before_init() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated
+    when the module is first imported; torch._dynamo imports it lazily (when
+    the first optimizer is built, for one).  Imported after
+    ``init_process_group``, ten functions would hold the default group
+    forever, so ``destroy_process_group`` could not free it: gloo's worker
+    threads would outlive :func:`shutdown` and, if one dropped a finished
+    op's tensor while the interpreter was finalizing, abort the process
+    ("terminate called without an active exception").  Imported now, the
+    defaults are ``None``.
+    """
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except Exception:  # an optional torch module; never a reason to fail init
+        pass
 
 
 def _shutdown_at_exit() -> None:

@@ -100,6 +100,43 @@ def test_shutdown_closes_forked_communicators_and_joins_their_threads():
         fork.all_reduce(torch.ones(2))
 
 
+EXIT_PROBE = """
+import os, time, torch, dearopt
+
+def gloo_workers():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:
+            pass
+    return names.count("pt_gloo_runloop")
+
+dearopt.init()
+model = torch.nn.Linear(4, 2)
+# Building the first optimizer imports torch._dynamo, which imports
+# torch.distributed.nn.functional: its default arguments bind group.WORLD.
+optimizer = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model)
+model(torch.ones(3, 4)).sum().backward()
+optimizer.step()
+assert gloo_workers() > 0
+dearopt.shutdown()
+deadline = time.monotonic() + 2
+while gloo_workers() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("WORKERS_LEFT", gloo_workers())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to count threads")
+def test_shutdown_frees_the_default_group_even_after_torch_binds_it_as_a_default_argument():
+    # A fresh interpreter, so that torch._dynamo is first imported after init().
+    out = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=100,
+                         env=_clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "WORKERS_LEFT 0" in out.stdout, out.stdout
+
+
 PROBE = (
     "import dearopt, torch; dearopt.init(); "
     "t = torch.tensor([float(dearopt.rank() + 1)]); dearopt.get_backend().all_reduce(t).wait(); "
