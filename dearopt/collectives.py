@@ -31,7 +31,7 @@ import abc
 import datetime
 import re
 import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,23 @@ class CollectiveBackend(abc.ABC):
         self.rank = rank
         self.size = size
         self.timeout = float(timeout)
+        self._closed = False
+        self._forks: "weakref.WeakSet[CollectiveBackend]" = weakref.WeakSet()
+
+    def _check_open(self, op_name: str, where: dict) -> None:
+        if self._closed:
+            raise CollectiveError(f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
+                                  rank=self.rank, op=op_name, **where)
+
+    def _track_fork(self, child: "CollectiveBackend") -> "CollectiveBackend":
+        """Remember a fork so that :meth:`_close_forks` (called by ``close``) closes it too."""
+        self._forks.add(child)
+        return child
+
+    def _close_forks(self) -> None:
+        for child in list(self._forks):
+            child.close()
+        self._forks.clear()
 
     @abc.abstractmethod
     def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, **where) -> Handle:
@@ -156,7 +173,9 @@ class CollectiveBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot fork a separate communicator")
 
     def close(self) -> None:
-        """Release resources; the backend is unusable afterwards."""
+        """Release resources, this backend's forks' first; the backend is unusable afterwards."""
+        self._closed = True
+        self._close_forks()
 
 
 class _TorchHandle(Handle):
@@ -229,13 +248,6 @@ class TorchDistBackend(CollectiveBackend):
         self._workspace: Dict[tuple, torch.Tensor] = {}
         self._use_all_to_all = self.pg_backend == "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
-        self._forks: "weakref.WeakSet[TorchDistBackend]" = weakref.WeakSet()
-        self._closed = False
-
-    def _check_open(self, op_name: str, where: dict) -> None:
-        if self._closed:
-            raise CollectiveError(f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
-                                  rank=self.rank, op=op_name, **where)
 
     def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:
         try:
@@ -245,12 +257,9 @@ class TorchDistBackend(CollectiveBackend):
         return _TorchHandle(self, work, op_name, where, finish)
 
     def fork(self) -> "TorchDistBackend":
-        if self._closed:
-            raise CollectiveError("fork: this collective backend is closed", rank=self.rank, op="fork")
+        self._check_open("fork", {})
         group = dist.new_group(backend=self.pg_backend, timeout=datetime.timedelta(seconds=self.timeout))
-        child = TorchDistBackend(self.rank, self.size, self.timeout, group=group)
-        self._forks.add(child)
-        return child
+        return self._track_fork(TorchDistBackend(self.rank, self.size, self.timeout, group=group))
 
     def close(self) -> None:
         """Close the forks made from this backend, then this one's own group.
@@ -263,10 +272,7 @@ class TorchDistBackend(CollectiveBackend):
         """
         if self._closed:
             return
-        self._closed = True
-        for child in list(self._forks):
-            child.close()
-        self._forks.clear()
+        super().close()
         group, self.group = self.group, None
         if group is not None and dist.is_initialized():
             try:

@@ -177,7 +177,6 @@ class NcclNativeBackend(CollectiveBackend):
         self.device = device
         self.blocking_wait = _blocking_default() if blocking_wait is None else bool(blocking_wait)
         self._comm_stream_obj = None
-        self._closed = False
         atexit.register(_close_quietly, weakref.ref(self))
 
     # ------------------------------------------------------------ creation
@@ -261,8 +260,9 @@ class NcclNativeBackend(CollectiveBackend):
 
     def fork(self) -> "NcclNativeBackend":
         """A second communicator over the same ranks and device (collective: every rank must call it)."""
-        self._require_comm("fork", {})
-        return self._build(self.rank, self.size, self.timeout, self._group, self.device, self.blocking_wait)
+        self._check_open("fork", {})
+        return self._track_fork(self._build(self.rank, self.size, self.timeout, self._group, self.device,
+                                            self.blocking_wait))
 
     # --------------------------------------------------------------- state
     @property
@@ -278,8 +278,7 @@ class NcclNativeBackend(CollectiveBackend):
         return self._comm_stream_obj
 
     def _require_comm(self, op: str, where: dict):
-        if self._closed:
-            raise CollectiveError(f"{op}: the nccl-native backend is closed", rank=self.rank, op=op, **where)
+        self._check_open(op, where)
         return self._comm
 
     def _translate(self, exc: BaseException, op: str, where: dict) -> BaseException:
@@ -298,7 +297,7 @@ class NcclNativeBackend(CollectiveBackend):
         """
         if self._closed:
             return
-        self._closed = True
+        super().close()
         try:
             self._comm.close(self.timeout if timeout is None else float(timeout))
         except Exception:

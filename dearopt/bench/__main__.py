@@ -78,15 +78,21 @@ def parse_args(argv):
     return args
 
 
-def rerender(directory: str) -> int:
-    """Recompute every number from the samples in DIR/results.json; rewrite it, table.txt and chart.png."""
+def load_results(directory: str) -> dict:
+    """DIR/results.json of a finished run, every number recomputed from its samples."""
     import json
 
     from . import report
 
-    path = os.path.join(directory, "results.json")
-    with open(path) as fh:
-        doc = report.derive(json.load(fh))
+    with open(os.path.join(directory, "results.json")) as fh:
+        return report.derive(json.load(fh))
+
+
+def rerender(directory: str) -> int:
+    """Recompute every number from the samples in DIR/results.json; rewrite it, table.txt and chart.png."""
+    from . import report
+
+    doc = load_results(directory)
     print(report.table(doc), flush=True)
     report.write(doc, directory)
     return 0
@@ -95,24 +101,15 @@ def rerender(directory: str) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--markdown"]:  # tables for docs/benchmarks.md from finished runs
-        import json
-
         from . import report
 
         for directory in argv[1:]:
-            with open(os.path.join(directory, "results.json")) as fh:
-                print(report.markdown(report.derive(json.load(fh))) + "\n")
+            print(report.markdown(load_results(directory)) + "\n")
         return 0
     if argv[:1] == ["--summary"]:  # one row per finished run: iteration times, dear vs DDP and vs its bound
-        import json
-
         from . import report
 
-        docs = []
-        for directory in argv[1:]:
-            with open(os.path.join(directory, "results.json")) as fh:
-                docs.append(report.derive(json.load(fh)))
-        print(report.summary(docs))
+        print(report.summary([load_results(directory) for directory in argv[1:]]))
         return 0
     if argv[:1] == ["--rerender"]:
         if len(argv) != 2:

@@ -20,9 +20,9 @@ takes, for each sample, the slowest rank, and then the median.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
-import gc
 import time
 from typing import Dict, List
 
