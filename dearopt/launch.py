@@ -18,6 +18,7 @@ Slurm srun     ``SLURM_PROCID``       ``SLURM_NTASKS``        ``SLURM_LOCALID``
 from __future__ import annotations
 
 import dataclasses
+import socket
 from typing import Mapping, Optional
 
 from .errors import LaunchEnvironmentError
@@ -117,3 +118,10 @@ def detect_launch(env: Mapping[str, str]) -> LaunchInfo:
         )
     port = _int(env, "MASTER_PORT")
     return LaunchInfo("none", 0, 1, 0, 1, env.get("MASTER_ADDR") or None, port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for a rendezvous address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .collectives import CollectiveBackend, TorchDistBackend
 from .errors import BackendUnavailableError, LaunchEnvironmentError, NotInitializedError
-from .launch import LaunchInfo, detect_launch
+from .launch import LaunchInfo, detect_launch, free_port
 
 __all__ = [
     "init",
@@ -89,12 +89,6 @@ def _resolve_backend(backend: Optional[str]) -> str:
     return backend
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def _first_slurm_host(nodelist: str) -> Optional[str]:
     """First host of a Slurm node list such as ``node[03-05,9],gpu1``."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
@@ -122,7 +116,7 @@ def _rendezvous_address(launch: LaunchInfo, env: Mapping[str, str]):
             if comm.Get_rank() == 0:
                 same_host = len(set(hosts)) == 1
                 chosen_addr = addr or ("127.0.0.1" if same_host else socket.gethostbyname(socket.gethostname()))
-                chosen = (chosen_addr, port or _free_port())
+                chosen = (chosen_addr, port or free_port(""))
             else:
                 chosen = None
             return comm.bcast(chosen, root=0)

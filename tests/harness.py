@@ -11,21 +11,25 @@ import dataclasses
 import io
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from dearopt.launch import free_port  # noqa: F401  (re-exported for the tests)
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "dearopt"])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "HOROVOD_")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_free_env() -> Dict[str, str]:
+    """This process's environment without any launcher's variables: a child starts as a plain process."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_VARS}
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dearopt
-from harness import free_port, run_workers
+from harness import free_port, launcher_free_env, run_workers
 from models import global_batch, loss_fn, make_model, shard
 
 TIMEOUT = 4.0  # dearopt's collective timeout in these tests
@@ -315,11 +315,6 @@ for step in range(4):
 """
 
 
-def _launcher_env():
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
 def test_survivors_exit_by_themselves_under_launchers(launcher, tmp_path):
@@ -333,7 +328,7 @@ def test_survivors_exit_by_themselves_under_launchers(launcher, tmp_path):
         if not os.path.exists(mpirun):
             pytest.skip("no mpirun in the environment")
         cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, str(script)]
-    env = _launcher_env()
+    env = launcher_free_env()
     if launcher == "mpirun":
         # mpirun itself terminates the job when a rank exits non-zero; a rank that vanishes with
         # status 0 leaves the survivor to notice, which is what this test is about

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dearopt.horovod as hvd
-from harness import free_port, run_workers
+from harness import free_port, launcher_free_env, run_workers
 from models import global_batch, loss_fn, make_model, shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -483,14 +483,8 @@ def _accuracy(output):
     return float(values[-1])
 
 
-def _clean_env():
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "PMIX_"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-
-
 def _run_single():
-    out = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=100, env=_clean_env())
+    out = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=100, env=launcher_free_env())
     assert out.returncode == 0, out.stderr[-3000:]
     return _accuracy(out.stdout)
 
@@ -501,7 +495,7 @@ def test_example_under_horovodrun_environment_matches_one_process():
     port = free_port()
     procs = []
     for r in range(2):
-        env = _clean_env()
+        env = launcher_free_env()
         env.update({"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
                     "HOROVOD_LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         procs.append(subprocess.Popen([sys.executable, EXAMPLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -532,11 +526,11 @@ _MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.paths
 def test_example_under_mpirun_with_fp16_and_clipping():
     out = subprocess.run([_MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, EXAMPLE,
                           "--fp16-allreduce", "--clip", "1.0"], capture_output=True, text=True, timeout=120,
-                         env=_clean_env())
+                         env=launcher_free_env())
     assert out.returncode == 0, out.stderr[-3000:]
     distributed = _accuracy(out.stdout)
     single = subprocess.run([sys.executable, EXAMPLE, "--clip", "1.0"], capture_output=True, text=True, timeout=100,
-                            env=_clean_env())
+                            env=launcher_free_env())
     assert single.returncode == 0, single.stderr[-3000:]
     print(f"horovod_digits.py --clip 1.0: one process {_accuracy(single.stdout):.2f}%, "
           f"mpirun -np 2 --fp16-allreduce {distributed:.2f}%")

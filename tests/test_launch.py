@@ -11,6 +11,7 @@ import torch
 
 from dearopt.errors import LaunchEnvironmentError
 from dearopt.launch import detect_launch
+from harness import free_port, launcher_free_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,7 +133,7 @@ print("WORKERS_LEFT", gloo_workers())
 def test_shutdown_frees_the_default_group_even_after_torch_binds_it_as_a_default_argument():
     # A fresh interpreter, so that torch._dynamo is first imported after init().
     out = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=100,
-                         env=_clean_env())
+                         env=launcher_free_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "WORKERS_LEFT 0" in out.stdout, out.stdout
 
@@ -149,44 +150,36 @@ def _results(stdout):
     return sorted(tuple(m) for m in re.findall(r"RESULT (\d+) (\d+) (\d+) ([0-9.]+)", stdout))
 
 
-def _clean_env():
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return env
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")) is None,
                     reason="no mpirun")
 def test_mpirun_launch_init_and_one_collective():
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     out = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", PROBE],
-                         capture_output=True, text=True, timeout=100, env=_clean_env())
+                         capture_output=True, text=True, timeout=100, env=launcher_free_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert _results(out.stdout) == [("0", "2", "0", "3.0"), ("1", "2", "1", "3.0")]
 
 
 @pytest.mark.timeout(120)
 def test_torchrun_launch_init_and_one_collective(tmp_path):
-    from harness import free_port
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE.replace("; ", "\n"))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
                           "--master_port", str(free_port()), str(script)],
-                         capture_output=True, text=True, timeout=100, env=_clean_env())
+                         capture_output=True, text=True, timeout=100, env=launcher_free_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert _results(out.stdout) == [(str(r), "3", str(r), "6.0") for r in range(3)]
 
 
 @pytest.mark.timeout(120)
 def test_slurm_style_environment_with_explicit_rendezvous():
-    from harness import free_port
 
     port = free_port()
     procs = []
     for r in range(2):
-        env = _clean_env()
+        env = launcher_free_env()
         env.update({"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port)})
         procs.append(subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -21,14 +21,11 @@ import torch
 
 import dearopt
 from dearopt.collectives import padded_numel
+from harness import launcher_free_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available()
 WITH_NCCL = os.environ.get("DEAROPT_WITH_NCCL", "").strip().lower()
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
-                "SLURM_NTASKS", "HOROVOD_RANK", "HOROVOD_SIZE")
-
 
 def _load_build_config():
     spec = importlib.util.spec_from_file_location("dearopt_csrc_build_ext_test", os.path.join(ROOT, "csrc", "build_ext.py"))
@@ -57,7 +54,7 @@ def _extension():
 
 
 def _run_python(code: str, timeout: float = 90, env_update=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = launcher_free_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_update or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
@@ -399,7 +396,7 @@ print("DISTOPTIM OK")
 @pytest.mark.parametrize("schedule", ["default", "wfbp", "rsag"])
 def test_distoptim_on_one_gpu_matches_plain_training(schedule):
     _extension()
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = launcher_free_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _DISTOPTIM_SCRIPT, schedule], capture_output=True, text=True,
                           timeout=110, env=env, cwd=ROOT)

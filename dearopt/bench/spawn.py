@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Any, Callable, List
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dearopt.launch import free_port
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -49,7 +44,7 @@ def spawn(fn: Callable, world_size: int, *args, threads: int = 1, timeout: float
     """Run ``fn(*args)`` on ``world_size`` ranks after ``dearopt.init()``; return rank results in order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, queue, os.getpid()))
              for r in range(world_size)]
     for p in procs:
