@@ -26,6 +26,8 @@ from .functions import allreduce, broadcast_object, broadcast_optimizer_state, b
 from .runtime import get_backend, get_timeout, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = "0.1.0"
+from . import schedules
+from .comm_hooks import CommHook, bf16_compress, fp16_compress
 from .optimizer import DistOptim
 from .options import Options
 from .plan import Plan, build_plan, parse_size

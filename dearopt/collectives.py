@@ -17,8 +17,15 @@ Semantics shared by every backend:
   :func:`padded_numel` to size flat buffers.
 * ``all_gather(out_full, in_shard)``: the inverse layout.
 * ``all_reduce(tensor, op)`` in place, ``broadcast(tensor, root)`` in place.
-* A handle's ``wait`` returns once the result is in the output tensor, or
-  raises :class:`~dearopt.errors.CollectiveTimeoutError` /
+* A handle has two meanings of "done", the same on every backend:
+  ``wait`` returns once the result may be *used*: by the host on CPU, by work
+  queued afterwards on the caller's current stream on a GPU (the host may
+  run ahead).  ``synchronize`` returns once the op has *finished* (the host
+  waited for it), and ``is_completed`` says, without blocking, whether it
+  has finished.  Data waits use ``wait``; anything that accounts for time or
+  bytes in flight (the credit window, bandwidth profiles) uses
+  ``synchronize``/``is_completed``.  Both raise
+  :class:`~dearopt.errors.CollectiveTimeoutError` /
   :class:`~dearopt.errors.PeerLostError` naming the rank and the op.
 
 Ops are matched across ranks by the order in which they are started, so
@@ -30,6 +37,7 @@ from __future__ import annotations
 import abc
 import datetime
 import re
+import time
 import weakref
 from typing import Callable, Dict, Optional
 
@@ -37,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from .plan import padded_numel
 
 __all__ = [
     "Handle",
@@ -47,15 +56,6 @@ __all__ = [
 ]
 
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
-
-
-def padded_numel(numel: int, world_size: int) -> int:
-    """Smallest multiple of ``world_size`` that holds ``numel`` elements (at least one per rank)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    return max(1, -(-numel // world_size)) * world_size
 
 
 _PEER_LOST_PATTERNS = re.compile(
@@ -79,17 +79,21 @@ def translate_error(exc: BaseException, *, rank: int, op: str, **where) -> Colle
 
 
 class Handle(abc.ABC):
-    """An op in flight.  ``wait`` and ``is_completed`` may be called any number of times."""
+    """An op in flight.  ``wait``, ``synchronize`` and ``is_completed`` may be called any number of times."""
 
     op: str
 
     @abc.abstractmethod
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the result is in the output tensor; ``timeout`` in seconds."""
+        """Block until the result may be used by the caller (see the module docstring); ``timeout`` in seconds."""
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        """Block the host until the op has finished.  Equal to :meth:`wait` where the host is the consumer."""
+        self.wait(timeout)
 
     @abc.abstractmethod
     def is_completed(self) -> bool:
-        """True once ``wait`` would return without blocking on the transport."""
+        """True once the op has finished (``synchronize`` would return without blocking on the transport)."""
 
 
 class CompletedHandle(Handle):
@@ -192,28 +196,44 @@ class _TorchHandle(Handle):
         self.op = op
         self._where = where
         self._finish = finish
-        self._done = False
+        self._waited = False  # wait() returned: the result may be used
+        self._finished = False  # the host saw the op finish
 
     def is_completed(self) -> bool:
-        if self._done:
+        if self._finished:
             return True
         try:
-            return bool(self._work.is_completed())
+            self._finished = bool(self._work.is_completed())
         except Exception:  # the transport failed; wait() will raise it
             return True
+        return self._finished
+
+    def _seconds(self, timeout: Optional[float]) -> float:
+        return self._backend.timeout if timeout is None else float(timeout)
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        if self._done:
+        if self._waited:
             return
-        seconds = self._backend.timeout if timeout is None else float(timeout)
         try:
-            self._work.wait(timeout=datetime.timedelta(seconds=seconds))
+            self._work.wait(timeout=datetime.timedelta(seconds=self._seconds(timeout)))
         except Exception as exc:
             raise translate_error(exc, rank=self._backend.rank, op=self.op, **self._where) from exc
         if self._finish is not None:
             self._finish()
             self._finish = None
-        self._done = True
+        self._waited = True
+        if self._backend.host_waits:  # gloo: the host itself waited for the op
+            self._finished = True
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        deadline = time.monotonic() + self._seconds(timeout)
+        self.wait(timeout)
+        while not self.is_completed():  # NCCL: wait() ordered the stream; now the host waits
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(f"{self.op} did not finish in time", rank=self._backend.rank,
+                                             op=self.op, **self._where)
+            time.sleep(0.0002)
+        self._finished = True
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
@@ -247,6 +267,7 @@ class TorchDistBackend(CollectiveBackend):
         self.name = f"torch-{self.pg_backend}"
         self._workspace: Dict[tuple, torch.Tensor] = {}
         self._use_all_to_all = self.pg_backend == "gloo"
+        self.host_waits = self.pg_backend == "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
 
     def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:

@@ -150,6 +150,10 @@ class NcclHandle(Handle):
             self._error = backend._translate(exc, self.op, self._where)
             raise self._error from exc
 
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        """Block the host until the op has finished on the GPU."""
+        self.wait(timeout, blocking=True)
+
     def __repr__(self) -> str:
         state = "done" if self._done else ("failed" if self._error else "in flight")
         return f"NcclHandle({self.op}, id={self._id}, {state})"

@@ -1,24 +1,29 @@
 """``DistOptim``: the user-facing distributed optimizer.
 
-It *is* a ``torch.optim.Optimizer`` (LR schedulers and existing loops accept
-it) that shares ``param_groups``, ``state`` and ``defaults`` with the wrapped
-optimizer, so hyperparameter changes reach the wrapped optimizer at once.  The
-work is done by :class:`dearopt.executor.Executor`.
+It *is* a ``torch.optim.Optimizer``, built through ``Optimizer.__init__``
+(LR schedulers, step hooks and existing loops accept it), that shares
+``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
+hyperparameter changes reach the wrapped optimizer at once.  The work is done
+by :class:`dearopt.executor.Executor`; this face only validates, builds and
+forwards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import weakref
-from collections import OrderedDict
 from typing import Optional, Union
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 from . import runtime
 from .errors import NotInitializedError, UsageError
-from .executor import Executor
 from . import functions
+from .comm_hooks import resolve_comm_hook
+from .executor import Executor
 from .options import Options
 from .plan import DEFAULT_BUFFER_SIZE
 
@@ -53,6 +58,11 @@ def _check_arguments(optimizer, model):
         raise ValueError("the optimizer holds no parameter that requires grad: there is nothing to train")
 
 
+def _global_step_hooks(kind: str):
+    """torch's global optimizer step hooks (``register_optimizer_step_pre_hook`` / ``..._post_hook``)."""
+    return getattr(_torch_optimizer, f"_global_optimizer_{kind}_hooks", {}).values()
+
+
 class DistOptim(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that gradients are averaged across ranks with the chosen schedule.
 
@@ -65,8 +75,8 @@ class DistOptim(torch.optim.Optimizer):
             a bucket at a time: use ``schedule="wfbp"`` and a ``buffer_size``
             larger than the model for those (one bucket, one call).
         model: the module whose forward and backward are scheduled.
-        schedule: ``"dear"`` (default), ``"wfbp"``, ``"rsag"`` or ``"bytescheduler"``; see
-            :class:`dearopt.options.Options`.
+        schedule: ``"dear"`` (default), ``"wfbp"``, ``"rsag"``, ``"bytescheduler"`` or any schedule registered
+            with :func:`dearopt.schedules.register`; see :class:`dearopt.options.Options`.
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
         backward_passes_per_step: local accumulation before communicating.
@@ -74,12 +84,21 @@ class DistOptim(torch.optim.Optimizer):
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
         nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"`` for non-finite averaged gradients.
         check_agreement: check that all ranks are at the same step (folded into the buckets' messages).
+        comm_hook: how gradients travel: ``None`` (as they are), ``"fp16"``, ``"bf16"`` or a
+            :class:`dearopt.CommHook`; the same on every rank.
         debug: compare parameter checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
         tuner: a :class:`dearopt.tuner.BayesianTuner` over any of ``buffer_size``, ``partition_size``
             and ``credit``; built by default for the knobs set to ``"auto"`` (buffer: 1 MB .. min(100 MB,
             model size), first trial 25 MB, 10 trials).  Its trials and result: ``optimizer.tuning``.
         tuning_steps: iterations measured per trial (after one discarded iteration).
+
+    Step hooks registered on this optimizer (``register_step_pre_hook``,
+    ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
+    it is called, the post hooks once that step's updates have been applied
+    (under ``dear`` that is during the next forward, or at ``synchronize()``).
+    Hooks on the wrapped optimizer also fire once per step, around its
+    per-bucket updates.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
@@ -87,27 +106,25 @@ class DistOptim(torch.optim.Optimizer):
                  partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
                  priority: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
-                 timeline: Optional[str] = None, debug: bool = False, tuner=None, tuning_steps: int = 10):
+                 comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
+                 tuning_steps: int = 10):
         _check_arguments(optimizer, model)
         options = Options(schedule=schedule, buffer_size=buffer_size, partition_size=partition_size,
                           credit=credit, priority=priority,
                           backward_passes_per_step=backward_passes_per_step,
                           broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
                           nonfinite=nonfinite, check_agreement=check_agreement, timeline=timeline, debug=debug)
+        hook = resolve_comm_hook(comm_hook)
         if not runtime.is_initialized():
             raise NotInitializedError("call dearopt.init() before creating a DistOptim")
         self._inner = optimizer
-        self.options = options
+        self._constructing = True
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._constructing = False
         # Share the wrapped optimizer's containers: schedulers edit the same dicts.
-        self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self.options = options
         main = runtime.get_backend()
         if options.broadcast_parameters:
             functions.broadcast_parameters(model, root_rank=0)
@@ -118,7 +135,9 @@ class DistOptim(torch.optim.Optimizer):
         self._engine_backend = engine if engine is not main else None
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
         partition = None if options.partition_size == "auto" else options.partition_size
-        self._executor = Executor(optimizer, model, engine, options, buffer, partition)
+        credit_bytes = None if options.credit == "auto" else options.credit
+        self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
+                                  on_step_landed=self._step_landed)
         self.tuning = self._make_tuning(tuner, tuning_steps)
         _WRAPPED.add(optimizer)
 
@@ -153,6 +172,10 @@ class DistOptim(torch.optim.Optimizer):
     def _apply_knobs(self, knobs) -> None:
         self._executor.replan(**{k: int(v) for k, v in knobs.items()})
 
+    def _step_landed(self) -> None:
+        for hook in itertools.chain(list(self._optimizer_step_post_hooks.values()), list(_global_step_hooks("post"))):
+            hook(self, (), {})
+
     # ---------------------------------------------------------------- API
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -163,6 +186,17 @@ class DistOptim(torch.optim.Optimizer):
     def plan(self):
         """The communication plan (``None`` until the first backward)."""
         return self._executor.plan
+
+    @property
+    def timeline(self):
+        """The :class:`dearopt.timeline.Timeline` this optimizer records to (disabled unless asked for)."""
+        return self._executor.timeline
+
+    @property
+    def gradients_in_place_before_step(self) -> bool:
+        """Whether the schedule can leave the averaged gradient in every ``p.grad`` before ``step()``
+        (see :meth:`reduce_gradients`)."""
+        return self._executor.gradients_in_place_before_step
 
     @property
     def skipped_steps(self) -> int:
@@ -178,12 +212,16 @@ class DistOptim(torch.optim.Optimizer):
         """
         if closure is not None:
             raise UsageError("DistOptim.step() does not take a closure: run forward and backward before step()")
+        for hook in itertools.chain(list(_global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
+            hook(self, (), {})
         self._executor.step()
         if self.tuning is not None and not self.tuning.finished:
             knobs = self.tuning.on_step_end()
             if knobs:
                 self._apply_knobs(knobs)  # every rank, at the same step boundary
         return None
+
+    step.hooked = True  # torch must not wrap it: the post hooks fire when the step's updates have landed
 
     def synchronize(self) -> None:
         """Apply every pending update now, so that the parameters are current."""
@@ -197,7 +235,8 @@ class DistOptim(torch.optim.Optimizer):
         """Clip the averaged gradients by their global norm; call between ``backward()`` and ``step()``.
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` on the averaged gradients
-        of single-process training; costs one scalar all-reduce under ``dear``.
+        of single-process training; costs one scalar all-reduce where the
+        schedule keeps the averaged gradients as shards.
         """
         return self._executor.clip_grad_norm_(max_norm, norm_type)
 
@@ -212,6 +251,28 @@ class DistOptim(torch.optim.Optimizer):
         (:attr:`skipped_steps` grows), which is the signal to lower the scale.
         """
         self._executor.unscale_(scale)
+
+    def reduce_gradients(self) -> None:
+        """Finish communication now, so that every ``p.grad`` holds the averaged gradient.
+
+        Possible where the schedule averages whole gradients before ``step()``
+        (``wfbp``, ``rsag``, ``bytescheduler``); a ``UsageError`` where it keeps
+        shards until the next forward (``dear``).
+        """
+        self._executor.reduce_gradients()
+
+    def register_comm_hook(self, hook) -> None:
+        """Set how gradients travel (see the ``comm_hook`` argument); before the first backward, on every rank."""
+        if self._executor.plan is not None:
+            raise UsageError("register_comm_hook() must be called before the first backward(): the plan is made")
+        self._executor.comm_hook = resolve_comm_hook(hook)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change local accumulation between steps (the same on every rank)."""
+        options = dataclasses.replace(self.options, backward_passes_per_step=passes)
+        self.options = options
+        self._executor.options = options
+        self._executor.checks.options = options
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -235,6 +296,8 @@ class DistOptim(torch.optim.Optimizer):
         self.state = self._inner.state
 
     def add_param_group(self, param_group) -> None:
+        if getattr(self, "_constructing", False):  # Optimizer.__init__ registering the wrapped optimizer's groups
+            return super().add_param_group(param_group)
         raise UsageError("add_param_group() after wrapping is not supported: add the group to the plain optimizer "
                          "before creating the DistOptim")
 

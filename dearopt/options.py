@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Optional, Union
 
-from .plan import DEFAULT_BUFFER_SIZE, SCHEDULES, parse_size
+from .plan import DEFAULT_BUFFER_SIZE, parse_size
 
 __all__ = ["Options", "NONFINITE_POLICIES"]
 
@@ -16,10 +16,11 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 @dataclasses.dataclass(frozen=True)
 class Options:
     schedule: str = "dear"
-    """``"dear"``: reduce-scatter during backward, all-gather + update during
-    the next forward (the DeAR paper).  ``"wfbp"``: all-reduce during backward,
-    update at ``step()`` (Horovod/DDP).  ``"rsag"``: reduce-scatter then
-    all-gather, both during backward (the paper's baseline)."""
+    """A registered schedule (:mod:`dearopt.schedules`).  ``"dear"``: reduce-scatter during backward,
+    all-gather + update during the next forward (the DeAR paper).  ``"wfbp"``: all-reduce during
+    backward, update at ``step()`` (Horovod/DDP).  ``"rsag"``: reduce-scatter then all-gather, both
+    during backward (the paper's baseline).  ``"bytescheduler"``: all-reduce per partition, each bucket
+    finished and updated just before its layers run in the next forward."""
 
     buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE
     """Bytes per fusion bucket (or ``"25MB"``).  25 MB is DDP's default and the
@@ -63,24 +64,21 @@ class Options:
     """Extra agreement checks per step (parameter checksums); default ``DEAROPT_DEBUG``."""
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        from .schedules import get_schedule
+
+        policy = get_schedule(self.schedule)
         for knob in ("buffer_size", "partition_size", "credit"):
             value = getattr(self, knob)
             if value is not None and value != "auto":
                 object.__setattr__(self, knob, parse_size(value))
         if self.buffer_size is None:
             raise ValueError("buffer_size must be a size or 'auto', not None")
-        if self.schedule == "rsag" and (self.partition_size is not None or self.credit is not None or self.priority):
-            raise ValueError("schedule='rsag' is the paper's baseline and takes no partition_size, credit or priority")
-        if self.schedule == "bytescheduler" and self.nonfinite == "skip":
-            raise ValueError("nonfinite='skip' needs every gradient before the first update; schedule='bytescheduler' "
-                             "updates bucket by bucket: use 'raise' or 'ignore', or schedule='dear'")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
+        policy.check_options(self)
         bpps = self.backward_passes_per_step
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {bpps!r}")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
         if self.timeline is None and os.environ.get("DEAROPT_TIMELINE"):
             object.__setattr__(self, "timeline", os.environ["DEAROPT_TIMELINE"])
         if not self.debug and os.environ.get("DEAROPT_DEBUG", "0") not in ("", "0"):

@@ -20,22 +20,31 @@ not averaged: after the reduction every rank sees how many ranks produced a
 gradient for each parameter, and each rank's step tag in its own slot, so ranks
 that are at different steps are caught before their gradients are mixed.  The
 buffer is padded to a multiple of the world size for reduce-scatter.
+
+The plan is the whole contract between a schedule and the executor.  Its
+:class:`CommOp` s are listed in the one order in which every rank starts them;
+each says when it may start (:attr:`CommOp.start`), when its result must be
+there (:attr:`CommOp.due`), and what completing it does (average its result
+region, then, for the last op of a bucket, apply that bucket's optimizer
+update).  Which schedule produced the ops is recorded for people, not for the
+executor: it never asks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import re
 from typing import List, Optional, Sequence, Tuple, Union
 
-__all__ = ["ParamSpec", "Bucket", "CommOp", "Plan", "build_plan", "priority_sequence", "parse_size", "SCHEDULES",
-           "DEFAULT_BUFFER_SIZE"]
-
-SCHEDULES = ("dear", "wfbp", "rsag", "bytescheduler")
+__all__ = ["ParamSpec", "Bucket", "When", "Point", "CommOp", "Plan", "build_plan", "priority_sequence", "parse_size",
+           "padded_numel", "DEFAULT_BUFFER_SIZE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_REDUCE"]
 
 DEFAULT_BUFFER_SIZE = 25 * 2**20
 """25 MiB: PyTorch DDP's default bucket size and the DeAR paper's first trial."""
+
+REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "reduce_scatter", "all_gather", "all_reduce"
 
 _UNITS = {"": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}
 
@@ -56,6 +65,15 @@ def parse_size(size: Union[int, float, str]) -> int:
     if value <= 0:
         raise ValueError(f"a size must be positive, got {size!r}")
     return value
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``world_size`` that holds ``numel`` elements (at least one per rank)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return max(1, -(-numel // world_size)) * world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +99,10 @@ class Bucket:
     offsets: Tuple[int, ...]  # element offset of each parameter's gradient in the buffer
     dtype: str
     grad_numel: int  # elements holding gradients
-    padded_numel: int  # buffer length: gradients + flags + padding, a multiple of the world size
+    padded_numel: int  # buffer length: gradients + flags + tags + padding, a multiple of the world size
     world_size: int = 1
     pieces: Tuple[Tuple[int, int], ...] = ()  # partitions [start, end) of the buffer, each a multiple of the world size
+    element_size: int = 4
 
     @property
     def flags_offset(self) -> int:
@@ -97,16 +116,90 @@ class Bucket:
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
+    def piece_nbytes(self, piece: int) -> int:
+        start, end = self.pieces[piece]
+        return (end - start) * self.element_size
+
+
+class When(enum.Enum):
+    """Moments of a training iteration that a plan refers to."""
+
+    GRADS_READY = "grads ready"
+    """Every gradient of the op's bucket has been computed (every bucket counts as ready once backward ends)."""
+    BACKWARD_END = "backward end"
+    """The communicating backward pass has ended."""
+    STEP = "step"
+    """``step()`` was called."""
+    FORWARD = "forward"
+    """The next forward is about to run the first module of bucket ``Point.index``."""
+    AFTER = "after"
+    """The op at plan position ``Point.index`` has completed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """A moment of the iteration: :class:`When`, with the bucket (FORWARD) or op position (AFTER) it names."""
+
+    when: When
+    index: Optional[int] = None
+
+    def __post_init__(self):
+        if (self.index is None) != (self.when not in (When.FORWARD, When.AFTER)):
+            raise ValueError(f"{self.when} {'needs' if self.index is None else 'takes no'} index")
+
+    def __str__(self) -> str:
+        if self.when is When.FORWARD:
+            return f"forward of bucket {self.index}"
+        if self.when is When.AFTER:
+            return f"after op {self.index}"
+        return self.when.value
+
+
+GRADS_READY, BACKWARD_END, STEP = Point(When.GRADS_READY), Point(When.BACKWARD_END), Point(When.STEP)
+
+
+def forward_of(bucket: int) -> Point:
+    return Point(When.FORWARD, bucket)
+
+
+def after(position: int) -> Point:
+    return Point(When.AFTER, position)
+
 
 @dataclasses.dataclass(frozen=True)
 class CommOp:
-    """One collective in the plan, on one piece (partition) of one bucket."""
+    """One collective of the plan, on one piece (partition) of one bucket.
 
-    kind: str  # "reduce_scatter", "all_gather" or "all_reduce"
+    The executor starts ops strictly in plan order; an op starts once its
+    ``start`` moment has come and every op before it has started.  At its
+    ``due`` moment the executor waits for it and completes it: the result
+    region (the rank's shard for a reduce-scatter, the whole piece otherwise)
+    is divided by the world size if ``average``, and if ``update`` the
+    bucket's optimizer update is applied right after.
+    """
+
+    kind: str  # REDUCE_SCATTER, ALL_GATHER or ALL_REDUCE
     bucket: int
     piece: int
-    phase: str  # "backward" or "forward": where the schedule normally issues it
     nbytes: int
+    start: Point = GRADS_READY
+    due: Point = STEP
+    average: bool = False
+    update: bool = False
+
+    @property
+    def result(self) -> str:
+        """Where the op leaves its result: ``"shard"`` (reduce-scatter) or ``"full"``."""
+        return "shard" if self.kind == REDUCE_SCATTER else "full"
+
+    @property
+    def reduces(self) -> bool:
+        return self.kind != ALL_GATHER
+
+    def __str__(self) -> str:
+        extra = (" average" if self.average else "") + (" then update" if self.update else "")
+        return (f"{self.kind} b{self.bucket}.{self.piece} ({self.nbytes} B) start at {self.start}, "
+                f"due at {self.due}{extra}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,44 +212,48 @@ class Plan:
     ops: Tuple[CommOp, ...]
     partition_size: Optional[int] = None
     priority: bool = False
+    credit: Optional[int] = None
+    comm_hook: str = "none"
 
     @property
     def first_ops(self) -> Tuple[CommOp, ...]:
         """The reductions (reduce-scatter or all-reduce), in issue order."""
-        return tuple(op for op in self.ops if op.kind != "all_gather")
+        return tuple(op for op in self.ops if op.reduces)
 
     @property
     def gather_ops(self) -> Tuple[CommOp, ...]:
         """The all-gathers, in issue order."""
-        return tuple(op for op in self.ops if op.kind == "all_gather")
+        return tuple(op for op in self.ops if not op.reduces)
 
     @property
     def backward_order(self) -> Tuple[int, ...]:
-        """Buckets in the order backward completes them (and their first collectives start)."""
+        """Buckets in the order backward completes them."""
         return tuple(reversed(range(len(self.buckets))))
 
-    def bucket_of(self) -> List[int]:
-        """For each parameter position, the index of its bucket."""
-        owner = [0] * len(self.params)
-        for bucket in self.buckets:
-            for p in bucket.params:
-                owner[p] = bucket.index
-        return owner
+    def update_points(self) -> List[Point]:
+        """For each bucket, the moment its optimizer update is applied."""
+        points: List[Optional[Point]] = [None] * len(self.buckets)
+        for op in self.ops:
+            if op.update:
+                points[op.bucket] = op.due
+        return points
 
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
-        text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority,
-                     [(p.numel, p.dtype) for p in self.params],
+        text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority, self.credit,
+                     self.comm_hook, [(p.numel, p.dtype) for p in self.params],
                      [(b.params, b.padded_numel, b.pieces) for b in self.buckets], self.ops))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
-    def describe(self) -> str:
+    def describe(self, ops: bool = False) -> str:
         lines = [f"plan: schedule={self.schedule} world={self.world_size} buffer={self.buffer_size} B, "
-                 f"{len(self.buckets)} buckets"]
+                 f"{len(self.buckets)} buckets, {len(self.ops)} ops"]
         for b in self.buckets:
             names = [self.params[p].name for p in b.params]
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} params)" if len(names) > 3 else "")
             lines.append(f"  bucket {b.index}: {b.grad_numel} x {b.dtype} [{shown}]")
+        if ops:
+            lines += [f"  op {i}: {op}" for i, op in enumerate(self.ops)]
         return "\n".join(lines)
 
 
@@ -186,24 +283,6 @@ def priority_sequence(ops: Sequence[CommOp], ready: Sequence[float], bandwidth: 
     return sequence
 
 
-def _ops_for(schedule: str, buckets: Sequence["Bucket"], element_size: Sequence[int],
-             ready: Optional[Sequence[float]], bandwidth: Optional[float]) -> Tuple[CommOp, ...]:
-    def ops(kind, bucket, phase):
-        return [CommOp(kind, bucket.index, k, phase, (end - start) * element_size[bucket.index])
-                for k, (start, end) in enumerate(bucket.pieces)]
-
-    backward = list(reversed(buckets))
-    first_kind = "all_reduce" if schedule in ("wfbp", "bytescheduler") else "reduce_scatter"
-    first = [op for b in backward for op in ops(first_kind, b, "backward")]
-    if ready is not None and bandwidth:
-        first = priority_sequence(first, ready, bandwidth)
-    if schedule == "rsag":
-        return tuple(op for b in backward for op in ops("reduce_scatter", b, "backward") + ops("all_gather", b, "backward"))
-    if schedule == "dear":
-        return tuple(first + [op for b in buckets for op in ops("all_gather", b, "forward")])
-    return tuple(first)
-
-
 def _pieces(padded: int, world: int, element_size: int, partition_size: Optional[int]) -> Tuple[Tuple[int, int], ...]:
     if partition_size is None:
         return ((0, padded),)
@@ -211,34 +290,9 @@ def _pieces(padded: int, world: int, element_size: int, partition_size: Optional
     return tuple((start, min(start + step, padded)) for start in range(0, padded, step))
 
 
-def _padded(numel: int, world: int) -> int:
-    return max(1, -(-numel // world)) * world
-
-
-def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-               world_size: int = 1, schedule: str = "dear", *, partition_size: Union[int, str, None] = None,
-               priority: bool = False, ready_times: Optional[Sequence[float]] = None,
-               bandwidth: Optional[float] = None) -> Plan:
-    """Fuse ``params`` (forward order) into buckets and list the plan's collectives.
-
-    ``partition_size`` splits each bucket's buffer into pieces of at most that
-    many bytes, each its own collective.  With ``priority`` and a profile
-    (``ready_times``: seconds after backward starts at which each parameter's
-    gradient is ready, and the link's ``bandwidth`` in bytes/s) the reductions
-    are ordered by :func:`priority_sequence`; without a profile they go in the
-    order backward produces them.
-    """
-    buffer_size = parse_size(buffer_size)
-    partition_size = None if partition_size is None else parse_size(partition_size)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    params = tuple(params)
-    if not params:
-        raise ValueError("the model has no trainable parameters to plan for")
-    # Fill from the output side: walk backward, close a bucket when the next
-    # parameter would overflow it or has another dtype.
+def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: int,
+                   partition_size: Optional[int] = None) -> Tuple[Bucket, ...]:
+    """Fuse ``params`` (forward order) into buckets of at most ``buffer_size`` bytes, filled from the output side."""
     groups: List[List[int]] = []
     current: List[int] = []
     current_bytes = 0
@@ -258,19 +312,116 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         for pos in members:
             offsets.append(offset)
             offset += params[pos].numel
-        padded = _padded(offset + len(members) + world_size, world_size)
+        padded = padded_numel(offset + len(members) + world_size, world_size)
         element = params[members[0]].element_size
         buckets.append(Bucket(index=index, params=tuple(members), offsets=tuple(offsets),
-                              dtype=params[members[0]].dtype, grad_numel=offset,
-                              padded_numel=padded, world_size=world_size,
-                              pieces=_pieces(padded, world_size, element, partition_size)))
-    bucket_ready = None
-    if priority and ready_times is not None:
+                              dtype=params[members[0]].dtype, grad_numel=offset, padded_numel=padded,
+                              world_size=world_size, pieces=_pieces(padded, world_size, element, partition_size),
+                              element_size=element))
+    return tuple(buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a schedule builds its ops from: the buckets and the order of the reductions."""
+
+    buckets: Tuple[Bucket, ...]
+    reduction_order: Tuple[Tuple[int, int], ...]  # (bucket, piece) in the order the reductions start
+    credit: Optional[int]
+
+
+def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+               world_size: int = 1, schedule: str = "dear", *, partition_size: Union[int, str, None] = None,
+               priority: bool = False, ready_times: Optional[Sequence[float]] = None,
+               bandwidth: Optional[float] = None, credit: Union[int, str, None] = None,
+               comm_hook: str = "none") -> Plan:
+    """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
+
+    ``partition_size`` splits each bucket's buffer into pieces of at most that
+    many bytes, each its own collective.  With ``priority`` and a profile
+    (``ready_times``: seconds after backward starts at which each parameter's
+    gradient is ready, and the link's ``bandwidth`` in bytes/s) the reductions
+    are ordered by :func:`priority_sequence`; without a profile they go in the
+    order backward produces them.  ``credit`` (bytes in flight) is part of the
+    plan because schedules may start ops earlier when a credit window bounds them.
+    """
+    from .schedules import get_schedule  # the registry imports this module
+
+    policy = get_schedule(schedule)
+    buffer_size = parse_size(buffer_size)
+    partition_size = None if partition_size is None else parse_size(partition_size)
+    credit = None if credit is None else parse_size(credit)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    params = tuple(params)
+    if not params:
+        raise ValueError("the model has no trainable parameters to plan for")
+    buckets = layout_buckets(params, buffer_size, world_size, partition_size)
+    backward = [(b.index, k) for b in reversed(buckets) for k in range(len(b.pieces))]
+    if priority and ready_times is not None and bandwidth:
         if len(ready_times) != len(params):
             raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
         bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
-    ops = _ops_for(schedule, buckets, [params[b.params[0]].element_size for b in buckets], bucket_ready,
-                   bandwidth if priority else None)
-    return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params,
-                buckets=tuple(buckets), ops=ops, partition_size=partition_size, priority=priority)
+        probes = [CommOp(policy.reduction, b, k, buckets[b].piece_nbytes(k)) for b, k in backward]
+        backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth)]
+    ops = tuple(policy.ops(Layout(buckets, tuple(backward), credit)))
+    _check_ops(ops, buckets, schedule)
+    return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params, buckets=buckets,
+                ops=ops, partition_size=partition_size, priority=priority, credit=credit, comm_hook=comm_hook)
 
+
+def moment_key(point: Point, ops: Sequence[CommOp] = ()) -> Tuple[int, int]:
+    """Sort key of the moments of an iteration: backward (gradients ready, its end), ``step()``, then the
+    buckets' forwards.  ``AFTER(i)`` sorts with the start of op ``i``."""
+    if point.when is When.AFTER:
+        return moment_key(ops[point.index].start, ops)
+    order = {When.GRADS_READY: (0, 0), When.BACKWARD_END: (0, 1), When.STEP: (1, 0)}
+    return order[point.when] if point.when in order else (2, point.index)
+
+
+def _check_ops(ops: Sequence[CommOp], buckets: Sequence[Bucket], schedule: str) -> None:
+    """A schedule's ops must be executable: what the executor relies on, checked once per plan.
+
+    * starts never go back in time along the plan order, and no op is due before it may start (so forcing
+      the ops up to one that is due never starts an op before its moment);
+    * an all-gather of a piece comes after that piece's reduce-scatter and starts after it, or once it is due;
+    * the last op of each bucket, and only it, applies the bucket's update, and no op of the bucket is due later.
+    """
+    def bad(why):
+        raise ValueError(f"schedule {schedule!r} built an invalid plan: {why}")
+
+    last, producer = {}, {}
+    previous_start = (0, 0)
+    for position, op in enumerate(ops):
+        if not 0 <= op.bucket < len(buckets) or not 0 <= op.piece < len(buckets[op.bucket].pieces):
+            bad(f"op {position} names bucket {op.bucket} piece {op.piece}, which the layout does not have")
+        if op.start.when is When.AFTER and not 0 <= op.start.index < position:
+            bad(f"op {position} starts after op {op.start.index}, which is not an earlier op")
+        if op.due.when not in (When.BACKWARD_END, When.STEP, When.FORWARD):
+            bad(f"op {position} is due at {op.due}; ops are due at backward end, step() or a bucket's forward")
+        start = moment_key(op.start, ops)
+        if start < previous_start:
+            bad(f"op {position} may start at {op.start}, before an op ahead of it in the plan")
+        if start > moment_key(op.due):
+            bad(f"op {position} starts at {op.start} but is due before that, at {op.due}")
+        previous_start = start
+        piece = (op.bucket, op.piece)
+        if op.kind == ALL_GATHER:
+            source = producer.get(piece)
+            if source is None:
+                bad(f"op {position} all-gathers bucket {op.bucket} piece {op.piece} before any reduce-scatter of it")
+            if op.start != after(source) and start < moment_key(ops[source].due):
+                bad(f"op {position} may start before the reduce-scatter it gathers (op {source}) is due")
+        elif op.kind == REDUCE_SCATTER:
+            producer[piece] = position
+        last[op.bucket] = position
+    for b in range(len(buckets)):
+        if b not in last:
+            bad(f"bucket {b} has no op")
+        for i, op in enumerate(ops):
+            if op.bucket != b:
+                continue
+            if op.update != (i == last[b]):
+                bad(f"op {i}: the last op of bucket {b} in plan order, and only it, applies the bucket's update")
+            if moment_key(op.due) > moment_key(ops[last[b]].due):
+                bad(f"op {i} is due after its bucket's update")

@@ -117,13 +117,18 @@ OPTIMIZERS = {
 }
 
 
+EXTRA_OPTIMIZERS = {  # for single tests; not in every optimizer loop
+    "sgd-plain-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+}
+
+
 def make_optimizer(name, model):
     if name == "groups+scheduler":
         params = list(model.parameters())
         opt = torch.optim.SGD([{"params": params[:2], "lr": 0.2}, {"params": params[2:], "lr": 0.05}],
                               lr=0.1, momentum=0.9)
         return opt
-    return OPTIMIZERS[name]([p for p in model.parameters()])
+    return {**OPTIMIZERS, **EXTRA_OPTIMIZERS}[name]([p for p in model.parameters()])
 
 
 def make_scheduler(name, opt):

@@ -14,7 +14,6 @@ maker (the same inputs on every schedule) and the loss.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Optional
 
 import torch

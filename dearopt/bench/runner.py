@@ -28,7 +28,7 @@ from typing import Dict, List
 
 import torch
 
-from dearopt.plan import SCHEDULES as _DEAROPT_SCHEDULES
+from dearopt.schedules import names as _dearopt_schedules
 
 VARIANTS = {
     # name: (dearopt schedule, extra DistOptim keywords); the bucket size is --bucket-mb for all
@@ -38,8 +38,8 @@ VARIANTS = {
 """Configured variants: ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
 (issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9)."""
 
-SCHEDULES = ("ddp",) + tuple(_DEAROPT_SCHEDULES) + tuple(VARIANTS)
-"""Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.plan.SCHEDULES``)
+SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
+"""Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.schedules.names()``)
 and the configured :data:`VARIANTS`."""
 
 
@@ -77,7 +77,7 @@ class _Runner:
             self.opt = dearopt.DistOptim(inner, model, schedule=base,
                                          buffer_size=int(cfg["bucket_mb"] * 2**20), timeline=timeline_path, **extra)
             if timeline_path:
-                self.timeline = self.opt._executor.timeline  # forward/iteration spans from the benchmark side
+                self.timeline = self.opt.timeline  # forward/iteration spans from the benchmark side
         self.iteration = 0
 
     def step(self, x, y) -> Dict[str, float]:
@@ -121,29 +121,16 @@ def _barrier(backend) -> None:
 
 def _forward_order_specs(model, workload):
     """Parameters in forward execution order, as dearopt's planner sees them."""
-    from dearopt.plan import ParamSpec
+    from dearopt.forward_order import param_specs, parameters_in_forward_order, record_forward_order
 
-    order, seen, hooks = [], set(), []
+    def run():
+        with torch.no_grad():
+            model(workload.make_batch(0)[0])
 
-    def pre(module, args):
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                order.append(p)
-
-    for m in model.modules():
-        hooks.append(m.register_forward_pre_hook(pre))
-    with torch.no_grad():
-        model(workload.make_batch(0)[0])
-    for h in hooks:
-        h.remove()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            order.append(p)
+    modules = record_forward_order(model, run)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
-    return [ParamSpec(names.get(id(p), f"p{i}"), p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
-            for i, p in enumerate(order)]
+    return param_specs(parameters_in_forward_order(model, modules, trainable), names)
 
 
 class _Parts:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch
 

@@ -1,39 +1,35 @@
 """``hvd.DistributedOptimizer`` on dearopt's engine.
 
 The returned object is an instance of the wrapped optimizer's own class (as in
-Horovod, ``isinstance(opt, torch.optim.SGD)`` holds) that shares
-``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer.
+Horovod, ``isinstance(opt, torch.optim.SGD)`` holds), built through
+``torch.optim.Optimizer.__init__``, that shares ``param_groups``, ``state``
+and ``defaults`` with the wrapped optimizer.
 
-Two ways of reducing gradients sit behind it:
-
-* **The engine** (``compression=Compression.none``, the default): a
-  :class:`dearopt.DistOptim` with ``schedule="wfbp"``: fused all-reduces start
-  during backward, ``synchronize()`` waits for them and leaves the averaged
-  gradient in every ``p.grad``, ``step()`` applies the wrapped optimizer.  Horovod
-  has no model argument, so the engine is given a small module that holds the
-  optimizer's parameters under their Horovod names; its forward hooks never
-  fire, which ``wfbp`` does not need.  ``schedule="dear"`` (updates in the next
-  forward) needs the real model: pass ``model=``.
-* **Per-parameter hooks** (any other ``compression``): Horovod's own scheme,
-  one asynchronous all-reduce of the compressed gradient per parameter,
-  started during backward in a fixed order (reverse registration order) so
-  that every rank issues the same sequence.
+Behind it is a :class:`dearopt.DistOptim` (``schedule="wfbp"`` by default):
+fused all-reduces start during backward, ``synchronize()`` waits for them and
+leaves the averaged gradient in every ``p.grad``, ``step()`` applies the
+wrapped optimizer.  Horovod has no model argument, so the engine is given a
+small module that holds the optimizer's parameters under their Horovod names;
+its forward hooks never fire, which ``wfbp`` does not need.  ``schedule="dear"``
+(updates in the next forward) needs the real model: pass ``model=``.
+A ``compression`` other than ``Compression.none`` becomes the engine's
+communication hook (:class:`CompressorHook`), so it works with every schedule.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
-from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from .. import runtime
+from ..comm_hooks import CommHook
 from ..errors import UsageError
 from ..optimizer import DistOptim
 from ..plan import DEFAULT_BUFFER_SIZE
+from ..schedules import get_schedule
 from . import mpi_ops
 from .compression import Compression, NoneCompressor
 from .mpi_ops import Adasum, Average, Sum
@@ -76,96 +72,36 @@ def _find_duplicates(names):
     return dups
 
 
-def _scales(op, predivide):
-    """Horovod's split of an average: divide by f before the sum, by size/f after."""
-    if op == Average:
-        return 1.0 / predivide, predivide
-    return 1.0, 1.0
+class CompressorHook(CommHook):
+    """A Horovod compressor (``compress``/``decompress``) as the engine's communication hook.
 
+    ``gradient_predivide_factor`` f is applied as Horovod does: gradients are
+    divided by f before they are compressed and summed, and multiplied by f
+    after (the engine then divides by the world size), which keeps float16
+    sums in range.
+    """
 
-class _HookReducer:
-    """Horovod's per-parameter scheme: compress, all-reduce asynchronously, decompress at synchronize()."""
+    def __init__(self, compressor, predivide: float = 1.0):
+        self.compressor = compressor
+        self.predivide = float(predivide)
+        self.name = f"horovod-{getattr(compressor, '__name__', type(compressor).__name__)}-{self.predivide:g}"
 
-    def __init__(self, params, compression, op, predivide, bpps):
-        main = runtime.get_backend()
-        try:
-            self.backend = main.fork()
-            self.owns_backend = True
-        except NotImplementedError:
-            self.backend, self.owns_backend = main, False
-        self.params = params
-        self.order = list(reversed(params))  # gradients of the last layers come first in backward
-        self.compression, self.op, self.bpps = compression, op, bpps
-        self.prescale, self.postscale = _scales(op, predivide)
-        self.hooks: Dict[int, object] = {}
-        self.delay = {id(p): bpps for p in params}
-        self.ready = set()
-        self.inflight: "OrderedDict[int, tuple]" = OrderedDict()
-        self.next = 0
-        self.register_hooks()
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.compressor.compress(torch.zeros(1, dtype=dtype))[0].dtype
 
-    def register_hooks(self):
-        for p in self.params:
-            if p.requires_grad and id(p) not in self.hooks:
-                self.hooks[id(p)] = p.register_post_accumulate_grad_hook(self._hook)
+    def encode(self, grads, out):
+        source = grads / self.predivide if self.predivide != 1.0 else grads
+        compressed, ctx = self.compressor.compress(source)
+        if compressed.numel() != grads.numel():
+            raise ValueError(f"compression {self.name} changed the number of elements ({grads.numel()} -> "
+                             f"{compressed.numel()}); the engine reduces compressed gradients element by element")
+        out.copy_(compressed.reshape(-1))
+        return ctx
 
-    def _hook(self, p):
-        key = id(p)
-        if key in self.inflight or self.delay[key] <= 0:
-            raise AssertionError(_TOO_MANY_PASSES)
-        self.delay[key] -= 1
-        if self.delay[key] == 0:
-            self.ready.add(key)
-            self._launch_ready()
-
-    def _launch_ready(self):
-        while self.next < len(self.order):
-            p = self.order[self.next]
-            if p.requires_grad and id(p) not in self.ready:
-                break
-            if p.requires_grad:
-                self._launch(p)
-            self.next += 1
-
-    def _launch(self, p):
-        if p.grad is None:
-            # as Horovod: another rank may have a gradient for it, so send zeros
-            p.grad = torch.zeros_like(p)
-        compressed, ctx = self.compression.compress(p.grad)
-        if compressed is p.grad:
-            compressed = compressed.clone()
-        works, finish = mpi_ops._allreduce_start(compressed, compressed, self.op, self.prescale, self.postscale,
-                                                 "DistributedOptimizer", backend=self.backend)
-        self.inflight[id(p)] = (p, works, finish, ctx)
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.inflight) or bool(self.ready)
-
-    def synchronize(self):
-        for p in self.order[self.next:]:
-            if p.requires_grad and id(p) not in self.inflight:
-                self._launch(p)
-        self.next = len(self.order)
-        for p, works, finish, ctx in self.inflight.values():
-            for w in works:
-                w.wait()
-            reduced = self.compression.decompress(finish(), ctx)
-            with torch.no_grad():
-                p.grad.copy_(reduced)
-        self.inflight.clear()
-        self.ready.clear()
-        self.next = 0
-        self.delay = {id(p): self.bpps for p in self.params}
-        self.register_hooks()  # parameters that became trainable since
-
-    def close(self):
-        for h in self.hooks.values():
-            h.remove()
-        self.hooks.clear()
-        if self.owns_backend:
-            self.backend.close()
-            self.owns_backend = False
+    def decode(self, wire, out, ctx):
+        out.copy_(self.compressor.decompress(wire, ctx))
+        if self.predivide != 1.0:
+            out.mul_(self.predivide)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -174,13 +110,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_setup(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups, sparse_as_dense, model, schedule, buffer_size):
         self._inner = optimizer
-        self.defaults = optimizer.defaults
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, attr, OrderedDict())
         params: List[torch.nn.Parameter] = []
         seen = set()
         for group in optimizer.param_groups:
@@ -221,75 +153,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._reduced = False  # this step's gradients have been reduced (and scaled for op=Sum)
-        self._engine: Optional[DistOptim] = None
-        self._reducer: Optional[_HookReducer] = None
-        uses_engine = compression is Compression.none or compression is NoneCompressor
-        if not uses_engine and schedule != "wfbp":
-            raise ValueError(f"compression={getattr(compression, '__name__', compression)} is carried out by "
-                             f"per-parameter all-reduces and cannot be combined with schedule={schedule!r}; use "
-                             "the default schedule='wfbp' or compression=hvd.Compression.none")
-        if schedule == "dear" and model is None:
-            raise ValueError("schedule='dear' applies each update during the next forward and needs the model: "
-                             "pass hvd.DistributedOptimizer(..., model=model)")
-        if uses_engine:
-            container = model if model is not None else _ParameterContainer(
-                [(self._parameter_names[p], p) for p in params])
-            self._engine = DistOptim(optimizer, container, schedule=schedule, buffer_size=buffer_size,
-                                     backward_passes_per_step=backward_passes_per_step, broadcast_parameters=False,
-                                     broadcast_buffers=False, nonfinite="ignore")
-        else:
-            self._reducer = _HookReducer(params, compression, op, gradient_predivide_factor,
-                                         backward_passes_per_step)
+        plain = compression is Compression.none or compression is NoneCompressor
+        hook = None if plain and gradient_predivide_factor == 1.0 else CompressorHook(
+            NoneCompressor if plain else compression, gradient_predivide_factor)
+        container = model if model is not None else _ParameterContainer(
+            [(self._parameter_names[p], p) for p in params])
+        self._engine = DistOptim(optimizer, container, schedule=schedule, buffer_size=buffer_size,
+                                 backward_passes_per_step=backward_passes_per_step, broadcast_parameters=False,
+                                 broadcast_buffers=False, nonfinite="ignore", comm_hook=hook)
+        self._sum = op == Sum
 
     # ------------------------------------------------------------- Horovod
     def synchronize(self) -> None:
         """Wait for the gradient reductions: afterwards every ``p.grad`` holds the reduced gradient."""
-        if self._engine is not None:
-            if not self._reduced:
-                executor = self._engine._executor
-                executor.reduce_gradients()
-                if self.op == Sum and executor.world > 1:
-                    for bucket in executor.buckets:
-                        bucket.buffer[:bucket.spec.grad_numel].mul_(executor.world)
-                self._reduce_unplanned(executor)
-                self._reduced = True
-        else:
-            self._reducer.synchronize()
+        if not self._reduced:
+            self._engine.reduce_gradients()
+            if self._sum and runtime.size() > 1:
+                with torch.no_grad():
+                    for p in self._params:
+                        if p.grad is not None:
+                            p.grad.mul_(runtime.size())
             self._reduced = True
         self._synchronized = True
-
-    def _unplanned(self, executor) -> List[torch.nn.Parameter]:
-        """Parameters that became trainable after the engine planned its buckets (it does not reduce them)."""
-        if executor.plan is None:
-            return []
-        return [p for p in self._params if p.requires_grad and id(p) not in executor._where]
-
-    def _reduce_unplanned(self, executor) -> None:
-        """Reduce the gradients of parameters unfrozen after planning, in a fixed order, on the engine's channel."""
-        self._extra = self._unplanned(executor)
-        for p in self._extra:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # another rank may have a gradient for it (as Horovod)
-            works, finish = mpi_ops._allreduce_start(p.grad, p.grad, self.op, 1.0, 1.0, "DistributedOptimizer",
-                                                     backend=executor.backend)
-            for w in works:
-                w.wait()
-            finish()
-
-    def _step_unplanned(self) -> None:
-        """Apply the wrapped optimizer to the parameters the engine does not own (see :meth:`_reduce_unplanned`)."""
-        extra = {id(p) for p in getattr(self, "_extra", [])}
-        if not extra:
-            return
-        saved = [g["params"] for g in self._inner.param_groups]
-        try:
-            for g in self._inner.param_groups:
-                g["params"] = [p for p in g["params"] if id(p) in extra]
-            self._inner.step()
-        finally:
-            for g, params in zip(self._inner.param_groups, saved):
-                g["params"] = params
-        self._extra = []
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -305,8 +190,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise UsageError("hvd.DistributedOptimizer.step() does not take a closure here: run forward and "
                              "backward before step()")
-        if self._engine is not None and self._engine.options.schedule == "dear":
-            pass  # dear averages into shards and updates during the next forward: nothing to wait for here
+        if not self._engine.gradients_in_place_before_step:
+            pass  # the schedule keeps averaged shards and updates during the next forward: nothing to wait for
         elif self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNCHRONIZE_WARNING)
@@ -316,50 +201,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         self._reduced = False
-        if self._engine is not None:
-            self._engine.step()
-            self._step_unplanned()
-        else:
-            self._inner.step()
+        self._engine.step()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._engine is not None:
-            try:
-                self._engine.zero_grad(set_to_none)
-            except UsageError as exc:
-                raise AssertionError(_ZERO_GRAD_WARNING) from exc
-        else:
-            if self._reducer.pending:
-                raise AssertionError(_ZERO_GRAD_WARNING)
-            self._inner.zero_grad(set_to_none=set_to_none)
+        try:
+            self._engine.zero_grad(set_to_none)
+        except UsageError as exc:
+            raise AssertionError(_ZERO_GRAD_WARNING) from exc
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError("backward_passes_per_step must be > 0")
         self.backward_passes_per_step = passes
-        if self._engine is not None:
-            options = dataclasses.replace(self._engine.options, backward_passes_per_step=passes)
-            self._engine.options = options
-            self._engine._executor.options = options
-        else:
-            self._reducer.bpps = passes
-            self._reducer.delay = {id(p): passes for p in self._params}
+        self._engine.set_backward_passes_per_step(passes)
 
     # --------------------------------------------------------- optimizer
     def state_dict(self):
-        return self._engine.state_dict() if self._engine is not None else self._inner.state_dict()
+        return self._engine.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        if self._engine is not None:
-            self._engine.load_state_dict(state_dict)
-        else:
-            self._inner.load_state_dict(state_dict)
+        self._engine.load_state_dict(state_dict)
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
         self._synchronized = False
 
     def add_param_group(self, param_group) -> None:
+        if getattr(self, "_engine", None) is None:  # Optimizer.__init__ registering the wrapped optimizer's groups
+            return torch.optim.Optimizer.add_param_group(self, param_group)
         raise UsageError("add_param_group() after hvd.DistributedOptimizer() is not supported: add the group to "
                          "the plain optimizer before wrapping it")
 
@@ -370,10 +239,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release the hooks and the communicator of this optimizer."""
-        if self._engine is not None:
-            self._engine.close()
-        if self._reducer is not None:
-            self._reducer.close()
+        self._engine.close()
 
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self._inner!r})"
@@ -435,6 +301,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, got {op!r}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise UsageError("this optimizer is already an hvd.DistributedOptimizer; wrap the plain optimizer once")
+    if model is None and get_schedule(schedule).updates_in_forward:
+        raise ValueError(f"schedule={schedule!r} applies updates during the next forward and needs the model: "
+                         "pass hvd.DistributedOptimizer(..., model=model)")
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:

@@ -1,0 +1,117 @@
+"""Run-time state of a planned bucket: its flat buffer, the gradient views, and its pieces.
+
+A bucket owns one flat buffer laid out as the plan says
+(:class:`dearopt.plan.Bucket`): every parameter's ``.grad`` is a view into
+it, so backward writes gradients straight into what is communicated.  Each
+piece (partition) of the buffer is the unit a collective works on; its shard
+is this rank's part of the reduce-scatter result.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .plan import Bucket
+
+__all__ = ["BucketState", "PieceState"]
+
+
+class PieceState:
+    """One partition ``[start, end)`` of a bucket's buffer and this rank's shard of it."""
+
+    def __init__(self, bucket: "BucketState", index: int, start: int, end: int, shard: torch.Tensor, world: int,
+                 rank: int):
+        self.bucket = bucket
+        self.index = index
+        self.full = bucket.buffer[start:end]
+        self.shard = shard
+        grad_numel = bucket.spec.grad_numel
+        n = (end - start) // world
+        first_element = start + rank * n  # the buffer element this rank's shard starts at
+        self.shard_grad = shard[: max(0, min(n, grad_numel - first_element))]
+        self.full_grad = self.full[: max(0, min(end, grad_numel) - start)]
+        self.wire_full: Optional[torch.Tensor] = None  # the same piece in a comm hook's wire dtype
+        self.wire_shard: Optional[torch.Tensor] = None
+
+    def region(self, result: str) -> torch.Tensor:
+        """The gradient elements of an op's result: this rank's shard, or the whole piece."""
+        return self.shard_grad if result == "shard" else self.full_grad
+
+    def wire(self, dtype: torch.dtype):
+        """Buffers of this piece in ``dtype`` (allocated once) for a comm hook that changes the dtype."""
+        if self.wire_full is None or self.wire_full.dtype != dtype:
+            self.wire_full = torch.zeros(self.full.numel(), dtype=dtype, device=self.full.device)
+            self.wire_shard = torch.zeros(self.shard.numel(), dtype=dtype, device=self.shard.device)
+        return self.wire_full, self.wire_shard
+
+
+class BucketState:
+    """The buffer, views and per-parameter bookkeeping of one planned bucket."""
+
+    def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], names: List[str], group_of: List[int],
+                 n_groups: int, world: int, rank: int):
+        self.spec = spec
+        self.index = spec.index
+        self.params = params
+        self.names = names
+        self.buffer = torch.zeros(spec.padded_numel, dtype=params[0].dtype, device=params[0].device)
+        self.views = [self.buffer[o:o + p.numel()].view_as(p) for o, p in zip(spec.offsets, params)]
+        self.ptrs = [v.data_ptr() for v in self.views]
+        self.flags = self.buffer[spec.flags_offset:spec.flags_offset + len(params)]
+        self.tags = self.buffer[spec.tags_offset:spec.tags_offset + world]
+        self.shard = torch.empty(spec.padded_numel // world, dtype=self.buffer.dtype, device=self.buffer.device)
+        self.pieces: List[PieceState] = []
+        offset = 0
+        for k, (start, end) in enumerate(spec.pieces or ((0, spec.padded_numel),)):
+            n = (end - start) // world
+            self.pieces.append(PieceState(self, k, start, end, self.shard[offset:offset + n], world, rank))
+            offset += n
+        self.group_members = [[p for p, g in zip(params, group_of) if g == gi] for gi in range(n_groups)]
+        self.position = {id(p): j for j, p in enumerate(params)}
+        self.used = [False] * len(params)  # got a gradient since the last zero_grad (sent as flags)
+        self.has_grad = [False] * len(params)  # what `p.grad is not None` would be without buckets
+        self.stamp = [-1] * len(params)  # the backward pass that last counted this gradient as ready
+        self.ready = 0  # gradients counted ready in the communicating backward pass
+        self.meta_written = False  # flags and step tag written into the buffer for this round
+        self.pending = False  # reduced gradients await the optimizer update
+        self.zero_after_update: Optional[bool] = None  # zero_grad() came while the update was pending
+
+    @property
+    def complete(self) -> bool:
+        return self.ready >= len(self.params)
+
+    def adopt(self, p: torch.nn.Parameter, j: int) -> None:
+        """Make ``p.grad`` the bucket's view, keeping any gradient it had."""
+        if p.grad is not None:
+            self.views[j].copy_(p.grad)
+            self.used[j] = self.has_grad[j] = True
+        p.grad = self.views[j]
+
+    def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
+        """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
+        grad = p.grad
+        if grad is None or grad.data_ptr() != self.ptrs[j]:
+            view = self.views[j]
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            p.grad = view
+        self.used[j] = True
+
+    def restore_views(self) -> None:
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                p.grad = view
+
+    def start_round(self) -> None:
+        self.ready = 0
+        self.meta_written = False
+
+    def zero(self, set_to_none: bool) -> None:
+        self.buffer.zero_()
+        self.used = [False] * len(self.params)
+        if set_to_none:
+            self.has_grad = [False] * len(self.params)

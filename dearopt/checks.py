@@ -1,0 +1,171 @@
+"""The agreement checks: every rank at the same step, with the same plan, parameters and finite gradients.
+
+* **Step tags** (``check_agreement``): before its first reduction each bucket
+  gets this rank's tag (step number and training forwards since the last
+  step) in its own slot of the bucket's tail; after the reduction every rank
+  sees every rank's tag and raises :class:`StepMismatchError` if they differ.
+* **Used flags**: one per parameter, summed: how many ranks produced a
+  gradient.  Zero means skip the parameter (as ``grad=None``); between zero and
+  the world size is :class:`UnusedParameterMismatchError`.
+* **Non-finite gradients** (``nonfinite``): raise, skip the step on every
+  rank, or ignore.
+* **Plan agreement** once per plan, and parameter checksums per step in debug mode.
+
+The tags and flags ride in the gradient buffers, so they cost no message of
+their own; the others use the executor's control channel.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from .buckets import BucketState
+from .collectives import CollectiveBackend
+from .errors import NonFiniteGradientError, PlanMismatchError, StepMismatchError, UnusedParameterMismatchError
+from .plan import Plan
+
+__all__ = ["Checks"]
+
+# A rank's step tag encodes its step count and the number of training
+# forwards since its last step; it must be exact in the dtype the bucket
+# travels in (integers up to 256 for bfloat16, 2048 for float16, 2**24 for float32).
+_TAG_STEPS = {torch.bfloat16: 32, torch.float16: 256}
+
+
+class Checks:
+    def __init__(self, options, control: CollectiveBackend, rank: int, world: int):
+        self.options = options
+        self.control = control
+        self.rank = rank
+        self.world = world
+        self.device = control.device
+
+    # ------------------------------------------------------------- tags, flags
+    @staticmethod
+    def tag(step: int, forwards: int, wire_dtype: torch.dtype) -> int:
+        steps = _TAG_STEPS.get(wire_dtype, 2**20)
+        return (step % steps) * 8 + min(forwards, 7)
+
+    def write_meta(self, bucket: BucketState, tag: int) -> None:
+        """The used flags and this rank's step tag, written once per round before the bucket's first reduction."""
+        if not bucket.meta_written:
+            bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
+            bucket.tags.zero_()
+            bucket.tags[self.rank] = tag
+            bucket.meta_written = True
+
+    def check_tags(self, bucket: BucketState, step: int) -> None:
+        if not self.options.check_agreement:
+            return
+        tags = [int(t) for t in bucket.tags.float().round().tolist()]
+        if len(set(tags)) == 1:
+            return
+        seen = ", ".join(f"rank {r}: step {t // 8} ({t % 8} forwards since its last step)" for r, t in enumerate(tags))
+        raise StepMismatchError(
+            f"ranks sent gradients of different steps in one collective ({seen}); a rank skipped or repeated "
+            f"forward/backward/step. No update of this step was applied",
+            rank=self.rank, op="step agreement", bucket=bucket.index, step=step)
+
+    def used(self, bucket: BucketState, step: int) -> List[bool]:
+        """Which parameters of the bucket got a gradient on the ranks; a partial count is an error."""
+        counts = bucket.flags.float().round().tolist()
+        used = []
+        for name, count in zip(bucket.names, counts):
+            if 0 < count < self.world:
+                raise UnusedParameterMismatchError(
+                    f"parameter {name!r} received a gradient on {int(count)} of {self.world} ranks: the ranks ran "
+                    f"different parts of the model. Make every rank use the same parameters each step",
+                    rank=self.rank, op="update", bucket=bucket.index, step=step)
+            used.append(count > 0)
+        return used
+
+    # ------------------------------------------------------------- non-finite
+    def nonfinite(self, regions: Sequence[torch.Tensor], sharded: bool, buckets: Sequence[BucketState],
+                  step: int) -> bool:
+        """Check the averaged gradients (this rank's shards if ``sharded``): True means skip the step."""
+        policy = self.options.nonfinite
+        if policy == "ignore" or not regions:
+            return False
+        local = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for r in regions:
+            # one pass, no temporary: the sum is finite iff every element is (or it overflowed)
+            if r.numel() and not bool(torch.isfinite(r.sum())):
+                local.fill_(1.0)
+                break
+        if sharded and self.world > 1:
+            self.control.all_reduce(local, "max", step=step).wait()
+        if float(local) == 0.0:
+            return False
+        if policy == "skip":
+            return True
+        raise NonFiniteGradientError(self._describe_nonfinite(sharded, buckets, step) + "; pass nonfinite='skip' to "
+                                     "skip such steps", rank=self.rank, op="step", step=step)
+
+    def nonfinite_bucket(self, bucket: BucketState, buckets: Sequence[BucketState], step: int) -> None:
+        """For schedules that update bucket by bucket: this bucket's averaged gradient (``raise`` only)."""
+        if self.options.nonfinite != "raise":
+            return
+        if not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum())):
+            raise NonFiniteGradientError(
+                self._describe_nonfinite(False, buckets, step) + " (this schedule checks bucket by bucket, so "
+                "earlier buckets of this step were already updated)", rank=self.rank, op="update",
+                bucket=bucket.index, step=step)
+
+    def _describe_nonfinite(self, sharded: bool, buckets: Sequence[BucketState], step: int) -> str:
+        """Name the first non-finite parameter and, when sharded, the ranks whose own gradients were non-finite."""
+        def first_bad():
+            position = 0
+            for bucket in buckets:
+                for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
+                    if not bool(torch.isfinite(bucket.buffer[offset:offset + p.numel()]).all()):
+                        return position, name
+                    position += 1
+            return -1, None
+
+        if not sharded:  # the buffers hold the averaged gradients; origins are unknown
+            _, name = first_bad()
+            return f"the averaged gradient of parameter {name!r} is not finite (the rank it came from is unknown)"
+        # sharded: the buffers still hold this rank's own gradients (no all-gather has overwritten them)
+        mine, _ = first_bad()
+        mine_t = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        self.control.all_gather(everyone, mine_t, step=step).wait()
+        names = [n for b in buckets for n in b.names]
+        bad = {r: names[i] for r, i in enumerate(everyone.tolist()) if i >= 0}
+        if not bad:
+            return "the averaged gradient is not finite although every rank's own gradients are finite (overflow)"
+        first = min(bad)
+        return (f"non-finite gradients came from rank(s) {sorted(bad)}; first parameter: {bad[first]!r} on rank "
+                f"{first}")
+
+    # --------------------------------------------------------- plan, params
+    def plan_agreement(self, plan: Plan, step: int) -> None:
+        if self.world == 1:
+            return
+        mine = torch.tensor([plan.fingerprint()], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        self.control.all_gather(everyone, mine).wait()
+        values = everyone.tolist()
+        if len(set(values)) > 1:
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            raise PlanMismatchError(
+                f"ranks built different communication plans (ranks {differ} differ from rank 0): the models, "
+                f"their trainable parameters, the optimizer's parameters or the options (schedule, buffer_size, "
+                f"comm hook) differ between ranks. This rank's plan:\n{plan.describe()}",
+                rank=self.rank, op="plan check", step=step)
+
+    def parameters(self, buckets: Sequence[BucketState], step: int) -> None:
+        """Debug mode: every rank must hold the same parameters (checksums compared)."""
+        sums = torch.tensor([float(sum(p.detach().double().sum() for p in b.params)) for b in buckets],
+                            dtype=torch.float64, device=self.device)
+        everyone = torch.empty(len(buckets) * self.world, dtype=torch.float64, device=self.device)
+        self.control.all_gather(everyone, sums, step=step).wait()
+        table = everyone.view(self.world, -1)
+        differ = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
+        if differ:
+            raise StepMismatchError(f"debug check: the parameters of ranks {differ} differ from rank 0's "
+                                    f"(checksums per bucket {table.tolist()})", rank=self.rank,
+                                    op="parameter checksum", step=step)
+

@@ -1,0 +1,46 @@
+"""The schedule registry: one policy per module, found by name.
+
+A schedule is a :class:`~dearopt.schedules.base.Schedule`: it checks the
+options it is given and lists the plan's collectives (when each starts, when it
+is due, what completing it does).  The executor carries out whatever plan it is
+given and never asks which schedule made it.  Adding a schedule is one module
+with one ``Schedule`` subclass and one line in :data:`_BUILTIN` (or a call to
+:func:`register` from outside the package).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from .base import Schedule, mark_updates
+from .bytescheduler import ByteScheduler
+from .dear import DeAR
+from .rsag import RSAG
+from .wfbp import WFBP
+
+__all__ = ["Schedule", "mark_updates", "get_schedule", "register", "names"]
+
+_BUILTIN = (DeAR, WFBP, RSAG, ByteScheduler)
+_REGISTRY: Dict[str, Schedule] = {cls.name: cls() for cls in _BUILTIN}
+
+
+def register(schedule: Schedule) -> Schedule:
+    """Make ``schedule`` (an instance) available by its ``name`` to ``DistOptim(schedule=...)``."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"register() takes a dearopt.schedules.Schedule instance, got {type(schedule).__name__}")
+    if not schedule.name or schedule.name in _REGISTRY and _REGISTRY[schedule.name] is not schedule:
+        raise ValueError(f"a schedule named {schedule.name!r} is already registered (or the name is empty)")
+    _REGISTRY[schedule.name] = schedule
+    return schedule
+
+
+def get_schedule(name: str) -> Schedule:
+    """The registered schedule called ``name``; a ``ValueError`` listing the known ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"schedule must be one of {names()}, got {name!r}") from None
+
+
+def names() -> Tuple[str, ...]:
+    return tuple(_REGISTRY)

@@ -1,0 +1,53 @@
+"""What every schedule is: a policy that lists a plan's collectives."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar, List, Sequence
+
+from ..plan import CommOp, Layout
+
+__all__ = ["Schedule", "mark_updates"]
+
+
+class Schedule(abc.ABC):
+    """A communication schedule, chosen once by name and asked only to build ops.
+
+    Subclasses set :attr:`name`, :attr:`reduction` (the collective that sums
+    the gradients) and implement :meth:`ops`.  Everything the executor does
+    follows from the ops: when each starts and is due, which region it
+    averages, when the bucket's update runs.
+    """
+
+    name: ClassVar[str] = ""
+    reduction: ClassVar[str] = "all_reduce"
+    takes_ordering_knobs: ClassVar[bool] = True
+    """Whether ``partition_size``, ``credit`` and ``priority`` apply."""
+    reduces_before_step: ClassVar[bool] = True
+    """Whether every gradient is averaged by the end of ``step()`` (``nonfinite="skip"`` needs that)."""
+    updates_in_forward: ClassVar[bool] = False
+    """Whether updates are applied during the next forward (the model's forward hooks must run)."""
+
+    def check_options(self, options) -> None:
+        """Refuse option combinations this schedule cannot carry out (``ValueError`` naming them)."""
+        if not self.takes_ordering_knobs and (options.partition_size is not None or options.credit is not None
+                                              or options.priority):
+            raise ValueError(f"schedule={self.name!r} takes no partition_size, credit or priority")
+        if options.nonfinite == "skip" and not self.reduces_before_step:
+            raise ValueError(f"nonfinite='skip' needs every gradient before the first update; schedule={self.name!r} "
+                             f"updates bucket by bucket as the next forward reaches them: use 'raise' or 'ignore', "
+                             f"or schedule='dear'")
+
+    @abc.abstractmethod
+    def ops(self, layout: Layout) -> Sequence[CommOp]:
+        """The plan's collectives in the order every rank starts them."""
+
+    def __repr__(self) -> str:
+        return f"<schedule {self.name!r}>"
+
+
+def mark_updates(ops: Sequence[CommOp]) -> List[CommOp]:
+    """Mark the last op of each bucket (in plan order) as the one whose completion applies the bucket's update."""
+    last = {op.bucket: i for i, op in enumerate(ops)}
+    return [dataclasses.replace(op, update=(last[op.bucket] == i)) for i, op in enumerate(ops)]

@@ -1,0 +1,30 @@
+"""``rsag``: reduce-scatter, then all-gather, both during backward (the DeAR paper's baseline).
+
+Each piece's all-gather starts once its reduce-scatter has finished (or as soon
+as a later op in the plan is waiting for it), so every rank has the averaged
+gradient in ``p.grad`` by ``step()``, which then applies the optimizer.
+"""
+
+from __future__ import annotations
+
+from ..plan import ALL_GATHER, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, after
+from .base import Schedule, mark_updates
+
+
+class RSAG(Schedule):
+    name = "rsag"
+    reduction = REDUCE_SCATTER
+    takes_ordering_knobs = False
+
+    def check_options(self, options) -> None:
+        if options.partition_size is not None or options.credit is not None or options.priority:
+            raise ValueError("schedule='rsag' is the paper's baseline and takes no partition_size, credit or priority")
+        super().check_options(options)
+
+    def ops(self, layout):
+        ops = []
+        for b, k in layout.reduction_order:
+            nbytes = layout.buckets[b].piece_nbytes(k)
+            ops.append(CommOp(REDUCE_SCATTER, b, k, nbytes, start=GRADS_READY, due=STEP, average=True))
+            ops.append(CommOp(ALL_GATHER, b, k, nbytes, start=after(len(ops) - 1), due=STEP))
+        return mark_updates(ops)

@@ -1,0 +1,77 @@
+"""Applying the wrapped optimizer to one bucket at a time.
+
+The wrapped optimizer's own ``step()`` runs once per bucket with each param
+group narrowed to the bucket's parameters (and to the ones that got a gradient
+on some rank), using the hyperparameters that were in force when the user
+called ``step()``: an LR scheduler that steps in between does not leak into
+updates applied later, in the next forward.
+
+The wrapped optimizer's step hooks (``register_step_pre_hook`` /
+``register_step_post_hook`` on it) fire once per training step, not once per
+bucket: the pre hooks before the first bucket's update, the post hooks after
+the last one.  Its ``step()`` is called without torch's hook wrapper.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .buckets import BucketState
+
+__all__ = ["BucketUpdater"]
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """The optimizer's ``step`` without torch's pre/post hook wrapper (``Optimizer.profile_hook_step``)."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        raw = step.__wrapped__
+        return lambda: raw(optimizer)
+    return optimizer.step
+
+
+class BucketUpdater:
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._step = _unhooked_step(optimizer)
+        self._hyper: Optional[List[Dict]] = None  # hyperparameters in force at step()
+        self._remaining = 0  # bucket updates of this step still to apply
+        self._started = False
+
+    def begin_step(self, n_updates: int) -> None:
+        """A step's updates begin: remember the hyperparameters now in force."""
+        self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self._remaining = n_updates
+        self._started = False
+
+    @property
+    def in_step(self) -> bool:
+        return self._remaining > 0
+
+    def apply(self, bucket: BucketState, include: List[bool]) -> None:
+        """Run the optimizer over the bucket's parameters for which ``include`` is true."""
+        if not self._started:
+            self._started = True
+            for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):
+                hook(self.optimizer, (), {})
+        groups = self.optimizer.param_groups
+        saved = [{k: g[k] for k in (self._hyper[gi] if self._hyper is not None else ())} | {"params": g["params"]}
+                 for gi, g in enumerate(groups)]
+        try:
+            for gi, group in enumerate(groups):
+                if self._hyper is not None:
+                    group.update(self._hyper[gi])
+                members = bucket.group_members[gi] if gi < len(bucket.group_members) else []
+                if not all(include):
+                    members = [p for p in members if include[bucket.position[id(p)]]]
+                group["params"] = members
+            self._step()
+        finally:
+            for group, live in zip(groups, saved):
+                group.update(live)
+        self._remaining -= 1
+        if self._remaining == 0:
+            for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
+                hook(self.optimizer, (), {})

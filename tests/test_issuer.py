@@ -1,0 +1,158 @@
+"""The issuing engine in one process: plan order, moments, the credit window, dependencies, completion.
+
+A fake backend records every op it is asked to start and finishes ops only
+when the test (or a host-side ``synchronize``) says so, so the issuer's
+decisions can be checked step by step against the plan.
+"""
+
+import torch
+
+from dearopt.buckets import BucketState
+from dearopt.collectives import CollectiveBackend, Handle
+from dearopt.issuer import CreditWindow, Issuer
+from dearopt.plan import ParamSpec, When, build_plan
+from dearopt.timeline import Timeline
+
+
+class FakeHandle(Handle):
+    def __init__(self, log, op):
+        self.op, self.finished, self.log = op, False, log
+
+    def is_completed(self):
+        return self.finished
+
+    def wait(self, timeout=None):
+        self.finished = True
+
+    def synchronize(self, timeout=None):
+        self.log.append(("synchronize", self.op))
+        self.finished = True
+
+
+class FakeBackend(CollectiveBackend):
+    """World size 2 as far as shapes go; reductions double the input (the other rank sends the same)."""
+
+    def __init__(self):
+        super().__init__(rank=0, size=2, timeout=1.0)
+        self.started = []
+        self.log = []
+
+    def _handle(self, name, tensor):
+        handle = FakeHandle(self.log, name)
+        self.started.append((name, tensor.numel(), handle))
+        return handle
+
+    def reduce_scatter(self, out_shard, in_full, **where):
+        out_shard.copy_(in_full[: out_shard.numel()] * 2)
+        return self._handle("reduce_scatter", in_full)
+
+    def all_gather(self, out_full, in_shard, **where):
+        out_full.copy_(in_shard.repeat(2))
+        return self._handle("all_gather", out_full)
+
+    def all_reduce(self, tensor, op="sum", **where):
+        tensor.mul_(2)
+        return self._handle("all_reduce", tensor)
+
+    def broadcast(self, tensor, root=0, **where):
+        return self._handle("broadcast", tensor)
+
+
+def make(schedule, numels, buffer_size, credit=None, partition_size=None):
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+    specs = [ParamSpec(f"p{i}", n, "float32", 4) for i, n in enumerate(numels)]
+    plan = build_plan(specs, buffer_size, 2, schedule, credit=credit, partition_size=partition_size)
+    buckets = [BucketState(b, [params[i] for i in b.params], [specs[i].name for i in b.params],
+                           [0] * len(b.params), 1, 2, 0) for b in plan.buckets]
+    backend = FakeBackend()
+    issuer = Issuer(plan, buckets, backend, CreditWindow(credit), None, Timeline(None, 0), prepare=lambda b: None)
+    issuer.start_round(0)
+    return plan, buckets, backend, issuer
+
+
+class Moments:
+    """What the executor would answer: which moments have come."""
+
+    def __init__(self):
+        self.ready, self.backward_done, self.stepped, self.forward = set(), False, False, -1
+
+    def __call__(self, op):
+        start = op.spec.start
+        if start.when is When.GRADS_READY:
+            return self.backward_done or op.spec.bucket in self.ready
+        if start.when is When.STEP:
+            return self.stepped
+        if start.when is When.FORWARD:
+            return self.forward >= start.index
+        return True
+
+
+def test_ops_start_in_plan_order_when_their_moment_comes():
+    plan, buckets, backend, issuer = make("dear", [8, 8, 8], 40)
+    m = Moments()
+    m.ready.add(1)  # bucket 1 is ready first, but bucket 2's reduce-scatter is ahead of it in the plan
+    issuer.pump(m)
+    assert backend.started == []
+    m.ready.add(2)
+    issuer.pump(m)
+    assert [(n, i) for n, i, _ in backend.started] == [("reduce_scatter", 12), ("reduce_scatter", 12)]
+    m.backward_done = True
+    issuer.pump(m)
+    assert len(backend.started) == 3 and issuer.cursor == 3  # the gathers wait for step()
+    m.stepped = True
+    issuer.pump(m)
+    assert issuer.cursor == 4  # bucket 0's gather; bucket 1's waits for the forward of bucket 0
+    m.forward = 0
+    issuer.pump(m)
+    assert issuer.cursor == 5
+    assert [(k, b) for _, k, b, _ in issuer.launch_log] == [(op.kind, op.bucket) for op in plan.ops[:5]]
+
+
+def test_the_credit_window_bounds_bytes_in_flight_and_forced_ops_wait_for_room():
+    # 4 buckets of one 8-element parameter: 12 elements (8 + a flag + 2 tags, padded) = 48 bytes per op
+    plan, buckets, backend, issuer = make("wfbp", [8, 8, 8, 8], 40, credit=100)
+    m = Moments()
+    m.backward_done = True
+    issuer.pump(m)
+    assert len(backend.started) == 2 and issuer.window.inflight_bytes == 96  # a third would exceed 100
+    backend.started[0][2].finished = True  # the first finishes: room for one more
+    issuer.pump(m)
+    assert len(backend.started) == 3 and issuer.window.inflight_bytes == 96
+    # forcing the last op (its result is due) waits for room on the oldest op in flight, on the host
+    issuer.pump(m, force_through=len(plan.ops) - 1)
+    assert len(backend.started) == 4 and ("synchronize", "all_reduce") in backend.log
+    assert issuer.window.max_inflight_bytes <= 100
+
+
+def test_a_single_op_larger_than_the_credit_still_goes_alone():
+    plan, buckets, backend, issuer = make("wfbp", [100, 100], 10**6, credit=16)
+    m = Moments()
+    m.backward_done = True
+    issuer.pump(m)
+    assert len(backend.started) == 1  # alone in flight, over the credit: never a deadlock
+
+
+def test_an_op_after_another_waits_for_it_unless_a_later_op_is_ready():
+    plan, buckets, backend, issuer = make("rsag", [8, 8], 40)
+    m = Moments()
+    m.ready.add(1)
+    issuer.pump(m)
+    assert [n for n, _, _ in backend.started] == ["reduce_scatter"]  # its gather waits for it to finish
+    m.ready.add(0)  # the next reduce-scatter is ready: the gather goes first, after waiting for its source
+    issuer.pump(m)
+    assert [n for n, _, _ in backend.started] == ["reduce_scatter", "all_gather", "reduce_scatter"]
+    assert issuer.ops[0].done  # completed (averaged) before its gather read it
+
+
+def test_completion_averages_the_result_region_once():
+    plan, buckets, backend, issuer = make("dear", [6], 100)
+    bucket = buckets[0]
+    bucket.views[0].copy_(torch.arange(6.0))
+    m = Moments()
+    m.backward_done = True
+    issuer.pump(m)
+    rs = issuer.ops[0]
+    issuer.complete(rs)
+    issuer.complete(rs)  # idempotent
+    # the fake reduce-scatter doubled this rank's half (elements 0..4 of the padded 10); averaged by 2
+    torch.testing.assert_close(bucket.pieces[0].shard_grad, torch.arange(5.0))

@@ -1,0 +1,168 @@
+"""The planner and the schedules, without processes: layouts, fingerprints, each schedule's ops and moments."""
+
+import dataclasses
+
+import pytest
+
+import dearopt
+from dearopt.plan import (ALL_GATHER, ALL_REDUCE, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, ParamSpec, When,
+                          after, build_plan, forward_of, layout_buckets, padded_numel)
+from dearopt.schedules import Schedule, get_schedule, mark_updates, register
+
+
+def specs(*numels, dtype="float32", size=4):
+    return [ParamSpec(f"p{i}", n, dtype, size) for i, n in enumerate(numels)]
+
+
+def test_buckets_fill_from_the_output_side_and_pad_to_the_world():
+    params = specs(10, 20, 30, 40)  # 40, 80, 120, 160 bytes
+    buckets = layout_buckets(params, 200, world_size=3)
+    # backward produces p3, p2, p1, p0: p3+p2 = 280 > 200 closes {p3}; {p2, p1} = 200; {p0}
+    assert [b.params for b in buckets] == [(0,), (1, 2), (3,)]
+    b = buckets[1]
+    assert b.offsets == (0, 20) and b.grad_numel == 50
+    assert b.flags_offset == 50 and b.tags_offset == 52  # one flag per parameter, then one tag per rank
+    assert b.padded_numel == padded_numel(50 + 2 + 3, 3) == 57 and b.padded_numel % 3 == 0
+    assert b.pieces == ((0, 57),) and b.shard_numel == 19
+
+
+def test_a_dtype_change_closes_a_bucket():
+    params = specs(4, 4) + [ParamSpec("h", 4, "float16", 2)] + specs(4)
+    buckets = layout_buckets(params, 10**6, 1)
+    assert [b.dtype for b in buckets] == ["float32", "float16", "float32"]
+    assert [b.element_size for b in buckets] == [4, 2, 4]
+
+
+def test_partitions_are_multiples_of_the_world_and_cover_the_buffer():
+    (bucket,) = layout_buckets(specs(1000, 37), 10**6, 3, partition_size=256)
+    assert bucket.pieces[0][0] == 0 and bucket.pieces[-1][1] == bucket.padded_numel
+    for (s, e), (s2, _) in zip(bucket.pieces, bucket.pieces[1:]):
+        assert e == s2
+    assert all((e - s) % 3 == 0 and (e - s) * 4 <= 256 for s, e in bucket.pieces)
+    assert sum(bucket.piece_nbytes(k) for k in range(len(bucket.pieces))) == bucket.padded_numel * 4
+
+
+BASE = dict(params=specs(10, 20, 30, 40), buffer_size=200, world_size=2, schedule="dear")
+
+
+@pytest.mark.parametrize("change", [
+    {"buffer_size": 120}, {"world_size": 3}, {"schedule": "wfbp"}, {"partition_size": 64}, {"credit": 1000},
+    {"comm_hook": "cast-float16"}, {"params": specs(10, 20, 30, 41)}, {"params": specs(10, 20, 30, 40, dtype="float64",
+                                                                                        size=8)},
+    {"priority": True, "ready_times": [0.3, 0.2, 0.1, 0.0], "bandwidth": 1.0},
+])
+def test_the_fingerprint_changes_with_every_input_that_matters(change):
+    base = build_plan(**BASE)
+    assert build_plan(**BASE).fingerprint() == base.fingerprint()  # deterministic
+    changed = build_plan(**{**BASE, **change})
+    assert changed.fingerprint() != base.fingerprint(), change
+
+
+def test_names_do_not_change_the_fingerprint():
+    renamed = [dataclasses.replace(p, name=p.name + "_x") for p in BASE["params"]]
+    assert build_plan(**{**BASE, "params": renamed}).fingerprint() == build_plan(**BASE).fingerprint()
+
+
+def moments(plan):
+    return [(op.kind, op.bucket, str(op.start), str(op.due), op.average, op.update) for op in plan.ops]
+
+
+def test_wfbp_all_reduces_in_backward_order_and_updates_at_step():
+    plan = build_plan(specs(10, 10, 10), 40, 2, "wfbp")
+    assert moments(plan) == [(ALL_REDUCE, b, "grads ready", "step", True, True) for b in (2, 1, 0)]
+
+
+def test_dear_reduce_scatters_in_backward_and_gathers_one_bucket_ahead_in_forward():
+    plan = build_plan(specs(10, 10, 10), 40, 2, "dear")
+    assert moments(plan) == [
+        (REDUCE_SCATTER, 2, "grads ready", "step", True, False),
+        (REDUCE_SCATTER, 1, "grads ready", "step", True, False),
+        (REDUCE_SCATTER, 0, "grads ready", "step", True, False),
+        (ALL_GATHER, 0, "step", "forward of bucket 0", False, True),
+        (ALL_GATHER, 1, "forward of bucket 0", "forward of bucket 1", False, True),
+        (ALL_GATHER, 2, "forward of bucket 1", "forward of bucket 2", False, True),
+    ]
+    # with a credit window every gather may start at step(); the window decides how many run
+    credited = build_plan(specs(10, 10, 10), 40, 2, "dear", credit=100)
+    assert [op.start for op in credited.gather_ops] == [STEP] * 3
+    assert plan.update_points() == [forward_of(0), forward_of(1), forward_of(2)]
+
+
+def test_rsag_gathers_each_piece_after_its_reduce_scatter():
+    plan = build_plan(specs(10, 10), 40, 2, "rsag")
+    assert [(op.kind, op.bucket, op.start) for op in plan.ops] == [
+        (REDUCE_SCATTER, 1, GRADS_READY), (ALL_GATHER, 1, after(0)),
+        (REDUCE_SCATTER, 0, GRADS_READY), (ALL_GATHER, 0, after(2))]
+    assert all(op.due == STEP for op in plan.ops)
+    assert [op.update for op in plan.ops] == [False, True, False, True]
+    with pytest.raises(ValueError, match="rsag"):
+        dearopt.Options(schedule="rsag", credit=100)
+
+
+def test_bytescheduler_finishes_each_bucket_just_before_its_forward():
+    plan = build_plan(specs(10, 10, 10), 40, 2, "bytescheduler", partition_size=16)
+    for op in plan.ops:
+        assert op.kind == ALL_REDUCE and op.due == forward_of(op.bucket) and op.average
+    last = {op.bucket: i for i, op in enumerate(plan.ops)}
+    assert [i for i, op in enumerate(plan.ops) if op.update] == sorted(last.values())
+    with pytest.raises(ValueError, match="skip"):
+        dearopt.Options(schedule="bytescheduler", nonfinite="skip")
+
+
+def test_priority_orders_the_reductions_from_the_profile():
+    # bucket 2 ready at 0, 1 at 0.1, 0 at 0.2; each op takes 1 s: when the link frees, 0 (nearer the input) goes
+    plan = build_plan(specs(100, 100, 100), 400, 1, "wfbp", priority=True, ready_times=[0.2, 0.1, 0.0],
+                      bandwidth=400.0)
+    assert [op.bucket for op in plan.ops] == [2, 0, 1]
+    assert [op.update for op in plan.ops] == [True, True, True]
+
+
+class _GatherFirst(Schedule):
+    """A broken schedule: gathers a piece before reducing it."""
+
+    name = "test-broken"
+    reduction = REDUCE_SCATTER
+
+    def ops(self, layout):
+        ops = []
+        for b, k in layout.reduction_order:
+            nbytes = layout.buckets[b].piece_nbytes(k)
+            ops += [CommOp(ALL_GATHER, b, k, nbytes, start=GRADS_READY, due=STEP),
+                    CommOp(REDUCE_SCATTER, b, k, nbytes, start=GRADS_READY, due=STEP, average=True)]
+        return mark_updates(ops)
+
+
+class _NoUpdate(Schedule):
+    name = "test-no-update"
+
+    def ops(self, layout):
+        return [CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k)) for b, k in layout.reduction_order]
+
+
+class _DueBeforeStart(Schedule):
+    name = "test-due-before-start"
+
+    def ops(self, layout):
+        return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=forward_of(0),
+                                    due=STEP) for b, k in layout.reduction_order])
+
+
+@pytest.mark.parametrize("schedule, message", [
+    (_GatherFirst(), "before any reduce-scatter"),
+    (_NoUpdate(), "applies the bucket's update"),
+    (_DueBeforeStart(), "due before that"),
+])
+def test_plans_a_schedule_cannot_carry_out_are_refused(schedule, message):
+    register(schedule)
+    with pytest.raises(ValueError, match=message):
+        build_plan(specs(10, 10), 40, 2, schedule.name)
+
+
+def test_the_registry_names_the_known_schedules():
+    with pytest.raises(ValueError, match="schedule must be one of .*dear.*wfbp"):
+        get_schedule("fast")
+    assert get_schedule("dear").reduction == REDUCE_SCATTER
+    assert {"dear", "wfbp", "rsag", "bytescheduler"} <= set(dearopt.schedules.names())
+    with pytest.raises(ValueError, match="already registered"):
+        register(type(get_schedule("dear"))())
+    assert When.FORWARD.value == "forward"
