@@ -19,7 +19,6 @@ from .errors import (
     PeerLostError,
     PlanMismatchError,
     StepMismatchError,
-    UnusedParameterMismatchError,
     UsageError,
 )
 from .functions import allreduce, broadcast_object, broadcast_optimizer_state, broadcast_parameters

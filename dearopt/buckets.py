@@ -77,10 +77,23 @@ class BucketState:
         self.meta_written = False  # flags and step tag written into the buffer for this round
         self.pending = False  # reduced gradients await the optimizer update
         self.zero_after_update: Optional[bool] = None  # zero_grad() came while the update was pending
+        self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it
 
     @property
     def complete(self) -> bool:
         return self.ready >= len(self.params)
+
+    def mark_seen(self) -> None:
+        """The engine wrote the buffer: remember its version, so that writes by anyone else can be noticed."""
+        self.seen_version = self.buffer._version
+
+    def written_by_others(self) -> bool:
+        """Whether the buffer was changed in place (e.g. ``p.grad.mul_``) since the engine last wrote it."""
+        return self.buffer._version != self.seen_version
+
+    def replaced_gradients(self) -> List[str]:
+        """Names of parameters whose ``.grad`` is no longer the bucket's view (assigned a new tensor)."""
+        return [name for p, view, name in zip(self.params, self.views, self.names) if p.grad is not view]
 
     def adopt(self, p: torch.nn.Parameter, j: int) -> None:
         """Make ``p.grad`` the bucket's view, keeping any gradient it had."""
@@ -88,6 +101,7 @@ class BucketState:
             self.views[j].copy_(p.grad)
             self.used[j] = self.has_grad[j] = True
         p.grad = self.views[j]
+        self.mark_seen()
 
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
@@ -100,6 +114,7 @@ class BucketState:
                 view.copy_(grad)
             p.grad = view
         self.used[j] = True
+        self.mark_seen()
 
     def restore_views(self) -> None:
         for p, view in zip(self.params, self.views):
@@ -112,6 +127,7 @@ class BucketState:
 
     def zero(self, set_to_none: bool) -> None:
         self.buffer.zero_()
+        self.mark_seen()
         self.used = [False] * len(self.params)
         if set_to_none:
             self.has_grad = [False] * len(self.params)

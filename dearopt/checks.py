@@ -5,8 +5,8 @@
   step) in its own slot of the bucket's tail; after the reduction every rank
   sees every rank's tag and raises :class:`StepMismatchError` if they differ.
 * **Used flags**: one per parameter, summed: how many ranks produced a
-  gradient.  Zero means skip the parameter (as ``grad=None``); between zero and
-  the world size is :class:`UnusedParameterMismatchError`.
+  gradient.  Zero means skip the parameter (as ``grad=None``); any other count
+  means update it with the average, the missing ranks counting as zeros.
 * **Non-finite gradients** (``nonfinite``): raise, skip the step on every
   rank, or ignore.
 * **Plan agreement** once per plan, and parameter checksums per step in debug mode.
@@ -23,7 +23,7 @@ import torch
 
 from .buckets import BucketState
 from .collectives import CollectiveBackend
-from .errors import NonFiniteGradientError, PlanMismatchError, StepMismatchError, UnusedParameterMismatchError
+from .errors import NonFiniteGradientError, PlanMismatchError, StepMismatchError
 from .plan import Plan
 
 __all__ = ["Checks"]
@@ -55,6 +55,7 @@ class Checks:
             bucket.tags.zero_()
             bucket.tags[self.rank] = tag
             bucket.meta_written = True
+            bucket.mark_seen()
 
     def check_tags(self, bucket: BucketState, step: int) -> None:
         if not self.options.check_agreement:
@@ -68,18 +69,15 @@ class Checks:
             f"forward/backward/step. No update of this step was applied",
             rank=self.rank, op="step agreement", bucket=bucket.index, step=step)
 
-    def used(self, bucket: BucketState, step: int) -> List[bool]:
-        """Which parameters of the bucket got a gradient on the ranks; a partial count is an error."""
-        counts = bucket.flags.float().round().tolist()
-        used = []
-        for name, count in zip(bucket.names, counts):
-            if 0 < count < self.world:
-                raise UnusedParameterMismatchError(
-                    f"parameter {name!r} received a gradient on {int(count)} of {self.world} ranks: the ranks ran "
-                    f"different parts of the model. Make every rank use the same parameters each step",
-                    rank=self.rank, op="update", bucket=bucket.index, step=step)
-            used.append(count > 0)
-        return used
+    @staticmethod
+    def used(bucket: BucketState) -> List[bool]:
+        """Which parameters of the bucket got a gradient on at least one rank.
+
+        A parameter used on some ranks only gets the average over all ranks
+        with zeros from the others, which is exactly its gradient over the
+        global batch (the samples that did not use it contribute nothing).
+        """
+        return [count > 0 for count in bucket.flags.float().round().tolist()]
 
     # ------------------------------------------------------------- non-finite
     def nonfinite(self, regions: Sequence[torch.Tensor], sharded: bool, buckets: Sequence[BucketState],

@@ -22,7 +22,6 @@ __all__ = [
     "PeerLostError",
     "PlanMismatchError",
     "StepMismatchError",
-    "UnusedParameterMismatchError",
     "NonFiniteGradientError",
     "UsageError",
     "BackendUnavailableError",
@@ -100,10 +99,6 @@ class PlanMismatchError(CollectiveError):
 
 class StepMismatchError(CollectiveError):
     """Ranks disagree about the step or the sequence of collectives."""
-
-
-class UnusedParameterMismatchError(CollectiveError):
-    """A parameter received a gradient on some ranks but not on others."""
 
 
 class NonFiniteGradientError(CollectiveError, FloatingPointError):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -35,16 +36,41 @@ from .buckets import BucketState
 from .checks import Checks
 from .collectives import CollectiveBackend
 from .comm_hooks import CommHook
-from .errors import UsageError
+from .errors import PlanMismatchError, UsageError
 from .forward_order import ForwardOrderRecorder, param_specs, parameters_in_forward_order
 from .issuer import CreditWindow, Issuer, OpState
 from .options import Options
+from .pending import PendingUpdateGuard
 from .plan import BACKWARD_END, STEP, Plan, Point, When, build_plan, forward_of, moment_key
 from .profiling import ReadyProfile
 from .timeline import Timeline
 from .updater import BucketUpdater
 
 __all__ = ["Executor", "TrainingState", "Round"]
+
+
+class _EngineHook:
+    """A hook that reaches the engine through a weak reference.
+
+    A deep copy of the model (an EMA model, ``torch.optim.swa_utils.AveragedModel``)
+    gets an inert copy of it, pickling the model pickles nothing of the engine,
+    and a model whose optimizer is gone is left with hooks that do nothing.
+    """
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method=None):
+        self._method = weakref.WeakMethod(method) if method is not None else None
+
+    def __call__(self, *args, **kwargs):
+        method = self._method() if self._method is not None else None
+        return None if method is None else method(*args, **kwargs)
+
+    def __deepcopy__(self, memo) -> "_EngineHook":
+        return _EngineHook()
+
+    def __reduce__(self):
+        return (_EngineHook, ())
 
 
 class TrainingState(enum.Enum):
@@ -70,6 +96,7 @@ class Round:
     stepped: bool = False
     forward_reached: int = -1  # the next forward has reached buckets <= this one
     updates_left: int = 0
+    scaler_checked: bool = False  # a GradScaler judged the gradients: no non-finite policy for this step
 
 
 class Executor:
@@ -115,6 +142,7 @@ class Executor:
         self._averaged: List[Tuple[torch.Tensor, bool]] = []  # (region, is a shard) once the early ops completed
         self._checked_at_step: List[Tuple[torch.Tensor, bool]] = []  # the subset that is due by step()
         self._late_checked: set = set()  # buckets whose gradients are checked at their update
+        self._final_after_backward: set = set()  # buckets whose p.grad holds the average once backward returns
         # the life cycle
         self.state = TrainingState.IDLE
         self.round: Optional[Round] = None
@@ -130,6 +158,7 @@ class Executor:
         self._names: Dict[int, str] = {}
         for name, p in model.named_parameters():
             self._names.setdefault(id(p), name)
+        self.guard = PendingUpdateGuard(self._make_current)
         self._hooks = []
         self._param_hooks = []
         self._hooked = set()
@@ -151,16 +180,19 @@ class Executor:
         for p in self._trainable():
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
-                self._param_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._param_hooks.append(p.register_post_accumulate_grad_hook(_EngineHook(self._on_grad_ready)))
 
     def _register_module_hooks(self) -> None:
-        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+        self._hooks.append(self.model.register_forward_pre_hook(_EngineHook(self._root_pre_hook)))
         owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         for module in self.model.modules():
             if any(id(p) in owned for p in module.parameters(recurse=False)):
-                self._hooks.append(module.register_forward_pre_hook(self._module_pre_hook))
-        self._hooks.append(self.model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
-        self._hooks.append(self.model.register_load_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
+                self._hooks.append(module.register_forward_pre_hook(_EngineHook(self._module_pre_hook)))
+        self._hooks.append(self.model.register_state_dict_pre_hook(_EngineHook(self._synchronize_hook)))
+        self._hooks.append(self.model.register_load_state_dict_pre_hook(_EngineHook(self._synchronize_hook)))
+
+    def _synchronize_hook(self, *args, **kwargs) -> None:
+        self.synchronize()
 
     def remove_hooks(self) -> None:
         for h in self._hooks + self._param_hooks:
@@ -168,6 +200,7 @@ class Executor:
         self._hooks, self._param_hooks = [], []
 
     def _root_pre_hook(self, module, args) -> None:
+        self.guard.disarm()  # from here the module hooks apply pending updates as the forward reaches them
         if self.plan is None:
             self.recorder.start()
         if not (module.training and torch.is_grad_enabled()):
@@ -206,7 +239,9 @@ class Executor:
     def _build_plan(self) -> None:
         if self.recorder.recording:
             self._module_order = self.recorder.stop()
-        ordered = parameters_in_forward_order(self.model, self._module_order, self._trainable())
+        trainable = self._trainable()
+        ordered = self._agree_on_order(parameters_in_forward_order(self.model, self._module_order, trainable),
+                                       trainable)
         specs = param_specs(ordered, self._names)
         ready, bandwidth = self.profile.result if self.profile.result is not None else (None, None)
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
@@ -241,13 +276,35 @@ class Executor:
         self.plan = plan
         self._index_plan()
 
+    def _agree_on_order(self, ordered: List[torch.nn.Parameter],
+                        trainable: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+        """Rank 0's forward order for everyone: a rank whose first forward skipped a module (a rank-dependent
+        branch) saw another order, and the plan must be the same on every rank."""
+        if self.world == 1:
+            return ordered
+        device = self.control.device
+        count = torch.tensor([len(trainable)], dtype=torch.int64, device=device)
+        counts = torch.empty(self.world, dtype=torch.int64, device=device)
+        self.control.all_gather(counts, count, step=self.step_count).wait()
+        if len(set(counts.tolist())) > 1:
+            raise PlanMismatchError(
+                f"ranks have different numbers of trainable parameters ({counts.tolist()} by rank): the models or "
+                f"the optimizers' parameters differ between ranks", rank=self.rank, op="plan check",
+                step=self.step_count)
+        index = {id(p): i for i, p in enumerate(trainable)}
+        order = torch.tensor([index[id(p)] for p in ordered], dtype=torch.int64, device=device)
+        self.control.broadcast(order, 0, step=self.step_count).wait()
+        return [trainable[i] for i in order.tolist()]
+
     def _index_plan(self) -> None:
         """What the executor looks up per moment: ops due there, updates applied there, averaged regions."""
         self._due, self._updates_at = {}, {}
         for op in self.issuer.ops:
             self._due.setdefault(op.spec.due, []).append(op)
-            if op.spec.update:
-                self._updates_at.setdefault(op.spec.due, []).append(op.spec.bucket)
+            if op.spec.update is not None:
+                self._updates_at.setdefault(op.spec.update, []).append(op.spec.bucket)
+        for buckets in self._updates_at.values():
+            buckets.sort()
         ops = self.plan.ops
         early = [op for op in self.issuer.ops if moment_key(op.spec.start, ops) < moment_key(STEP)]
         self._early_ops = early
@@ -263,6 +320,12 @@ class Executor:
                 self._checked_at_step.append(entry)
                 checked_buckets.add(b)
         self._late_checked = {b.index for b in self.buckets} - checked_buckets
+        by_backward_end = moment_key(BACKWARD_END)
+        self._final_after_backward = {b.index for b in self.buckets}
+        for op in self.issuer.ops:
+            late = moment_key(op.spec.due) > by_backward_end
+            if late or (op in early and op is last_early[(op.spec.bucket, op.spec.piece)] and op.spec.result == "shard"):
+                self._final_after_backward.discard(op.spec.bucket)
 
     def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
                credit: Optional[int] = None, _inside_backward: bool = False) -> None:
@@ -293,6 +356,7 @@ class Executor:
                 # gradients already counted in the backward pass now running (a re-plan inside backward);
                 # at a step boundary the stamps belong to the finished pass and nothing is ready yet
                 b.ready += self.state is TrainingState.BACKWARD and b.stamp[j] == self.pass_id
+            b.mark_seen()
 
     # ------------------------------------------------------------- backward
     def _begin_backward(self) -> None:
@@ -384,25 +448,36 @@ class Executor:
         self.issuer.force_and_complete(self._due.get(point, ()), self._may_start, host=self.profile.recording)
 
     # ----------------------------------------------------------------- step
-    def step(self) -> None:
+    def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
+        """Complete the step's reductions, check, and apply (or schedule) the updates.
+
+        ``skip``: a GradScaler found non-finite gradients (the same on every
+        rank); ``scaler_checked``: a GradScaler checked the gradients, so the
+        ``nonfinite`` policy does not apply to this step.
+        """
         if self.options.debug and self.plan is not None:
             self.checks.parameters(self.buckets, self.step_count)
         self._require_gradients("step")
+        self._check_gradient_writes()
         r = self.round
+        r.scaler_checked = scaler_checked
         t0 = self.timeline.now()
         self._complete_due(STEP)
         r.stepped = True
         for b in self._updates_at.get(STEP, ()):
             self.checks.check_tags(self.buckets[b], r.step)
-        sharded = any(is_shard for _, is_shard in self._checked_at_step)
-        skip = self.checks.nonfinite([region for region, _ in self._checked_at_step], sharded, self.buckets, r.step)
+        if not scaler_checked:
+            sharded = any(is_shard for _, is_shard in self._checked_at_step)
+            skip = self.checks.nonfinite([region for region, _ in self._checked_at_step], sharded, self.buckets,
+                                         r.step)
         if self.profile.recording:
             self.profile.share(self.control, sum(op.nbytes for op in self.plan.first_ops),
                                self.issuer.first_reduction_at, self.issuer.last_reduction_done_at, r.step)
         self.forwards = 0
         self.step_count += 1
         self.state = TrainingState.IDLE
-        if skip:
+        if skip:  # the same decision on every rank: finish what was started, apply nothing
+            self.issuer.complete_started()
             self.skipped_steps += 1
             self._finish_round()
             return
@@ -414,7 +489,39 @@ class Executor:
             self._update(self.buckets[b], tags_checked=True)
         if self.round is not None:
             self.issuer.pump(self._may_start)  # the ops that start at step()
+            self.guard.arm({id(p): b.index for b in self.buckets if b.pending for p in b.params})
         self.timeline.span("step", "update", t0)
+
+    def _check_gradient_writes(self) -> None:
+        """Gradients changed between backward() and step() must not be changed behind the engine's back."""
+        for b in self.buckets:
+            if b.index in self._final_after_backward:
+                continue  # p.grad held the averaged gradient when backward returned: any change is the user's own
+            replaced = b.replaced_gradients()
+            if not replaced and not b.written_by_others():
+                continue
+            if self.world == 1:  # with one rank the "reduction" was a copy: take the changed gradients again
+                self._retake_local(b)
+                continue
+            what = (f"the .grad of {replaced[:3]} was replaced by another tensor" if replaced else
+                    f"a gradient of bucket {b.index} ({', '.join(b.names[:3])}{', ...' if len(b.names) > 3 else ''}) "
+                    f"was changed in place")
+            raise UsageError(
+                f"{what} between backward() and step(), but under schedule={self.options.schedule!r} p.grad holds "
+                f"this rank's own gradient while the average travels or is kept as shards, so the change would "
+                f"be lost or mixed in. torch.nn.utils.clip_grad_norm_/clip_grad_value_ and GradScaler.unscale_ do "
+                f"this: call optimizer.clip_grad_norm_(...), optimizer.clip_grad_value_(...) or "
+                f"optimizer.unscale_(scaler) instead (they act on the averaged gradients), or use schedule='wfbp', "
+                f"whose p.grad holds the average when backward() returns [rank {self.rank}, step {self.step_count}]")
+
+    def _retake_local(self, bucket: BucketState) -> None:
+        """One rank: p.grad (changed in place or replaced after backward) is the gradient to use."""
+        for j, p in enumerate(bucket.params):
+            if p.grad is not bucket.views[j]:
+                bucket.take_gradient(p, j)
+        for piece in bucket.pieces:
+            piece.shard.copy_(piece.full)
+        bucket.mark_seen()
 
     def _reach_forward(self, target: int) -> None:
         """The forward reached bucket ``target``: carry out every bucket's forward moment up to it, in order."""
@@ -431,9 +538,9 @@ class Executor:
         step = self.round.step
         if not tags_checked:
             self.checks.check_tags(bucket, step)
-        if bucket.index in self._late_checked:
+        if bucket.index in self._late_checked and not self.round.scaler_checked:
             self.checks.nonfinite_bucket(bucket, self.buckets, step)
-        used = self.checks.used(bucket, step)
+        used = self.checks.used(bucket)
         # A parameter unused on every rank keeps the gradient it had: none after
         # zero_grad(set_to_none=True) (the optimizer skips it), else its last one.
         include = [u or had for u, had in zip(used, bucket.has_grad)]
@@ -451,8 +558,14 @@ class Executor:
 
     def _finish_round(self) -> None:
         self.round = None
+        self.guard.disarm()
         if self.on_step_landed is not None:
             self.on_step_landed()
+
+    def _make_current(self, bucket: int) -> None:
+        """User code touched a parameter of ``bucket`` after step(): apply the pending updates up to it first."""
+        if self.round is not None and self.round.stepped:
+            self._reach_forward(bucket)
 
     def synchronize(self) -> None:
         """Apply every pending update now (parameters become current)."""
@@ -492,7 +605,19 @@ class Executor:
         coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
         for region, _ in regions:
             region.mul_(coef.to(region.dtype))
+        self._mark_written()
         return total_norm.cpu()
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the averaged gradients to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``."""
+        clip_value = float(clip_value)
+        for region, _ in self.finish_averaging():
+            region.clamp_(-clip_value, clip_value)
+        self._mark_written()
+
+    def _mark_written(self) -> None:
+        for b in self.buckets:
+            b.mark_seen()
 
     def _global_norm(self, regions, norm_type: float) -> torch.Tensor:
         """The norm over whole pieces and shards; shards are combined over ranks on the control channel."""
@@ -518,13 +643,37 @@ class Executor:
         scale = float(scale)
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"unscale_ needs a positive finite scale, got {scale}")
-        if self._unscaled_at == self.step_count:
-            raise UsageError("unscale_() was already called since the last step(); the gradients would be divided "
-                             "twice")
+        self._check_not_unscaled()
         regions = self.finish_averaging()
         self._unscaled_at = self.step_count
         for region, _ in regions:
             region.div_(scale)
+        self._mark_written()
+
+    def unscale_and_check(self, inv_scale: torch.Tensor) -> bool:
+        """GradScaler's unscale on the averaged gradients: multiply by ``inv_scale``; True if any is not finite.
+
+        The answer is the same on every rank (shards are combined over ranks),
+        so every rank skips the same steps and adjusts its scale alike.
+        """
+        self._check_not_unscaled()
+        regions = self.finish_averaging()
+        self._unscaled_at = self.step_count
+        found = False
+        for region, _ in regions:
+            region.mul_(inv_scale.to(device=region.device, dtype=region.dtype))
+            found = found or (region.numel() > 0 and not bool(torch.isfinite(region.sum())))
+        self._mark_written()
+        if any(is_shard for _, is_shard in regions) and self.world > 1:
+            flag = torch.tensor([1.0 if found else 0.0], device=self.control.device)
+            self.control.all_reduce(flag, "max", step=self.step_count).wait()
+            found = float(flag) > 0
+        return found
+
+    def _check_not_unscaled(self) -> None:
+        if self._unscaled_at == self.step_count:
+            raise UsageError("unscale_() was already called since the last step(); the gradients would be divided "
+                             "twice")
 
     def reduce_gradients(self) -> None:
         """Finish communication so that every ``p.grad`` holds the averaged gradient."""
@@ -534,6 +683,10 @@ class Executor:
         self.finish_averaging()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        with self.guard.suspended():
+            self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         if self.plan is None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
             return
@@ -557,6 +710,7 @@ class Executor:
 
     def close(self) -> None:
         self.synchronize()
+        self.guard.disarm()
         self.remove_hooks()
         self.timeline.flush()
         if self.control is not self.backend:

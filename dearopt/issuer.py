@@ -181,6 +181,7 @@ class Issuer:
                     op.handle = backend.reduce_scatter(wire_shard, wire_full, **where)
                 else:
                     op.handle = backend.all_reduce(wire_full, "sum", **where)
+        piece.bucket.mark_seen()  # an in-place collective counts as the engine's write
         op.started_at = time.perf_counter()
         self.window.add(op)
         self.launch_log.append((self.step, spec.kind, spec.bucket, spec.piece))
@@ -219,9 +220,15 @@ class Issuer:
             whole[n:].copy_(wire[n:])
         if spec.average and self.world > 1:
             result.div_(self.world)
+        piece.bucket.mark_seen()
         op.done = True
         if spec.reduces:
             self.last_reduction_done_at = time.perf_counter()
+
+    def complete_started(self) -> None:
+        """Complete every op started this round, and start no other (a skipped step)."""
+        for op in self.ops[:self.cursor]:
+            self.complete(op)
 
     def force_and_complete(self, ops: Sequence[OpState], may_start, *, host: bool = False) -> None:
         """Start (forced) every op up to the last of ``ops``, then complete ``ops`` in plan order."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import warnings
 import weakref
 from typing import Optional, Union
 
@@ -56,6 +57,11 @@ def _check_arguments(optimizer, model):
             trainable += p.requires_grad
     if trainable == 0:
         raise ValueError("the optimizer holds no parameter that requires grad: there is nothing to train")
+
+
+# GradScaler.step(optimizer) passes itself as ``grad_scaler`` to optimizers whose step() takes it, and warns
+# each process once that it will stop doing so; DistOptim relies on it to agree on inf/NaN across ranks.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
 def _global_step_hooks(kind: str):
@@ -203,18 +209,34 @@ class DistOptim(torch.optim.Optimizer):
         """Steps skipped because of non-finite gradients (``nonfinite="skip"``)."""
         return self._executor.skipped_steps
 
-    def step(self, closure=None):
+    _step_supports_amp_scaling = True
+    """``torch.amp.GradScaler.step(optimizer)`` hands itself to :meth:`step`, which unscales the averaged
+    gradients and agrees on inf/NaN across ranks (see :meth:`step`)."""
+
+    def step(self, closure=None, grad_scaler=None):
         """Average the gradients across ranks and apply the wrapped optimizer's update.
 
         Under ``dear`` the update of each bucket is applied during the next
-        forward, just before the bucket's first module runs; call
-        :meth:`synchronize` to apply every pending update now.
+        forward, just before the bucket's first module runs (or as soon as
+        your code touches one of its parameters); call :meth:`synchronize`
+        to apply every pending update now.
+
+        ``grad_scaler`` is passed by ``torch.amp.GradScaler.step(optimizer)``:
+        the averaged gradients are unscaled (unless ``optimizer.unscale_(scaler)``
+        or, where ``p.grad`` holds the average, ``scaler.unscale_(optimizer)``
+        came first), checked for inf/NaN over all ranks, and the step is skipped
+        on every rank if any is found; ``scaler.update()`` then sees the same
+        answer on every rank.
         """
         if closure is not None:
             raise UsageError("DistOptim.step() does not take a closure: run forward and backward before step()")
         for hook in itertools.chain(list(_global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
             hook(self, (), {})
-        self._executor.step()
+        if grad_scaler is not None:
+            found_inf = self._scaler_found_inf(grad_scaler, unscale=True)
+            self._executor.step(skip=found_inf, scaler_checked=True)
+        else:
+            self._executor.step()
         if self.tuning is not None and not self.tuning.finished:
             knobs = self.tuning.on_step_end()
             if knobs:
@@ -222,6 +244,22 @@ class DistOptim(torch.optim.Optimizer):
         return None
 
     step.hooked = True  # torch must not wrap it: the post hooks fire when the step's updates have landed
+
+    def _scaler_found_inf(self, scaler, unscale: bool) -> bool:
+        """Unscale through ``scaler`` if it has not been done this step (recording the agreed inf/NaN answer in
+        the scaler's state, as its own ``unscale_`` would); return whether inf/NaN was found."""
+        from torch.amp.grad_scaler import OptState
+
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY and unscale:
+            inv_scale = scaler._scale.double().reciprocal().float()
+            found = self._executor.unscale_and_check(inv_scale)
+            state["found_inf_per_device"] = {scaler._scale.device: torch.full((), float(found),
+                                                                               device=scaler._scale.device)}
+            state["stage"] = OptState.UNSCALED
+        elif state["stage"] is OptState.UNSCALED and not unscale:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        return sum(float(v) for v in state["found_inf_per_device"].values()) > 0
 
     def synchronize(self) -> None:
         """Apply every pending update now, so that the parameters are current."""
@@ -240,16 +278,32 @@ class DistOptim(torch.optim.Optimizer):
         """
         return self._executor.clip_grad_norm_(max_norm, norm_type)
 
-    def unscale_(self, scale: float) -> None:
-        """Divide the averaged gradients by ``scale``; call between ``backward()`` and ``step()``.
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the averaged gradients to ``[-clip_value, clip_value]``; between ``backward()`` and ``step()``.
 
-        For loss scaling done by hand (``(loss * scale).backward()``), the
-        counterpart of ``GradScaler.unscale_``: under ``dear`` the averaged
-        gradients exist only as shards until the next forward, so they cannot
-        be divided through ``p.grad``. With ``nonfinite="skip"`` a step whose
-        scaled gradients overflowed is skipped on every rank
-        (:attr:`skipped_steps` grows), which is the signal to lower the scale.
+        Equal to ``torch.nn.utils.clip_grad_value_`` on the averaged gradients
+        of single-process training, under every schedule.
         """
+        self._executor.clip_grad_value_(clip_value)
+
+    def unscale_(self, scale) -> None:
+        """Unscale the averaged gradients; call between ``backward()`` and ``step()``.
+
+        ``scale`` is a ``torch.amp.GradScaler`` (what ``scaler.unscale_(optimizer)``
+        does, on the averaged gradients: use it before clipping with
+        :meth:`clip_grad_norm_`; then ``scaler.step(optimizer)`` skips the step on
+        every rank if inf/NaN was found) or a number, for loss scaling by hand
+        (``(loss * scale).backward()``; with ``nonfinite="skip"`` a step whose
+        scaled gradients overflowed is skipped on every rank).
+        """
+        if isinstance(scale, torch.amp.GradScaler):
+            from torch.amp.grad_scaler import OptState
+
+            scale._check_scale_growth_tracker("unscale_")
+            if scale._per_optimizer_states[id(self)]["stage"] is not OptState.READY:
+                raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            self._scaler_found_inf(scale, unscale=True)
+            return
         self._executor.unscale_(scale)
 
     def reduce_gradients(self) -> None:

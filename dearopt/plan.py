@@ -174,8 +174,9 @@ class CommOp:
     ``start`` moment has come and every op before it has started.  At its
     ``due`` moment the executor waits for it and completes it: the result
     region (the rank's shard for a reduce-scatter, the whole piece otherwise)
-    is divided by the world size if ``average``, and if ``update`` the
-    bucket's optimizer update is applied right after.
+    is divided by the world size if ``average``.  The last op of each bucket
+    names in ``update`` the moment (its due moment or later) at which the
+    bucket's optimizer update is applied.
     """
 
     kind: str  # REDUCE_SCATTER, ALL_GATHER or ALL_REDUCE
@@ -185,7 +186,7 @@ class CommOp:
     start: Point = GRADS_READY
     due: Point = STEP
     average: bool = False
-    update: bool = False
+    update: Optional[Point] = None
 
     @property
     def result(self) -> str:
@@ -197,7 +198,7 @@ class CommOp:
         return self.kind != ALL_GATHER
 
     def __str__(self) -> str:
-        extra = (" average" if self.average else "") + (" then update" if self.update else "")
+        extra = (" average" if self.average else "") + (f", update at {self.update}" if self.update else "")
         return (f"{self.kind} b{self.bucket}.{self.piece} ({self.nbytes} B) start at {self.start}, "
                 f"due at {self.due}{extra}")
 
@@ -234,14 +235,14 @@ class Plan:
         """For each bucket, the moment its optimizer update is applied."""
         points: List[Optional[Point]] = [None] * len(self.buckets)
         for op in self.ops:
-            if op.update:
-                points[op.bucket] = op.due
+            if op.update is not None:
+                points[op.bucket] = op.update
         return points
 
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
         text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority, self.credit,
-                     self.comm_hook, [(p.numel, p.dtype) for p in self.params],
+                     self.comm_hook, [(p.name, p.numel, p.dtype) for p in self.params],
                      [(b.params, b.padded_numel, b.pieces) for b in self.buckets], self.ops))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
@@ -385,7 +386,8 @@ def _check_ops(ops: Sequence[CommOp], buckets: Sequence[Bucket], schedule: str) 
     * starts never go back in time along the plan order, and no op is due before it may start (so forcing
       the ops up to one that is due never starts an op before its moment);
     * an all-gather of a piece comes after that piece's reduce-scatter and starts after it, or once it is due;
-    * the last op of each bucket, and only it, applies the bucket's update, and no op of the bucket is due later.
+    * the last op of each bucket, and only it, names when the bucket's update is applied: not before any op of
+      the bucket is due, and at ``step()`` or a forward.
     """
     def bad(why):
         raise ValueError(f"schedule {schedule!r} built an invalid plan: {why}")
@@ -421,7 +423,11 @@ def _check_ops(ops: Sequence[CommOp], buckets: Sequence[Bucket], schedule: str) 
         for i, op in enumerate(ops):
             if op.bucket != b:
                 continue
-            if op.update != (i == last[b]):
-                bad(f"op {i}: the last op of bucket {b} in plan order, and only it, applies the bucket's update")
-            if moment_key(op.due) > moment_key(ops[last[b]].due):
+            if (op.update is not None) != (i == last[b]):
+                bad(f"op {i}: the last op of bucket {b} in plan order, and only it, names the bucket's update")
+            update = ops[last[b]].update
+            if update is not None and moment_key(op.due) > moment_key(update):
                 bad(f"op {i} is due after its bucket's update")
+        update = ops[last[b]].update
+        if update is not None and update.when not in (When.STEP, When.FORWARD):
+            bad(f"bucket {b}'s update is at {update}; updates happen at step() or a forward")

@@ -149,28 +149,6 @@ def test_plan_follows_forward_order_not_registration():
     assert names == ["first.weight", "first.bias", "middle.weight", "middle.bias", "last.weight", "last.bias"]
 
 
-def _unused_differs():
-    model = make_model("mlp")
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64)
-    for step in range(3):
-        model.skip_middle = dearopt.rank() == 1 and step >= 1  # from step 1 on, rank 1 skips fc2
-        opt.zero_grad()
-        x, y = global_batch(step, "mlp")
-        loss_fn("mlp", model(x), y).backward()
-        opt.step()
-    opt.synchronize()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("schedule_world", [2, 3])
-def test_unused_parameters_differing_across_ranks_is_a_named_error(schedule_world):
-    outcomes = run_workers(_unused_differs, schedule_world, expect_errors=True, timeout=40)
-    for o in outcomes:
-        assert o.error_type == "UnusedParameterMismatchError", o.message
-        assert "fc2." in o.message and f"rank {o.rank}" in o.message
-        assert o.seconds < 20
-
-
 def _step_without_backward():
     model = make_model("mlp")
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model)

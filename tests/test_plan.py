@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 import dearopt
-from dearopt.plan import (ALL_GATHER, ALL_REDUCE, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, ParamSpec, When,
+from dearopt.plan import (ALL_GATHER, ALL_REDUCE, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, ParamSpec, When,
                           after, build_plan, forward_of, layout_buckets, padded_numel)
 from dearopt.schedules import Schedule, get_schedule, mark_updates, register
 
@@ -58,29 +58,31 @@ def test_the_fingerprint_changes_with_every_input_that_matters(change):
     assert changed.fingerprint() != base.fingerprint(), change
 
 
-def test_names_do_not_change_the_fingerprint():
+def test_parameter_names_are_part_of_the_fingerprint():
+    # two models with the same shapes in the same order but other parameters are different models
     renamed = [dataclasses.replace(p, name=p.name + "_x") for p in BASE["params"]]
-    assert build_plan(**{**BASE, "params": renamed}).fingerprint() == build_plan(**BASE).fingerprint()
+    assert build_plan(**{**BASE, "params": renamed}).fingerprint() != build_plan(**BASE).fingerprint()
 
 
 def moments(plan):
-    return [(op.kind, op.bucket, str(op.start), str(op.due), op.average, op.update) for op in plan.ops]
+    return [(op.kind, op.bucket, str(op.start), str(op.due), op.average, op.update and str(op.update))
+            for op in plan.ops]
 
 
 def test_wfbp_all_reduces_in_backward_order_and_updates_at_step():
     plan = build_plan(specs(10, 10, 10), 40, 2, "wfbp")
-    assert moments(plan) == [(ALL_REDUCE, b, "grads ready", "step", True, True) for b in (2, 1, 0)]
+    assert moments(plan) == [(ALL_REDUCE, b, "grads ready", "backward end", True, "step") for b in (2, 1, 0)]
 
 
 def test_dear_reduce_scatters_in_backward_and_gathers_one_bucket_ahead_in_forward():
     plan = build_plan(specs(10, 10, 10), 40, 2, "dear")
     assert moments(plan) == [
-        (REDUCE_SCATTER, 2, "grads ready", "step", True, False),
-        (REDUCE_SCATTER, 1, "grads ready", "step", True, False),
-        (REDUCE_SCATTER, 0, "grads ready", "step", True, False),
-        (ALL_GATHER, 0, "step", "forward of bucket 0", False, True),
-        (ALL_GATHER, 1, "forward of bucket 0", "forward of bucket 1", False, True),
-        (ALL_GATHER, 2, "forward of bucket 1", "forward of bucket 2", False, True),
+        (REDUCE_SCATTER, 2, "grads ready", "step", True, None),
+        (REDUCE_SCATTER, 1, "grads ready", "step", True, None),
+        (REDUCE_SCATTER, 0, "grads ready", "step", True, None),
+        (ALL_GATHER, 0, "step", "forward of bucket 0", False, "forward of bucket 0"),
+        (ALL_GATHER, 1, "forward of bucket 0", "forward of bucket 1", False, "forward of bucket 1"),
+        (ALL_GATHER, 2, "forward of bucket 1", "forward of bucket 2", False, "forward of bucket 2"),
     ]
     # with a credit window every gather may start at step(); the window decides how many run
     credited = build_plan(specs(10, 10, 10), 40, 2, "dear", credit=100)
@@ -93,8 +95,8 @@ def test_rsag_gathers_each_piece_after_its_reduce_scatter():
     assert [(op.kind, op.bucket, op.start) for op in plan.ops] == [
         (REDUCE_SCATTER, 1, GRADS_READY), (ALL_GATHER, 1, after(0)),
         (REDUCE_SCATTER, 0, GRADS_READY), (ALL_GATHER, 0, after(2))]
-    assert all(op.due == STEP for op in plan.ops)
-    assert [op.update for op in plan.ops] == [False, True, False, True]
+    assert all(op.due == BACKWARD_END for op in plan.ops)  # p.grad is averaged when backward() returns
+    assert [op.update for op in plan.ops] == [None, STEP, None, STEP]
     with pytest.raises(ValueError, match="rsag"):
         dearopt.Options(schedule="rsag", credit=100)
 
@@ -105,6 +107,7 @@ def test_bytescheduler_finishes_each_bucket_just_before_its_forward():
         assert op.kind == ALL_REDUCE and op.due == forward_of(op.bucket) and op.average
     last = {op.bucket: i for i, op in enumerate(plan.ops)}
     assert [i for i, op in enumerate(plan.ops) if op.update] == sorted(last.values())
+    assert all(op.update in (None, op.due) for op in plan.ops)
     with pytest.raises(ValueError, match="skip"):
         dearopt.Options(schedule="bytescheduler", nonfinite="skip")
 
@@ -114,7 +117,7 @@ def test_priority_orders_the_reductions_from_the_profile():
     plan = build_plan(specs(100, 100, 100), 400, 1, "wfbp", priority=True, ready_times=[0.2, 0.1, 0.0],
                       bandwidth=400.0)
     assert [op.bucket for op in plan.ops] == [2, 0, 1]
-    assert [op.update for op in plan.ops] == [True, True, True]
+    assert [op.update for op in plan.ops] == [STEP, STEP, STEP]
 
 
 class _GatherFirst(Schedule):
@@ -149,7 +152,7 @@ class _DueBeforeStart(Schedule):
 
 @pytest.mark.parametrize("schedule, message", [
     (_GatherFirst(), "before any reduce-scatter"),
-    (_NoUpdate(), "applies the bucket's update"),
+    (_NoUpdate(), "names the bucket's update"),
     (_DueBeforeStart(), "due before that"),
 ])
 def test_plans_a_schedule_cannot_carry_out_are_refused(schedule, message):

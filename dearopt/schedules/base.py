@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar, List, Sequence
+from typing import Callable, ClassVar, List, Optional, Sequence
 
-from ..plan import CommOp, Layout
+from ..plan import CommOp, Layout, Point
 
 __all__ = ["Schedule", "mark_updates"]
 
@@ -47,7 +47,9 @@ class Schedule(abc.ABC):
         return f"<schedule {self.name!r}>"
 
 
-def mark_updates(ops: Sequence[CommOp]) -> List[CommOp]:
-    """Mark the last op of each bucket (in plan order) as the one whose completion applies the bucket's update."""
+def mark_updates(ops: Sequence[CommOp], at: Optional[Callable[[CommOp], Point]] = None) -> List[CommOp]:
+    """Name on the last op of each bucket (in plan order) when the bucket's update is applied:
+    ``at(op)``, by default the op's own due moment."""
     last = {op.bucket: i for i, op in enumerate(ops)}
-    return [dataclasses.replace(op, update=(last[op.bucket] == i)) for i, op in enumerate(ops)]
+    return [dataclasses.replace(op, update=((at or (lambda o: o.due))(op) if last[op.bucket] == i else None))
+            for i, op in enumerate(ops)]

@@ -1,13 +1,14 @@
 """``rsag``: reduce-scatter, then all-gather, both during backward (the DeAR paper's baseline).
 
 Each piece's all-gather starts once its reduce-scatter has finished (or as soon
-as a later op in the plan is waiting for it), so every rank has the averaged
-gradient in ``p.grad`` by ``step()``, which then applies the optimizer.
+as a later op in the plan is waiting for it).  Backward ends once every
+all-gather has finished, so, as with ``wfbp``, every ``p.grad`` holds the
+averaged gradient when ``loss.backward()`` returns; ``step()`` applies the optimizer.
 """
 
 from __future__ import annotations
 
-from ..plan import ALL_GATHER, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, after
+from ..plan import ALL_GATHER, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, after
 from .base import Schedule, mark_updates
 
 
@@ -25,6 +26,6 @@ class RSAG(Schedule):
         ops = []
         for b, k in layout.reduction_order:
             nbytes = layout.buckets[b].piece_nbytes(k)
-            ops.append(CommOp(REDUCE_SCATTER, b, k, nbytes, start=GRADS_READY, due=STEP, average=True))
-            ops.append(CommOp(ALL_GATHER, b, k, nbytes, start=after(len(ops) - 1), due=STEP))
-        return mark_updates(ops)
+            ops.append(CommOp(REDUCE_SCATTER, b, k, nbytes, start=GRADS_READY, due=BACKWARD_END, average=True))
+            ops.append(CommOp(ALL_GATHER, b, k, nbytes, start=after(len(ops) - 1), due=BACKWARD_END))
+        return mark_updates(ops, at=lambda op: STEP)

@@ -1,14 +1,17 @@
 """``wfbp``: wait-free backpropagation, as Horovod and DDP do it.
 
 Each bucket is all-reduced as soon as backward has produced all of its
-gradients; ``step()`` waits for every all-reduce, averages, and applies the
-optimizer to the whole model.  Averaged gradients are in ``p.grad`` before
-``step()`` (after ``synchronize``-style waits), so anything that reads them works.
+gradients.  As with DDP, backward ends only once every all-reduce has
+finished and been averaged: when ``loss.backward()`` returns, every ``p.grad``
+holds the averaged gradient, so torch's own tools (``clip_grad_norm_``,
+``GradScaler.unscale_``) and anything else that reads or rescales gradients
+before ``step()`` see exactly what one process would.  ``step()`` applies the
+optimizer to the whole model.
 """
 
 from __future__ import annotations
 
-from ..plan import ALL_REDUCE, GRADS_READY, STEP, CommOp
+from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
 from .base import Schedule, mark_updates
 
 
@@ -18,4 +21,5 @@ class WFBP(Schedule):
 
     def ops(self, layout):
         return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,
-                                    due=STEP, average=True) for b, k in layout.reduction_order])
+                                    due=BACKWARD_END, average=True) for b, k in layout.reduction_order],
+                            at=lambda op: STEP)
