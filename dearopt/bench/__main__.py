@@ -59,7 +59,16 @@ def parse_args(argv):
                         "once do not fit in memory for BERT-Base on 24 GiB); default: on for bert, off otherwise. "
                         "Each round then starts with --warmup untimed iterations")
     p.add_argument("--seed", type=int, default=0)
+    done = p.add_argument_group("finished runs (instead of measuring)")
+    done.add_argument("--rerender", metavar="DIR", help="recompute every number of DIR/results.json from its samples; "
+                                                        "rewrite it, table.txt and chart.png")
+    done.add_argument("--markdown", metavar="DIR", nargs="+", help="print the runs' tables as in docs/benchmarks.md")
+    done.add_argument("--summary", metavar="DIR", nargs="+", help="print one row per run (the README's table)")
     args = p.parse_args(argv)
+    if sum(x is not None for x in (args.rerender, args.markdown, args.summary)) > 1:
+        p.error("--rerender, --markdown and --summary are alternatives; give one")
+    if args.rerender or args.markdown or args.summary:
+        return args
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     if args.rsag and "rsag" not in schedules:
         schedules.append("rsag")
@@ -100,23 +109,20 @@ def rerender(directory: str) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--markdown"]:  # tables for docs/benchmarks.md from finished runs
+    args = parse_args(argv)
+    if args.markdown:  # tables for docs/benchmarks.md from finished runs
         from . import report
 
-        for directory in argv[1:]:
+        for directory in args.markdown:
             print(report.markdown(load_results(directory)) + "\n")
         return 0
-    if argv[:1] == ["--summary"]:  # one row per finished run: iteration times, dear vs DDP and vs its bound
+    if args.summary:  # one row per finished run: iteration times, dear vs DDP and vs its bound
         from . import report
 
-        print(report.summary([load_results(directory) for directory in argv[1:]]))
+        print(report.summary([load_results(directory) for directory in args.summary]))
         return 0
-    if argv[:1] == ["--rerender"]:
-        if len(argv) != 2:
-            print("usage: python -m dearopt.bench --rerender DIR", file=sys.stderr)
-            return 2
-        return rerender(argv[1])
-    args = parse_args(argv)
+    if args.rerender:
+        return rerender(args.rerender)
     if args.rate and not os.environ.get(SHAPED_ENV):
         reason = can_shape()
         if reason is None:
@@ -151,7 +157,7 @@ def main(argv=None) -> int:
     if out:
         if timeline:
             paths = sorted(glob.glob(os.path.join(out, "timeline.rank*.json")))
-            if paths:
+            if paths and report.have_matplotlib():
                 idx = report.render_timeline(paths, os.path.join(out, "timeline.png"))
                 doc["timeline"] = {"files": [os.path.basename(p) for p in paths], "png": "timeline.png",
                                    "iteration_shown": idx}
