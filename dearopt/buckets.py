@@ -80,6 +80,11 @@ class BucketState:
         self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it
 
     @property
+    def has_members(self) -> bool:
+        """Whether any of the bucket's parameters belongs to the optimizer (a twin's bucket has none)."""
+        return any(self.group_members)
+
+    @property
     def complete(self) -> bool:
         return self.ready >= len(self.params)
 

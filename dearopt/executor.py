@@ -37,12 +37,13 @@ from .checks import Checks
 from .collectives import CollectiveBackend
 from .comm_hooks import CommHook
 from .errors import PlanMismatchError, UsageError
-from .forward_order import ForwardOrderRecorder, param_specs, parameters_in_forward_order
+from .forward_order import ForwardOrderRecorder, parameters_in_forward_order
 from .issuer import CreditWindow, Issuer, OpState
 from .options import Options
 from .pending import PendingUpdateGuard
-from .plan import BACKWARD_END, STEP, Plan, Point, When, build_plan, forward_of, moment_key
+from .plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, When, build_plan, forward_of, moment_key
 from .profiling import ReadyProfile
+from .tied import TiedEmbeddings
 from .timeline import Timeline
 from .updater import BucketUpdater
 
@@ -97,6 +98,7 @@ class Round:
     forward_reached: int = -1  # the next forward has reached buckets <= this one
     updates_left: int = 0
     scaler_checked: bool = False  # a GradScaler judged the gradients: no non-finite policy for this step
+    combined: set = dataclasses.field(default_factory=set)  # tied weights whose twin gradient was added
 
 
 class Executor:
@@ -143,6 +145,7 @@ class Executor:
         self._checked_at_step: List[Tuple[torch.Tensor, bool]] = []  # the subset that is due by step()
         self._late_checked: set = set()  # buckets whose gradients are checked at their update
         self._final_after_backward: set = set()  # buckets whose p.grad holds the average once backward returns
+        self._combines: List[Tuple[BucketState, int, BucketState, int, Point]] = []  # owner, twin, when
         # the life cycle
         self.state = TrainingState.IDLE
         self.round: Optional[Round] = None
@@ -162,6 +165,8 @@ class Executor:
         self._hooks = []
         self._param_hooks = []
         self._hooked = set()
+        self.tied = TiedEmbeddings(model, {id(p) for p in self._trainable()} if options.embedding_rows else set(),
+                                   _EngineHook)
         self._register_module_hooks()
         self._hook_new_params()
 
@@ -175,9 +180,15 @@ class Executor:
                     out.append(p)
         return out
 
+    def _planned(self) -> List[torch.Tensor]:
+        """What the plan covers: the trainable parameters and the twins of their tied uses (:mod:`dearopt.tied`)."""
+        trainable = self._trainable()
+        ids = {id(p) for p in trainable}
+        return trainable + [twin for owner, uses in self.tied.twins.items() if owner in ids for _, _, twin in uses]
+
     def _hook_new_params(self) -> None:
         """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
-        for p in self._trainable():
+        for p in self._planned():
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 self._param_hooks.append(p.register_post_accumulate_grad_hook(_EngineHook(self._on_grad_ready)))
@@ -239,15 +250,21 @@ class Executor:
     def _build_plan(self) -> None:
         if self.recorder.recording:
             self._module_order = self.recorder.stop()
-        trainable = self._trainable()
-        ordered = self._agree_on_order(parameters_in_forward_order(self.model, self._module_order, trainable),
-                                       trainable)
-        specs = param_specs(ordered, self._names)
+        planned = self._planned()
+        twins_by_module: Dict[int, List[torch.Tensor]] = {}
+        for uses in self.tied.twins.values():
+            for module, _, twin in uses:
+                twins_by_module.setdefault(id(module), []).append(twin)
+        ordered = self._agree_on_order(
+            parameters_in_forward_order(self.model, self._module_order, planned, twins_by_module), planned)
+        specs = self._specs(ordered)
         ready, bandwidth = self.profile.result if self.profile.result is not None else (None, None)
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
                           partition_size=self.partition_size, priority=self.options.priority,
-                          ready_times=ready, bandwidth=bandwidth, credit=self.window.credit, comm_hook=hook_name)
+                          ready_times=ready, bandwidth=bandwidth, credit=self.window.credit, comm_hook=hook_name,
+                          first_bucket_size=self.options.first_bucket_size,
+                          backward_gather_fraction=self._backward_gather_fraction())
         self.checks.plan_agreement(plan, self.step_count)
         group_of_param = {}
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -257,7 +274,7 @@ class Executor:
         for spec in plan.buckets:
             params = [ordered[i] for i in spec.params]
             state = BucketState(spec, params, [specs[i].name for i in spec.params],
-                                [group_of_param[id(p)] for p in params], len(self.optimizer.param_groups),
+                                [group_of_param.get(id(p), -1) for p in params], len(self.optimizer.param_groups),
                                 self.world, self.rank)
             for j, p in enumerate(params):
                 state.adopt(p, j)
@@ -269,12 +286,47 @@ class Executor:
             if idx:
                 self._module_bucket[id(module)] = max(idx)
         self.issuer = Issuer(plan, self.buckets, self.backend, self.window, self.comm_hook, self.timeline,
-                             prepare=self._write_meta)
+                             prepare=self._write_meta, control=self.control)
         if self.launch_log is not None:
             self.issuer.launch_log = self.launch_log
         self.launch_log = self.issuer.launch_log
         self.plan = plan
         self._index_plan()
+        self._combines = []
+        for owner_id, uses in self.tied.twins.items():
+            for _, _, twin in uses:
+                if id(twin) in self._where and owner_id in self._where:
+                    owner_bucket, j = self._where[owner_id]
+                    twin_bucket, k = self._where[id(twin)]
+                    rows = [op.spec.due for op in self.issuer.ops if op.spec.bucket == owner_bucket.index]
+                    self._combines.append((owner_bucket, j, twin_bucket, k, rows[-1]))
+
+    def _backward_gather_fraction(self) -> float:
+        choice = self.options.backward_gathers
+        return 0.0 if choice == "auto" else float(choice)
+
+    def _specs(self, ordered: List[torch.Tensor]) -> List[ParamSpec]:
+        position = {id(p): i for i, p in enumerate(ordered)}
+        specs = []
+        for i, p in enumerate(ordered):
+            dtype, size = str(p.dtype).replace("torch.", ""), p.element_size()
+            owner = self.tied.owner_of.get(id(p))
+            if owner is not None:
+                name = f"{self._names.get(id(owner), 'tied weight')} (tied use)"
+                specs.append(ParamSpec(name, p.numel(), dtype, size, twin_of=position[id(owner)]))
+            else:
+                specs.append(ParamSpec(self._names.get(id(p), f"param{i}"), p.numel(), dtype, size,
+                                       row_numel=self.tied.row_numel.get(id(p), 0)))
+        return specs
+
+    def _combine(self, point: Optional[Point] = None) -> None:
+        """Add the averaged gradient of each tied use (the twin) to its weight's, once per round, at ``point``
+        (the moment the weight's rows are due) or, with None, now."""
+        for owner, j, twin, k, due in self._combines:
+            if (point is None or due == point) and id(owner.params[j]) not in self.round.combined:
+                self.round.combined.add(id(owner.params[j]))
+                owner.views[j].add_(twin.views[k])
+                owner.mark_seen()
 
     def _agree_on_order(self, ordered: List[torch.nn.Parameter],
                         trainable: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
@@ -314,6 +366,9 @@ class Executor:
         self._averaged, self._checked_at_step = [], []
         checked_buckets = set()
         for (b, _), op in sorted(last_early.items()):
+            if self.buckets[b].spec.twin_of is not None:  # added to its weight's gradient: counted there
+                checked_buckets.add(b)
+                continue
             entry = (op.piece.region(op.spec.result), op.spec.result == "shard")
             self._averaged.append(entry)
             if moment_key(op.spec.due) <= moment_key(STEP):
@@ -324,7 +379,8 @@ class Executor:
         self._final_after_backward = {b.index for b in self.buckets}
         for op in self.issuer.ops:
             late = moment_key(op.spec.due) > by_backward_end
-            if late or (op in early and op is last_early[(op.spec.bucket, op.spec.piece)] and op.spec.result == "shard"):
+            shard = op.spec.result == "shard" and last_early.get((op.spec.bucket, op.spec.piece)) is op
+            if late or shard:
                 self._final_after_backward.discard(op.spec.bucket)
 
     def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
@@ -422,6 +478,7 @@ class Executor:
         self.accumulated = 0
         self.state = TrainingState.REDUCING
         self._complete_due(BACKWARD_END)
+        self._combine(BACKWARD_END)
         self.round.backward_done = True
         self.issuer.pump(self._may_start)
 
@@ -463,6 +520,7 @@ class Executor:
         r.scaler_checked = scaler_checked
         t0 = self.timeline.now()
         self._complete_due(STEP)
+        self._combine(STEP)
         r.stepped = True
         for b in self._updates_at.get(STEP, ()):
             self.checks.check_tags(self.buckets[b], r.step)
@@ -484,7 +542,7 @@ class Executor:
         for b in self.buckets:
             b.pending = True
         r.updates_left = len(self.buckets)
-        self.updater.begin_step(len(self.buckets))
+        self.updater.begin_step(sum(1 for b in self.buckets if b.has_members))
         for b in self._updates_at.get(STEP, ()):
             self._update(self.buckets[b], tags_checked=True)
         if self.round is not None:
@@ -495,7 +553,7 @@ class Executor:
     def _check_gradient_writes(self) -> None:
         """Gradients changed between backward() and step() must not be changed behind the engine's back."""
         for b in self.buckets:
-            if b.index in self._final_after_backward:
+            if b.index in self._final_after_backward or b.spec.twin_of is not None:
                 continue  # p.grad held the averaged gradient when backward returned: any change is the user's own
             replaced = b.replaced_gradients()
             if not replaced and not b.written_by_others():
@@ -541,12 +599,16 @@ class Executor:
         if bucket.index in self._late_checked and not self.round.scaler_checked:
             self.checks.nonfinite_bucket(bucket, self.buckets, step)
         used = self.checks.used(bucket)
+        for owner, j, twin, k, _ in self._combines:  # a tied weight is used where its twin was
+            if owner is bucket:
+                used[j] = used[j] or self.checks.used(twin)[k]
         # A parameter unused on every rank keeps the gradient it had: none after
         # zero_grad(set_to_none=True) (the optimizer skips it), else its last one.
         include = [u or had for u, had in zip(used, bucket.has_grad)]
         bucket.has_grad = include
         t0 = self.timeline.now()
-        self.updater.apply(bucket, include)
+        if bucket.has_members:
+            self.updater.apply(bucket, include)
         bucket.pending = False
         if bucket.zero_after_update is not None:
             bucket.zero(bucket.zero_after_update)
@@ -591,6 +653,7 @@ class Executor:
         """
         self._require_gradients("finish the gradient reduction")
         self.issuer.force_and_complete(self._early_ops, self._may_start)
+        self._combine()
         return self._averaged
 
     @property
@@ -712,6 +775,7 @@ class Executor:
         self.synchronize()
         self.guard.disarm()
         self.remove_hooks()
+        self.tied.restore()
         self.timeline.flush()
         if self.control is not self.backend:
             self.control.close()

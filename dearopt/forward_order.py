@@ -56,13 +56,24 @@ def record_forward_order(model: torch.nn.Module, run: Callable[[], object]) -> L
 
 
 def parameters_in_forward_order(model: torch.nn.Module, modules: Sequence[torch.nn.Module],
-                                include: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
-    """The parameters in ``include``, ordered by the first of ``modules`` that owns them, then by the model."""
+                                include: Iterable[torch.nn.Parameter],
+                                extra: Optional[Dict[int, List[torch.Tensor]]] = None) -> List[torch.nn.Parameter]:
+    """The parameters in ``include``, ordered by the first of ``modules`` that owns them, then by the model.
+
+    ``extra`` maps ``id(module)`` to tensors that stand for that module's use of
+    a shared weight (twins, :mod:`dearopt.tied`): they take that module's place.
+    """
     wanted = {id(p) for p in include}
+    extra = extra or {}
     ordered, seen = [], set()
     for module in list(modules) + [model]:
-        params = module.parameters(recurse=module is model)
+        params = list(module.parameters(recurse=module is model)) + list(extra.get(id(module), ()))
         for p in params:
+            if id(p) in wanted and id(p) not in seen:
+                seen.add(id(p))
+                ordered.append(p)
+    for twins in extra.values():  # modules the recorded forward did not run
+        for p in twins:
             if id(p) in wanted and id(p) not in seen:
                 seen.add(id(p))
                 ordered.append(p)

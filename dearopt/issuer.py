@@ -9,7 +9,7 @@ every op ahead of it.  An op at the cursor starts when
 * the credit window has room for its bytes (ByteScheduler's credit; forced
   ops wait, with the timeout, for room), and
 * for an op that starts after another op (``When.AFTER``): that op has
-  finished, or a later op is ready to go and waits for it, or it is forced.
+  finished (polled, never waited for in a hook), or it is forced.
 
 Completing an op waits for it, decodes it through the communication hook, and
 averages its result region if the plan says so.  Applying the bucket's update
@@ -27,7 +27,7 @@ import torch
 from .buckets import BucketState
 from .collectives import CollectiveBackend, Handle
 from .comm_hooks import CommHook
-from .plan import ALL_GATHER, REDUCE_SCATTER, CommOp, Plan, When
+from .plan import ALL_GATHER, REDUCE_SCATTER, ROWS, CommOp, Plan, When
 from .timeline import Timeline
 
 __all__ = ["CreditWindow", "OpState", "Issuer"]
@@ -54,6 +54,25 @@ class OpState:
     @property
     def bucket(self) -> BucketState:
         return self.piece.bucket
+
+
+class _JointHandle(Handle):
+    """Several ops that complete together (the two all-gathers of a rows reduction)."""
+
+    def __init__(self, *handles: Handle):
+        self._handles = handles
+        self.op = "+".join(h.op for h in handles)
+
+    def wait(self, timeout=None) -> None:
+        for h in self._handles:
+            h.wait(timeout)
+
+    def synchronize(self, timeout=None) -> None:
+        for h in self._handles:
+            h.synchronize(timeout)
+
+    def is_completed(self) -> bool:
+        return all(h.is_completed() for h in self._handles)
 
 
 class CreditWindow:
@@ -102,10 +121,11 @@ class Issuer:
 
     def __init__(self, plan: Plan, buckets: Sequence[BucketState], backend: CollectiveBackend,
                  window: CreditWindow, hook: Optional[CommHook], timeline: Timeline,
-                 prepare: Callable[[BucketState], None]):
+                 prepare: Callable[[BucketState], None], control: Optional[CollectiveBackend] = None):
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
+        self.control = control if control is not None else backend  # small agreements, off the data queue
         self.world = backend.size
         self.window = window
         self.hook = hook
@@ -114,6 +134,7 @@ class Issuer:
         self.cursor = 0
         self.step = 0  # the step whose gradients the current round carries (names ops in errors)
         self.launch_log = collections.deque(maxlen=100_000)  # (step, kind, bucket, piece) in issue order
+        self.rows_reductions = {"rows": 0, "dense": 0}  # how row-sparse buckets were reduced, over the run
         self.first_reduction_at: Optional[float] = None  # perf_counter of the round's first reduction
         self.last_reduction_done_at: Optional[float] = None
 
@@ -134,7 +155,7 @@ class Issuer:
             forced = self.cursor <= force_through
             if not forced and not may_start(op):
                 return
-            if op.spec.start.when is When.AFTER and not self._dependency_met(op, may_start, forced):
+            if op.spec.start.when is When.AFTER and not self._dependency_met(op, forced):
                 return
             if not self.window.has_room(op.nbytes):
                 if not forced:
@@ -143,14 +164,11 @@ class Issuer:
             self._start(op)
             self.cursor += 1
 
-    def _dependency_met(self, op: OpState, may_start, forced: bool) -> bool:
-        """An op after another goes once that one finished, or when forced or a later op is waiting for it."""
+    def _dependency_met(self, op: OpState, forced: bool) -> bool:
+        """An op after another goes once that one has finished (polled: a later pump starts it; the link is
+        busy with that op meanwhile anyway), or at once, waiting for it, when forced."""
         dependency = self.ops[op.spec.start.index]
-        if dependency.handle.is_completed():
-            self.complete(dependency)
-            return True
-        following = self.ops[self.cursor + 1] if self.cursor + 1 < len(self.ops) else None
-        if forced or (following is not None and following.spec.start.when is not When.AFTER and may_start(following)):
+        if forced or dependency.handle.is_completed():
             self.complete(dependency)
             return True
         return False
@@ -163,7 +181,9 @@ class Issuer:
             self._prepare(piece.bucket)
             if self.first_reduction_at is None:
                 self.first_reduction_at = time.perf_counter()
-        if hook is None:
+        if spec.kind == ROWS:
+            self._start_rows(op, where)
+        elif hook is None:
             if spec.kind == REDUCE_SCATTER:
                 op.handle = backend.reduce_scatter(piece.shard, piece.full, **where)
             elif spec.kind == ALL_GATHER:
@@ -186,6 +206,59 @@ class Issuer:
         self.window.add(op)
         self.launch_log.append((self.step, spec.kind, spec.bucket, spec.piece))
         self.timeline.begin(("comm", op.position), spec.kind, "comm", bucket=spec.bucket, piece=spec.piece)
+
+    def _start_rows(self, op: OpState, where: dict) -> None:
+        """Reduce a row-sparse gradient as its nonzero rows: the counts first (every rank learns the largest; on
+        the control channel, so that it does not wait behind the data ops in flight), then every rank's row
+        indices and rows (and the bucket's flags and tags) all-gathered.  When the rows are not few (or a use
+        the engine cannot see made the gradient dense) every rank all-reduces densely."""
+        piece, backend, world = op.piece, self.backend, self.world
+        spec = piece.bucket.spec
+        width = spec.row_numel
+        grads = piece.full[:spec.grad_numel].view(-1, width)
+        rows = grads.any(dim=1).nonzero().flatten()
+        mine = torch.tensor([rows.numel()], dtype=torch.int64, device=self.control.device)
+        counts = torch.empty(world, dtype=torch.int64, device=self.control.device)
+        self.control.all_gather(counts, mine, **where).wait()
+        counts = counts.tolist()
+        most = max(counts)
+        if world * most * 2 > grads.shape[0]:
+            self.rows_reductions["dense"] += 1
+            op.ctx = None
+            op.handle = backend.all_reduce(piece.full, "sum", **where)
+            return
+        self.rows_reductions["rows"] += 1
+        most = max(most, 1)
+        tail = piece.full[spec.grad_numel:]
+        length = most * width + tail.numel()
+        index = torch.zeros(most, dtype=torch.int64, device=backend.device)
+        index[:rows.numel()] = rows.to(backend.device)
+        values = torch.zeros(length, dtype=piece.full.dtype, device=piece.full.device)
+        values[:rows.numel() * width] = grads.index_select(0, rows).reshape(-1)
+        values[most * width:] = tail
+        all_index = torch.empty(world * most, dtype=torch.int64, device=backend.device)
+        all_values = torch.empty(world * length, dtype=values.dtype, device=values.device)
+        op.handle = _JointHandle(backend.all_gather(all_index, index, **where),
+                                 backend.all_gather(all_values, values, **where))
+        op.ctx = ("rows", counts, most, length, all_index, all_values)
+
+    def _complete_rows(self, op: OpState) -> None:
+        """Sum every rank's rows (and tails) into the bucket, in rank order."""
+        _, counts, most, length, all_index, all_values = op.ctx
+        piece = op.piece
+        spec = piece.bucket.spec
+        width = spec.row_numel
+        grads = piece.full[:spec.grad_numel].view(-1, width)
+        tail = piece.full[spec.grad_numel:]
+        grads.zero_()
+        tail.zero_()
+        all_index = all_index.to(grads.device)
+        for r, count in enumerate(counts):
+            base = r * length
+            if count:
+                grads.index_add_(0, all_index[r * most:r * most + count],
+                                 all_values[base:base + count * width].view(count, width))
+            tail.add_(all_values[base + most * width:base + length])
 
     def _encode(self, region: torch.Tensor, grads: torch.Tensor, wire: torch.Tensor):
         """Gradients through the hook; the flags and tags behind them are copied exactly."""
@@ -212,7 +285,10 @@ class Issuer:
         self.timeline.end(("comm", op.position))
         piece, spec = op.piece, op.spec
         result = piece.region(spec.result)
-        if self.hook is not None:
+        if spec.kind == ROWS:
+            if op.ctx is not None:
+                self._complete_rows(op)
+        elif self.hook is not None:
             wire_full, wire_shard = piece.wire(self.hook.wire_dtype(piece.full.dtype))
             wire, whole = (wire_shard, piece.shard) if spec.result == "shard" else (wire_full, piece.full)
             n = result.numel()

@@ -26,7 +26,7 @@ from . import functions
 from .comm_hooks import resolve_comm_hook
 from .executor import Executor
 from .options import Options
-from .plan import DEFAULT_BUFFER_SIZE
+from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE
 
 __all__ = ["DistOptim"]
 
@@ -84,6 +84,11 @@ class DistOptim(torch.optim.Optimizer):
         schedule: ``"dear"`` (default), ``"wfbp"``, ``"rsag"``, ``"bytescheduler"`` or any schedule registered
             with :func:`dearopt.schedules.register`; see :class:`dearopt.options.Options`.
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
+        first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
+        backward_gathers: under ``dear``, the fraction of gradient bytes (output side) gathered in backward
+            instead of the next forward, or ``"auto"`` (from a profile of step 1).
+        embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
+            such a weight as a gradient of its own (default True; exact either way, see :mod:`dearopt.tied`).
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
         backward_passes_per_step: local accumulation before communicating.
         broadcast_parameters: copy rank 0's parameters and buffers at construction.
@@ -109,13 +114,17 @@ class DistOptim(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  schedule: str = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+                 first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE, embedding_rows: bool = True,
+                 backward_gathers: Union[float, str] = 0.0,
                  partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
                  priority: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
                  tuning_steps: int = 10):
         _check_arguments(optimizer, model)
-        options = Options(schedule=schedule, buffer_size=buffer_size, partition_size=partition_size,
+        options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
+                          embedding_rows=embedding_rows, backward_gathers=backward_gathers,
+                          partition_size=partition_size,
                           credit=credit, priority=priority,
                           backward_passes_per_step=backward_passes_per_step,
                           broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Optional, Union
 
-from .plan import DEFAULT_BUFFER_SIZE, parse_size
+from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, parse_size
 
 __all__ = ["Options", "NONFINITE_POLICIES"]
 
@@ -25,6 +25,20 @@ class Options:
     buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE
     """Bytes per fusion bucket (or ``"25MB"``).  25 MB is DDP's default and the
     paper's first tuning trial; ``"auto"`` tunes it online."""
+
+    first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE
+    """Bytes of the first bucket backward fills (the last layers').  1 MB as DDP: the first reduction starts
+    as soon as the last layers' gradients exist instead of waiting for 25 MB of them; ``None``: no cap."""
+
+    backward_gathers: Union[float, str] = 0.0
+    """``dear``: the fraction of the gradient bytes, from the output side, whose all-gathers go in backward
+    right after their reduce-scatters instead of in the next forward (0: all in forward, DeAR's FeedPipe;
+    1: all in backward); ``"auto"``: chosen from a profile of step 1 (see :mod:`dearopt.profiling`)."""
+
+    embedding_rows: bool = True
+    """Reduce each ``nn.Embedding`` weight as the rows its lookups touched (all ranks' rows all-gathered,
+    a dense all-reduce when they are not few), and a tied use of it (a decoder sharing the word
+    embedding) as a gradient of its own, added before the update (:mod:`dearopt.tied`).  Exact either way."""
 
     partition_size: Union[int, str, None] = None
     """Split each bucket into collectives of at most this many bytes (ByteScheduler's
@@ -67,7 +81,7 @@ class Options:
         from .schedules import get_schedule
 
         policy = get_schedule(self.schedule)
-        for knob in ("buffer_size", "partition_size", "credit"):
+        for knob in ("buffer_size", "first_bucket_size", "partition_size", "credit"):
             value = getattr(self, knob)
             if value is not None and value != "auto":
                 object.__setattr__(self, knob, parse_size(value))
@@ -75,6 +89,9 @@ class Options:
             raise ValueError("buffer_size must be a size or 'auto', not None")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
+        if self.backward_gathers != "auto" and not (isinstance(self.backward_gathers, (int, float))
+                                                    and 0.0 <= float(self.backward_gathers) <= 1.0):
+            raise ValueError(f"backward_gathers must be a fraction in [0, 1] or 'auto', got {self.backward_gathers!r}")
         policy.check_options(self)
         bpps = self.backward_passes_per_step
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:

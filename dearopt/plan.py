@@ -36,15 +36,21 @@ import dataclasses
 import enum
 import hashlib
 import re
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import FrozenSet, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["ParamSpec", "Bucket", "When", "Point", "CommOp", "Plan", "build_plan", "priority_sequence", "parse_size",
-           "padded_numel", "DEFAULT_BUFFER_SIZE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_REDUCE"]
+           "padded_numel", "DEFAULT_BUFFER_SIZE", "DEFAULT_FIRST_BUCKET_SIZE", "REDUCE_SCATTER", "ALL_GATHER",
+           "ALL_REDUCE", "ROWS"]
 
 DEFAULT_BUFFER_SIZE = 25 * 2**20
 """25 MiB: PyTorch DDP's default bucket size and the DeAR paper's first trial."""
 
+DEFAULT_FIRST_BUCKET_SIZE = 2**20
+"""1 MiB: DDP's first bucket; the first reduction starts as soon as the last layers' gradients exist."""
+
 REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "reduce_scatter", "all_gather", "all_reduce"
+ROWS = "all_gather_rows"
+"""Every rank's touched rows (and the bucket's tail) all-gathered and summed: a full, dense result."""
 
 _UNITS = {"": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}
 
@@ -78,12 +84,22 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One trainable parameter as the planner sees it."""
+    """One trainable parameter as the planner sees it.
+
+    ``twin_of``: this is not a parameter of the optimizer but the second use of
+    the parameter at that position (a tied weight, e.g. a decoder sharing the
+    word embedding), whose gradient arrives separately and is added to the
+    parameter's before its update.  ``row_numel``: the parameter's gradient has
+    nonzero rows only where an embedding lookup touched it (rows of this many
+    elements), so it may be reduced as those rows instead of densely.
+    """
 
     name: str
     numel: int
     dtype: str  # e.g. "float32"
     element_size: int
+    twin_of: Optional[int] = None
+    row_numel: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +119,8 @@ class Bucket:
     world_size: int = 1
     pieces: Tuple[Tuple[int, int], ...] = ()  # partitions [start, end) of the buffer, each a multiple of the world size
     element_size: int = 4
+    row_numel: int = 0  # > 0: the bucket holds one row-sparse parameter (ParamSpec.row_numel)
+    twin_of: Optional[int] = None  # the bucket holds the twin of the parameter at this position
 
     @property
     def flags_offset(self) -> int:
@@ -215,6 +233,8 @@ class Plan:
     priority: bool = False
     credit: Optional[int] = None
     comm_hook: str = "none"
+    first_bucket_size: Optional[int] = None
+    backward_gather_fraction: float = 0.0
 
     @property
     def first_ops(self) -> Tuple[CommOp, ...]:
@@ -242,7 +262,8 @@ class Plan:
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
         text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority, self.credit,
-                     self.comm_hook, [(p.name, p.numel, p.dtype) for p in self.params],
+                     self.comm_hook, self.first_bucket_size, round(self.backward_gather_fraction, 6),
+                     [(p.name, p.numel, p.dtype, p.twin_of, p.row_numel) for p in self.params],
                      [(b.params, b.padded_numel, b.pieces) for b in self.buckets], self.ops))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
@@ -292,14 +313,25 @@ def _pieces(padded: int, world: int, element_size: int, partition_size: Optional
 
 
 def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: int,
-                   partition_size: Optional[int] = None) -> Tuple[Bucket, ...]:
-    """Fuse ``params`` (forward order) into buckets of at most ``buffer_size`` bytes, filled from the output side."""
+                   partition_size: Optional[int] = None, first_bucket_size: Optional[int] = None) -> Tuple[Bucket, ...]:
+    """Fuse ``params`` (forward order) into buckets of at most ``buffer_size`` bytes, filled from the output side.
+
+    The first bucket filled (the output side, whose gradients backward produces
+    first) holds at most ``first_bucket_size`` bytes, so that the first
+    reduction starts early in backward (DDP does the same with 1 MB).  A twin
+    or a row-sparse parameter (see :class:`ParamSpec`) has a bucket of its own.
+    """
+    def special(spec):
+        return spec.twin_of is not None or spec.row_numel > 0
+
     groups: List[List[int]] = []
     current: List[int] = []
     current_bytes = 0
     for pos in reversed(range(len(params))):
         spec = params[pos]
-        if current and (current_bytes + spec.nbytes > buffer_size or params[current[0]].dtype != spec.dtype):
+        cap = buffer_size if groups or first_bucket_size is None else min(buffer_size, first_bucket_size)
+        if current and (current_bytes + spec.nbytes > cap or params[current[0]].dtype != spec.dtype
+                        or special(spec) or special(params[current[0]])):
             groups.append(current)
             current, current_bytes = [], 0
         current.append(pos)
@@ -315,10 +347,12 @@ def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: in
             offset += params[pos].numel
         padded = padded_numel(offset + len(members) + world_size, world_size)
         element = params[members[0]].element_size
+        first = params[members[0]]
+        pieces = ((0, padded),) if special(first) else _pieces(padded, world_size, element, partition_size)
         buckets.append(Bucket(index=index, params=tuple(members), offsets=tuple(offsets),
-                              dtype=params[members[0]].dtype, grad_numel=offset, padded_numel=padded,
-                              world_size=world_size, pieces=_pieces(padded, world_size, element, partition_size),
-                              element_size=element))
+                              dtype=first.dtype, grad_numel=offset, padded_numel=padded,
+                              world_size=world_size, pieces=pieces, element_size=element,
+                              row_numel=first.row_numel, twin_of=first.twin_of))
     return tuple(buckets)
 
 
@@ -329,13 +363,15 @@ class Layout:
     buckets: Tuple[Bucket, ...]
     reduction_order: Tuple[Tuple[int, int], ...]  # (bucket, piece) in the order the reductions start
     credit: Optional[int]
+    backward_gathers: FrozenSet[int] = frozenset()  # buckets whose all-gather may go in backward (dear)
 
 
 def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
                world_size: int = 1, schedule: str = "dear", *, partition_size: Union[int, str, None] = None,
                priority: bool = False, ready_times: Optional[Sequence[float]] = None,
                bandwidth: Optional[float] = None, credit: Union[int, str, None] = None,
-               comm_hook: str = "none") -> Plan:
+               comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
+               backward_gather_fraction: float = 0.0) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -345,6 +381,14 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     are ordered by :func:`priority_sequence`; without a profile they go in the
     order backward produces them.  ``credit`` (bytes in flight) is part of the
     plan because schedules may start ops earlier when a credit window bounds them.
+    ``first_bucket_size`` caps the first bucket backward fills (see :func:`layout_buckets`).
+    ``backward_gather_fraction``: for schedules that all-gather (``dear``), the
+    buckets from the output side that hold this fraction of the bytes are
+    gathered right after their reduce-scatter, in backward, instead of in the
+    next forward (:func:`backward_gathers`).
+
+    Twins and row-sparse parameters (:class:`ParamSpec`) are planned the same
+    way for every schedule, after it wrote its ops (:func:`_tied_and_rows`).
     """
     from .schedules import get_schedule  # the registry imports this module
 
@@ -352,12 +396,13 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     buffer_size = parse_size(buffer_size)
     partition_size = None if partition_size is None else parse_size(partition_size)
     credit = None if credit is None else parse_size(credit)
+    first_bucket_size = None if first_bucket_size is None else parse_size(first_bucket_size)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     params = tuple(params)
     if not params:
         raise ValueError("the model has no trainable parameters to plan for")
-    buckets = layout_buckets(params, buffer_size, world_size, partition_size)
+    buckets = layout_buckets(params, buffer_size, world_size, partition_size, first_bucket_size)
     backward = [(b.index, k) for b in reversed(buckets) for k in range(len(b.pieces))]
     if priority and ready_times is not None and bandwidth:
         if len(ready_times) != len(params):
@@ -365,10 +410,86 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
         probes = [CommOp(policy.reduction, b, k, buckets[b].piece_nbytes(k)) for b, k in backward]
         backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth)]
-    ops = tuple(policy.ops(Layout(buckets, tuple(backward), credit)))
+    if not 0.0 <= backward_gather_fraction <= 1.0:
+        raise ValueError(f"backward_gather_fraction must be in [0, 1], got {backward_gather_fraction}")
+    layout = Layout(buckets, tuple(backward), credit, backward_gathers(buckets, backward_gather_fraction))
+    ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
     _check_ops(ops, buckets, schedule)
     return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params, buckets=buckets,
-                ops=ops, partition_size=partition_size, priority=priority, credit=credit, comm_hook=comm_hook)
+                ops=ops, partition_size=partition_size, priority=priority, credit=credit, comm_hook=comm_hook,
+                first_bucket_size=first_bucket_size, backward_gather_fraction=backward_gather_fraction)
+
+
+def backward_gathers(buckets: Sequence[Bucket], fraction: float) -> FrozenSet[int]:
+    """The buckets, from the output side, that hold ``fraction`` of the gradient bytes (twins and rows aside).
+
+    Their gradients are ready first in backward, so their all-gathers can follow
+    their reduce-scatters while backward still computes; the rest are gathered
+    in the next forward, just before their layers run (FeedPipe).
+    """
+    plain = [b for b in buckets if not b.row_numel and b.twin_of is None]
+    total = sum(b.grad_numel * b.element_size for b in plain)
+    chosen, covered = set(), 0
+    for b in reversed(plain):
+        if total == 0 or covered >= fraction * total - 1e-9 or fraction == 0.0:
+            break
+        chosen.add(b.index)
+        covered += b.grad_numel * b.element_size
+    return frozenset(chosen)
+
+
+def _tied_and_rows(ops: Sequence[CommOp], buckets: Sequence[Bucket]) -> Tuple[CommOp, ...]:
+    """The ops of twin and row-sparse buckets, the same under every schedule.
+
+    * A row-sparse bucket (an embedding's weight) is reduced by one ``ROWS``
+      op where the schedule's first reduction of it was: every rank's touched
+      rows are all-gathered and summed, which leaves the whole averaged gradient
+      on every rank (no all-gather needed).  It is due at backward end if the
+      schedule's ops of that bucket were, else at ``step()``; the bucket's
+      update stays where the schedule put it.
+    * A twin bucket (the second use of that weight, e.g. a tied decoder) must be
+      averaged in full before the weight's update, which adds the two: its
+      reductions stay, an all-gather follows each reduce-scatter right away,
+      and the schedule's all-gathers of it in the next forward are dropped.
+    """
+    if not any(b.row_numel or b.twin_of is not None for b in buckets):
+        return tuple(ops)
+    due_of = {}  # a bucket's ops due at backward end stay so (p.grad final when backward returns), others: step()
+    for op in ops:
+        due_of.setdefault(op.bucket, BACKWARD_END)
+        if op.due != BACKWARD_END:
+            due_of[op.bucket] = STEP
+    update_of = {op.bucket: op.update for op in ops if op.update is not None}
+    out: List[CommOp] = []
+    moved = {}  # old position -> new position
+    rows_placed = set()
+    for position, op in enumerate(ops):
+        bucket = buckets[op.bucket]
+        if bucket.row_numel:
+            if op.reduces and op.bucket not in rows_placed:
+                rows_placed.add(op.bucket)
+                moved[position] = len(out)
+                out.append(CommOp(ROWS, op.bucket, 0, bucket.piece_nbytes(0), start=GRADS_READY,
+                                  due=due_of[op.bucket], average=True))
+            continue
+        if bucket.twin_of is not None:
+            if not op.reduces:
+                continue
+            moved[position] = len(out)
+            out.append(dataclasses.replace(op, start=GRADS_READY, due=due_of[op.bucket], update=None))
+            if op.kind == REDUCE_SCATTER:
+                out.append(CommOp(ALL_GATHER, op.bucket, op.piece, op.nbytes, start=after(len(out) - 1),
+                                  due=due_of[op.bucket]))
+            continue
+        moved[position] = len(out)
+        start = after(moved[op.start.index]) if op.start.when is When.AFTER else op.start
+        out.append(dataclasses.replace(op, start=start))
+    last = {op.bucket: i for i, op in enumerate(out)}
+    for b, i in last.items():
+        if buckets[b].row_numel or buckets[b].twin_of is not None:
+            update = update_of.get(b) if buckets[b].row_numel else STEP
+            out[i] = dataclasses.replace(out[i], update=update)
+    return tuple(out)
 
 
 def moment_key(point: Point, ops: Sequence[CommOp] = ()) -> Tuple[int, int]:

@@ -184,3 +184,90 @@ def test_fp16_hook_under_dear_on_three_ranks_within_its_bound():
         got = o.value[cases[0]]
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=2e-3, atol=2e-4)
+
+
+# --------------------------------------------------------------------------- tied embeddings, rows
+VOCAB, DIM = 200, 8
+
+
+class TiedLM(torch.nn.Module):
+    """A word embedding shared with the output projection (BERT's MLM head); ``functional`` also uses the
+    weight outside any module, which makes its gradient dense in a way the engine cannot see coming."""
+
+    def __init__(self, tied=True, functional=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.hidden = torch.nn.Linear(DIM, DIM)
+        self.decoder = torch.nn.Linear(DIM, VOCAB)
+        if tied:
+            self.decoder.weight = self.embed.weight
+        self.functional = functional
+
+    def forward(self, tokens):
+        h = torch.tanh(self.hidden(self.embed(tokens)))
+        if self.functional:
+            h = h + torch.tanh(h @ self.embed.weight.T).mean(-1, keepdim=True)  # every row of the weight
+        return self.decoder(h)
+
+
+def _lm_batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (6, 2), generator=g), torch.randint(0, VOCAB, (6, 2), generator=g)
+
+
+def _lm_loss(out, target):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def _lm_reference(variant, steps=STEPS):
+    torch.manual_seed(0)
+    model = TiedLM(**variant)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _lm_batch(step)
+        _lm_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+LM_VARIANTS = {"tied": {}, "untied": {"tied": False}, "tied + functional use": {"functional": True}}
+
+
+def _lm_distributed(steps=STEPS):
+    rank, world = dearopt.rank(), dearopt.size()
+    out = {}
+    for name, variant in LM_VARIANTS.items():
+        for schedule in ["dear", "wfbp", "rsag", "bytescheduler"]:
+            torch.manual_seed(0)
+            model = TiedLM(**variant)
+            opt = dearopt.DistOptim(torch.optim.Adam(model.parameters(), lr=0.01), model, schedule=schedule,
+                                    buffer_size=256)
+            for step in range(steps):
+                opt.zero_grad()
+                x, y = _lm_batch(step)
+                _lm_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+                opt.step()
+            opt.synchronize()
+            out[(name, schedule)] = ([p.detach().clone() for p in model.parameters()],
+                                     dict(opt._executor.issuer.rows_reductions),
+                                     [b.spec.twin_of is not None for b in opt._executor.buckets].count(True),
+                                     type(model.decoder.weight) is torch.nn.Parameter and model.decoder.weight is
+                                     model.embed.weight if variant.get("tied", True) else True)
+            opt.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_tied_and_untied_embeddings_are_reduced_as_rows_exactly(world):
+    refs = {name: _lm_reference(variant) for name, variant in LM_VARIANTS.items()}
+    for o in run_workers(_lm_distributed, world, timeout=140):
+        for (name, schedule), (params, rows, twins, tied_after) in o.value.items():
+            assert_params_match(params, refs[name])
+            assert tied_after, "the model's tying is restored outside forward"
+            assert twins == (0 if name == "untied" else 1), (name, schedule)
+            if name == "tied + functional use":  # dense: every rank noticed and all-reduced densely
+                assert rows == {"rows": 0, "dense": STEPS}, (name, schedule, rows)
+            else:  # a few rows of 200 per rank each step
+                assert rows == {"rows": STEPS, "dense": 0}, (name, schedule, rows)

@@ -132,16 +132,19 @@ def test_a_single_op_larger_than_the_credit_still_goes_alone():
     assert len(backend.started) == 1  # alone in flight, over the credit: never a deadlock
 
 
-def test_an_op_after_another_waits_for_it_unless_a_later_op_is_ready():
+def test_an_op_after_another_starts_once_that_one_finished_and_is_never_waited_for_unless_forced():
     plan, buckets, backend, issuer = make("rsag", [8, 8], 40)
     m = Moments()
-    m.ready.add(1)
+    m.ready.update({0, 1})
     issuer.pump(m)
-    assert [n for n, _, _ in backend.started] == ["reduce_scatter"]  # its gather waits for it to finish
-    m.ready.add(0)  # the next reduce-scatter is ready: the gather goes first, after waiting for its source
-    issuer.pump(m)
+    # the first gather waits for its reduce-scatter to finish; a hook never blocks on it, and nothing passes it
+    assert [n for n, _, _ in backend.started] == ["reduce_scatter"]
+    backend.started[0][2].finished = True
+    issuer.pump(m)  # the next hook after it finished
     assert [n for n, _, _ in backend.started] == ["reduce_scatter", "all_gather", "reduce_scatter"]
     assert issuer.ops[0].done  # completed (averaged) before its gather read it
+    issuer.pump(m, force_through=len(plan.ops) - 1)  # due: the last gather waits for its reduce-scatter
+    assert [n for n, _, _ in backend.started][-1] == "all_gather" and issuer.ops[2].done
 
 
 def test_completion_averages_the_result_region_once():

@@ -169,3 +169,46 @@ def test_the_registry_names_the_known_schedules():
     with pytest.raises(ValueError, match="already registered"):
         register(type(get_schedule("dear"))())
     assert When.FORWARD.value == "forward"
+
+
+def test_the_first_bucket_backward_fills_is_small():
+    params = specs(*[25] * 8)  # 100 bytes each
+    big = layout_buckets(params, 400, 1)
+    small = layout_buckets(params, 400, 1, first_bucket_size=150)
+    assert [len(b.params) for b in big] == [4, 4]
+    assert [len(b.params) for b in small] == [3, 4, 1]  # the output side's bucket holds one parameter
+
+
+def test_an_embedding_is_reduced_as_rows_and_its_tied_use_is_complete_before_its_update():
+    params = [ParamSpec("embed.weight", 800, "float32", 4, row_numel=8)] + specs(10, 10) + [
+        ParamSpec("decoder.weight (tied use)", 800, "float32", 4, twin_of=0), ParamSpec("decoder.bias", 100,
+                                                                                        "float32", 4)]
+    for schedule in ("dear", "wfbp", "rsag", "bytescheduler"):
+        plan = build_plan(params, 120, 2, schedule)
+        by_bucket = {}
+        for i, op in enumerate(plan.ops):
+            by_bucket.setdefault(plan.buckets[op.bucket].params, []).append((i, op))
+        (_, rows), = by_bucket[(0,)]
+        assert rows.kind == "all_gather_rows" and rows.average and rows.start == GRADS_READY
+        twin = [op for _, op in by_bucket[(3,)]]
+        assert all(op.due in (BACKWARD_END, STEP) for op in twin), schedule  # averaged in full before the update
+        if twin[0].kind == REDUCE_SCATTER:
+            assert twin[1].kind == ALL_GATHER and twin[1].start.when is When.AFTER
+        assert dataclasses.replace(params[0]) in plan.params
+        # the rows' update stays where the schedule put the embedding's
+        assert rows.update == (forward_of(0) if schedule in ("dear", "bytescheduler") else STEP), schedule
+
+
+def test_dear_gathers_the_output_side_in_backward_when_asked():
+    plan = build_plan(specs(10, 10, 10, 10), 40, 2, "dear", backward_gather_fraction=0.5)
+    back = {op.bucket for op in plan.ops if op.kind == ALL_GATHER and op.start.when is When.AFTER}
+    assert back == {2, 3}  # the output side, half the bytes
+    for op in plan.ops:
+        if op.bucket in back:
+            assert op.due == BACKWARD_END and op.update in (None, STEP)
+        elif op.kind == ALL_GATHER:
+            assert op.due == forward_of(op.bucket) and op.update == forward_of(op.bucket)
+    forward_gathers = [op for op in plan.ops if op.kind == ALL_GATHER and op.bucket not in back]
+    assert [op.start for op in forward_gathers] == [STEP, forward_of(0)]
+    assert build_plan(specs(10, 10), 40, 2, "dear", backward_gather_fraction=0.0).fingerprint() != \
+        build_plan(specs(10, 10), 40, 2, "dear", backward_gather_fraction=1.0).fingerprint()
