@@ -81,8 +81,13 @@ class Checks:
 
     # ------------------------------------------------------------- non-finite
     def nonfinite(self, regions: Sequence[torch.Tensor], sharded: bool, buckets: Sequence[BucketState],
-                  step: int) -> bool:
-        """Check the averaged gradients (this rank's shards if ``sharded``): True means skip the step."""
+                  step: int, own: Sequence[int] = ()) -> bool:
+        """Check the averaged gradients (this rank's shards if ``sharded``): True means skip the step.
+
+        ``own``: the buckets whose buffers still hold this rank's own gradients
+        (their average is kept as shards), from which the ranks a non-finite
+        gradient came from can be named.
+        """
         policy = self.options.nonfinite
         if policy == "ignore" or not regions:
             return False
@@ -98,7 +103,7 @@ class Checks:
             return False
         if policy == "skip":
             return True
-        raise NonFiniteGradientError(self._describe_nonfinite(sharded, buckets, step) + "; pass nonfinite='skip' to "
+        raise NonFiniteGradientError(self._describe_nonfinite(buckets, step, own) + "; pass nonfinite='skip' to "
                                      "skip such steps", rank=self.rank, op="step", step=step)
 
     def nonfinite_bucket(self, bucket: BucketState, buckets: Sequence[BucketState], step: int) -> None:
@@ -107,30 +112,32 @@ class Checks:
             return
         if not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum())):
             raise NonFiniteGradientError(
-                self._describe_nonfinite(False, buckets, step) + " (this schedule checks bucket by bucket, so "
+                self._describe_nonfinite(buckets, step) + " (this schedule checks bucket by bucket, so "
                 "earlier buckets of this step were already updated)", rank=self.rank, op="update",
                 bucket=bucket.index, step=step)
 
-    def _describe_nonfinite(self, sharded: bool, buckets: Sequence[BucketState], step: int) -> str:
-        """Name the first non-finite parameter and, when sharded, the ranks whose own gradients were non-finite."""
-        def first_bad():
+    def _describe_nonfinite(self, buckets: Sequence[BucketState], step: int, own: Sequence[int] = ()) -> str:
+        """Name the first non-finite parameter: in a bucket that holds the average (the same on every rank;
+        where it came from is unknown), else in the ``own`` buckets, with the ranks it came from."""
+        def first_bad(chosen):
             position = 0
-            for bucket in buckets:
+            for bucket in chosen:
                 for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
                     if not bool(torch.isfinite(bucket.buffer[offset:offset + p.numel()]).all()):
                         return position, name
                     position += 1
             return -1, None
 
-        if not sharded:  # the buffers hold the averaged gradients; origins are unknown
-            _, name = first_bad()
+        own = set(own)
+        _, name = first_bad([b for b in buckets if b.index not in own])
+        if name is not None or not own:  # the same answer on every rank: no rank goes on to the all-gather alone
             return f"the averaged gradient of parameter {name!r} is not finite (the rank it came from is unknown)"
-        # sharded: the buffers still hold this rank's own gradients (no all-gather has overwritten them)
-        mine, _ = first_bad()
+        mine_buckets = [b for b in buckets if b.index in own]
+        mine, _ = first_bad(mine_buckets)
         mine_t = torch.tensor([mine], dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self.control.all_gather(everyone, mine_t, step=step).wait()
-        names = [n for b in buckets for n in b.names]
+        names = [n for b in mine_buckets for n in b.names]
         bad = {r: names[i] for r, i in enumerate(everyone.tolist()) if i >= 0}
         if not bad:
             return "the averaged gradient is not finite although every rank's own gradients are finite (overflow)"

@@ -43,6 +43,7 @@ from .options import Options
 from .pending import PendingUpdateGuard
 from .plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, When, build_plan, forward_of, moment_key
 from .profiling import ReadyProfile
+from .schedules import get_schedule
 from .tied import TiedEmbeddings
 from .timeline import Timeline
 from .updater import BucketUpdater
@@ -127,7 +128,8 @@ class Executor:
         self.checks = Checks(options, self.control, self.rank, self.world)
         self.updater = BucketUpdater(optimizer)
         self.recorder = ForwardOrderRecorder()
-        self.profile = ReadyProfile(options.priority)
+        self.profile = ReadyProfile(options.priority or (get_schedule(options.schedule).mixes_allreduce
+                                                         and options.allreduce == "auto"))
         self.window = CreditWindow(credit)
         self.on_step_landed = on_step_landed
         self.launch_log = None  # the issuer's (step, kind, bucket, piece) log, kept across re-plans
@@ -144,6 +146,7 @@ class Executor:
         self._averaged: List[Tuple[torch.Tensor, bool]] = []  # (region, is a shard) once the early ops completed
         self._checked_at_step: List[Tuple[torch.Tensor, bool]] = []  # the subset that is due by step()
         self._late_checked: set = set()  # buckets whose gradients are checked at their update
+        self._own_gradient_buckets: List[int] = []  # buckets whose buffers hold this rank's gradients at step()
         self._final_after_backward: set = set()  # buckets whose p.grad holds the average once backward returns
         self._combines: List[Tuple[BucketState, int, BucketState, int, Point]] = []  # owner, twin, when
         # the life cycle
@@ -258,13 +261,13 @@ class Executor:
         ordered = self._agree_on_order(
             parameters_in_forward_order(self.model, self._module_order, planned, twins_by_module), planned)
         specs = self._specs(ordered)
-        ready, bandwidth = self.profile.result if self.profile.result is not None else (None, None)
+        ready, bandwidth, backward = self.profile.result if self.profile.result is not None else (None, None, None)
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, credit=self.window.credit, comm_hook=hook_name,
-                          first_bucket_size=self.options.first_bucket_size,
-                          backward_gather_fraction=self._backward_gather_fraction())
+                          first_bucket_size=self.options.first_bucket_size, allreduce=self.options.allreduce,
+                          backward_time=backward)
         self.checks.plan_agreement(plan, self.step_count)
         group_of_param = {}
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -286,7 +289,8 @@ class Executor:
             if idx:
                 self._module_bucket[id(module)] = max(idx)
         self.issuer = Issuer(plan, self.buckets, self.backend, self.window, self.comm_hook, self.timeline,
-                             prepare=self._write_meta, control=self.control)
+                             prepare=self._write_meta, control=self.control,
+                             rows_reductions=self.issuer.rows_reductions if self.issuer is not None else None)
         if self.launch_log is not None:
             self.issuer.launch_log = self.launch_log
         self.launch_log = self.issuer.launch_log
@@ -300,10 +304,6 @@ class Executor:
                     twin_bucket, k = self._where[id(twin)]
                     rows = [op.spec.due for op in self.issuer.ops if op.spec.bucket == owner_bucket.index]
                     self._combines.append((owner_bucket, j, twin_bucket, k, rows[-1]))
-
-    def _backward_gather_fraction(self) -> float:
-        choice = self.options.backward_gathers
-        return 0.0 if choice == "auto" else float(choice)
 
     def _specs(self, ordered: List[torch.Tensor]) -> List[ParamSpec]:
         position = {id(p): i for i, p in enumerate(ordered)}
@@ -375,6 +375,7 @@ class Executor:
                 self._checked_at_step.append(entry)
                 checked_buckets.add(b)
         self._late_checked = {b.index for b in self.buckets} - checked_buckets
+        self._own_gradient_buckets = sorted({op.spec.bucket for op in last_early.values() if op.spec.result == "shard"})
         by_backward_end = moment_key(BACKWARD_END)
         self._final_after_backward = {b.index for b in self.buckets}
         for op in self.issuer.ops:
@@ -463,7 +464,9 @@ class Executor:
             return
         bucket.stamp[j] = self.pass_id
         bucket.ready += 1
-        self.profile.grad_ready(bucket.spec.params[j])
+        if self.profile.recording:
+            self.profile.grad_ready(bucket.spec.params[j])
+            self.issuer.observe()
         if bucket.complete or self.window.credit is not None:
             # with a credit window, an op held back for credit may start at any gradient hook once
             # earlier ops have finished, not only when the next bucket completes
@@ -477,6 +480,9 @@ class Executor:
             return
         self.accumulated = 0
         self.state = TrainingState.REDUCING
+        if self.profile.recording:
+            self.profile.end_backward()
+            self.issuer.observe()
         self._complete_due(BACKWARD_END)
         self._combine(BACKWARD_END)
         self.round.backward_done = True
@@ -527,10 +533,10 @@ class Executor:
         if not scaler_checked:
             sharded = any(is_shard for _, is_shard in self._checked_at_step)
             skip = self.checks.nonfinite([region for region, _ in self._checked_at_step], sharded, self.buckets,
-                                         r.step)
+                                         r.step, own=self._own_gradient_buckets)
         if self.profile.recording:
-            self.profile.share(self.control, sum(op.nbytes for op in self.plan.first_ops),
-                               self.issuer.first_reduction_at, self.issuer.last_reduction_done_at, r.step)
+            nbytes, busy = self.issuer.reduction_busy_time()
+            self.profile.share(self.control, nbytes, busy, r.step)
         self.forwards = 0
         self.step_count += 1
         self.state = TrainingState.IDLE

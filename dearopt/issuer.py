@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,7 +36,7 @@ __all__ = ["CreditWindow", "OpState", "Issuer"]
 class OpState:
     """A planned collective bound to its piece, with its handle for the current round."""
 
-    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at")
+    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at")
 
     def __init__(self, position: int, spec: CommOp, piece):
         self.position = position
@@ -46,6 +46,7 @@ class OpState:
         self.done = False
         self.ctx = None  # the comm hook's context from encode
         self.started_at = 0.0
+        self.finished_at: Optional[float] = None  # when it was first seen finished (profiling)
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +122,8 @@ class Issuer:
 
     def __init__(self, plan: Plan, buckets: Sequence[BucketState], backend: CollectiveBackend,
                  window: CreditWindow, hook: Optional[CommHook], timeline: Timeline,
-                 prepare: Callable[[BucketState], None], control: Optional[CollectiveBackend] = None):
+                 prepare: Callable[[BucketState], None], control: Optional[CollectiveBackend] = None,
+                 rows_reductions: Optional[dict] = None):
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
@@ -134,14 +136,15 @@ class Issuer:
         self.cursor = 0
         self.step = 0  # the step whose gradients the current round carries (names ops in errors)
         self.launch_log = collections.deque(maxlen=100_000)  # (step, kind, bucket, piece) in issue order
-        self.rows_reductions = {"rows": 0, "dense": 0}  # how row-sparse buckets were reduced, over the run
+        # how row-sparse buckets were reduced, over the run (kept across re-plans by the caller)
+        self.rows_reductions = rows_reductions if rows_reductions is not None else {"rows": 0, "dense": 0}
         self.first_reduction_at: Optional[float] = None  # perf_counter of the round's first reduction
         self.last_reduction_done_at: Optional[float] = None
 
     # ----------------------------------------------------------------- round
     def start_round(self, step: int) -> None:
         for op in self.ops:
-            op.handle, op.done, op.ctx = None, False, None
+            op.handle, op.done, op.ctx, op.finished_at = None, False, None, None
         self.cursor = 0
         self.step = step
         self.window.clear()
@@ -298,8 +301,28 @@ class Issuer:
             result.div_(self.world)
         piece.bucket.mark_seen()
         op.done = True
+        if op.finished_at is None:
+            op.finished_at = time.perf_counter()
         if spec.reduces:
             self.last_reduction_done_at = time.perf_counter()
+
+    def observe(self) -> None:
+        """Note when started ops are first seen finished (for the link's busy time)."""
+        now = time.perf_counter()
+        for op in self.ops[:self.cursor]:
+            if op.finished_at is None and op.handle.is_completed():
+                op.finished_at = now
+
+    def reduction_busy_time(self) -> Tuple[int, float]:
+        """Bytes of the reductions and the seconds the link was busy with them (ops one after another)."""
+        spans = sorted((op.started_at, op.finished_at) for op in self.ops[:self.cursor]
+                       if op.spec.reduces and op.finished_at is not None)
+        busy, free = 0.0, 0.0
+        for start, end in spans:
+            busy += max(end - max(start, free), 0.0)
+            free = max(free, end)
+        nbytes = sum(op.nbytes for op in self.ops[:self.cursor] if op.spec.reduces and op.finished_at is not None)
+        return nbytes, busy
 
     def complete_started(self) -> None:
         """Complete every op started this round, and start no other (a skipped step)."""

@@ -85,8 +85,9 @@ class DistOptim(torch.optim.Optimizer):
             with :func:`dearopt.schedules.register`; see :class:`dearopt.options.Options`.
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
         first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
-        backward_gathers: under ``dear``, the fraction of gradient bytes (output side) gathered in backward
-            instead of the next forward, or ``"auto"`` (from a profile of step 1).
+        allreduce: under ``dear``, which buckets are all-reduced in backward instead of reduce-scattered and
+            gathered in the next forward: ``"auto"`` (default; from a profile of step 1, those whose all-reduce
+            ends within backward) or a fraction of the bytes from the output side (0: DeAR as in the paper).
         embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
             such a weight as a gradient of its own (default True; exact either way, see :mod:`dearopt.tied`).
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
@@ -103,6 +104,8 @@ class DistOptim(torch.optim.Optimizer):
             and ``credit``; built by default for the knobs set to ``"auto"`` (buffer: 1 MB .. min(100 MB,
             model size), first trial 25 MB, 10 trials).  Its trials and result: ``optimizer.tuning``.
         tuning_steps: iterations measured per trial (after one discarded iteration).
+        profile: a :class:`dearopt.sim.Profile` of this model: with ``buffer_size="auto"`` the tuner's first
+            trial is the buffer size the simulator predicts fastest, instead of 25 MB.
 
     Step hooks registered on this optimizer (``register_step_pre_hook``,
     ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
@@ -115,15 +118,15 @@ class DistOptim(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  schedule: str = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
                  first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE, embedding_rows: bool = True,
-                 backward_gathers: Union[float, str] = 0.0,
+                 allreduce: Union[float, str] = "auto",
                  partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
                  priority: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
-                 tuning_steps: int = 10):
+                 tuning_steps: int = 10, profile=None):
         _check_arguments(optimizer, model)
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
-                          embedding_rows=embedding_rows, backward_gathers=backward_gathers,
+                          embedding_rows=embedding_rows, allreduce=allreduce,
                           partition_size=partition_size,
                           credit=credit, priority=priority,
                           backward_passes_per_step=backward_passes_per_step,
@@ -153,6 +156,7 @@ class DistOptim(torch.optim.Optimizer):
         credit_bytes = None if options.credit == "auto" else options.credit
         self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
                                   on_step_landed=self._step_landed)
+        self._profile = profile
         self.tuning = self._make_tuning(tuner, tuning_steps)
         _WRAPPED.add(optimizer)
 
@@ -169,7 +173,14 @@ class DistOptim(torch.optim.Optimizer):
             knobs = []
             if "buffer_size" in auto:
                 high = min(100 * mb, max(model_bytes, 2 * mb))
-                knobs.append(tuning.buffer_size_knob(high=high, initial=min(25 * mb, high)))
+                initial = min(25 * mb, high)
+                if self._profile is not None:  # start where the simulator predicts the optimum
+                    from . import sim
+
+                    grid = [int(mb * 2 ** (i / 2)) for i in range(0, 15) if mb * 2 ** (i / 2) <= high]
+                    initial = sim.best_buffer_size(self._profile, self.options.schedule, grid,
+                                                   ranks=self._executor.world)
+                knobs.append(tuning.buffer_size_knob(high=high, initial=initial))
             if "partition_size" in auto:
                 knobs.append(tuning.Knob("partition_size", 256 * 1024, 16 * mb, log=True, initial=4 * mb, integer=True))
             if "credit" in auto:

@@ -30,10 +30,13 @@ class Options:
     """Bytes of the first bucket backward fills (the last layers').  1 MB as DDP: the first reduction starts
     as soon as the last layers' gradients exist instead of waiting for 25 MB of them; ``None``: no cap."""
 
-    backward_gathers: Union[float, str] = 0.0
-    """``dear``: the fraction of the gradient bytes, from the output side, whose all-gathers go in backward
-    right after their reduce-scatters instead of in the next forward (0: all in forward, DeAR's FeedPipe;
-    1: all in backward); ``"auto"``: chosen from a profile of step 1 (see :mod:`dearopt.profiling`)."""
+    allreduce: Union[float, str] = "auto"
+    """``dear``: which buckets are all-reduced in backward (as ``wfbp``: one collective, less CPU than a
+    reduce-scatter plus an all-gather, nothing to gather in the next forward) instead of DeAR's
+    reduce-scatter in backward and all-gather in the next forward.  ``"auto"`` (default): from a profile of
+    step 1 taken on rank 0 and shared once, the buckets (output side first) whose all-reduce still ends
+    within backward (:func:`dearopt.plan.allreduce_buckets`); a fraction in [0, 1]: the buckets from the
+    output side holding that fraction of the bytes (0: DeAR as in the paper)."""
 
     embedding_rows: bool = True
     """Reduce each ``nn.Embedding`` weight as the rows its lookups touched (all ranks' rows all-gathered,
@@ -89,9 +92,9 @@ class Options:
             raise ValueError("buffer_size must be a size or 'auto', not None")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        if self.backward_gathers != "auto" and not (isinstance(self.backward_gathers, (int, float))
-                                                    and 0.0 <= float(self.backward_gathers) <= 1.0):
-            raise ValueError(f"backward_gathers must be a fraction in [0, 1] or 'auto', got {self.backward_gathers!r}")
+        if self.allreduce != "auto" and (isinstance(self.allreduce, bool) or not isinstance(self.allreduce, (int, float))
+                                         or not 0.0 <= float(self.allreduce) <= 1.0):
+            raise ValueError(f"allreduce must be a fraction in [0, 1] or 'auto', got {self.allreduce!r}")
         policy.check_options(self)
         bpps = self.backward_passes_per_step
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:

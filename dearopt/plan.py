@@ -234,7 +234,7 @@ class Plan:
     credit: Optional[int] = None
     comm_hook: str = "none"
     first_bucket_size: Optional[int] = None
-    backward_gather_fraction: float = 0.0
+    allreduce: Tuple[int, ...] = ()  # buckets all-reduced in backward (dear)
 
     @property
     def first_ops(self) -> Tuple[CommOp, ...]:
@@ -262,7 +262,7 @@ class Plan:
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
         text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority, self.credit,
-                     self.comm_hook, self.first_bucket_size, round(self.backward_gather_fraction, 6),
+                     self.comm_hook, self.first_bucket_size, self.allreduce,
                      [(p.name, p.numel, p.dtype, p.twin_of, p.row_numel) for p in self.params],
                      [(b.params, b.padded_numel, b.pieces) for b in self.buckets], self.ops))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
@@ -363,7 +363,7 @@ class Layout:
     buckets: Tuple[Bucket, ...]
     reduction_order: Tuple[Tuple[int, int], ...]  # (bucket, piece) in the order the reductions start
     credit: Optional[int]
-    backward_gathers: FrozenSet[int] = frozenset()  # buckets whose all-gather may go in backward (dear)
+    allreduce: FrozenSet[int] = frozenset()  # buckets to all-reduce in backward (dear), see allreduce_buckets
 
 
 def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
@@ -371,7 +371,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                priority: bool = False, ready_times: Optional[Sequence[float]] = None,
                bandwidth: Optional[float] = None, credit: Union[int, str, None] = None,
                comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
-               backward_gather_fraction: float = 0.0) -> Plan:
+               allreduce: Union[float, str] = 0.0, backward_time: Optional[float] = None) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -382,10 +382,11 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     order backward produces them.  ``credit`` (bytes in flight) is part of the
     plan because schedules may start ops earlier when a credit window bounds them.
     ``first_bucket_size`` caps the first bucket backward fills (see :func:`layout_buckets`).
-    ``backward_gather_fraction``: for schedules that all-gather (``dear``), the
-    buckets from the output side that hold this fraction of the bytes are
-    gathered right after their reduce-scatter, in backward, instead of in the
-    next forward (:func:`backward_gathers`).
+    ``allreduce``: for ``dear``, which buckets are all-reduced in backward (as
+    ``wfbp`` does) instead of reduce-scattered in backward and all-gathered in
+    the next forward: a fraction of the gradient bytes from the output side, or
+    ``"auto"`` with a profile (``ready_times``, ``bandwidth``, ``backward_time``):
+    see :func:`allreduce_buckets`.
 
     Twins and row-sparse parameters (:class:`ParamSpec`) are planned the same
     way for every schedule, after it wrote its ops (:func:`_tied_and_rows`).
@@ -410,28 +411,54 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
         probes = [CommOp(policy.reduction, b, k, buckets[b].piece_nbytes(k)) for b, k in backward]
         backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth)]
-    if not 0.0 <= backward_gather_fraction <= 1.0:
-        raise ValueError(f"backward_gather_fraction must be in [0, 1], got {backward_gather_fraction}")
-    layout = Layout(buckets, tuple(backward), credit, backward_gathers(buckets, backward_gather_fraction))
+    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth, backward_time) \
+        if policy.mixes_allreduce else frozenset()
+    layout = Layout(buckets, tuple(backward), credit, chosen)
     ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
     _check_ops(ops, buckets, schedule)
     return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params, buckets=buckets,
                 ops=ops, partition_size=partition_size, priority=priority, credit=credit, comm_hook=comm_hook,
-                first_bucket_size=first_bucket_size, backward_gather_fraction=backward_gather_fraction)
+                first_bucket_size=first_bucket_size, allreduce=tuple(sorted(chosen)))
 
 
-def backward_gathers(buckets: Sequence[Bucket], fraction: float) -> FrozenSet[int]:
-    """The buckets, from the output side, that hold ``fraction`` of the gradient bytes (twins and rows aside).
+def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_times: Optional[Sequence[float]],
+                      bandwidth: Optional[float], backward_time: Optional[float]) -> FrozenSet[int]:
+    """Which buckets ``dear`` all-reduces in backward instead of reduce-scattering them (twins and rows aside).
 
-    Their gradients are ready first in backward, so their all-gathers can follow
-    their reduce-scatters while backward still computes; the rest are gathered
-    in the next forward, just before their layers run (FeedPipe).
+    An all-reduce moves the bytes of a reduce-scatter and an all-gather in one
+    collective, which costs less CPU than the two, and needs no gather in the
+    next forward; it pays where the link has room during backward.
+
+    * a fraction: the buckets from the output side holding that fraction of the bytes;
+    * ``"auto"``: from a profile (each parameter's ``ready_times`` after backward
+      starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter, the
+      ``backward_time``): walking the buckets in the order backward completes
+      them, a bucket is all-reduced (twice a reduce-scatter's time) while that
+      all-reduce still ends before backward does, on a link that carries one op
+      at a time; from the first that would not, the rest are DeAR's.  Without a
+      profile, none.
     """
     plain = [b for b in buckets if not b.row_numel and b.twin_of is None]
+    if rule == "auto":
+        if not ready_times or not bandwidth or not backward_time:
+            return frozenset()
+        chosen, link = set(), 0.0
+        for b in reversed(plain):
+            ready = max(ready_times[p] for p in b.params)
+            nbytes = b.padded_numel * b.element_size
+            end = max(link, ready) + 2 * nbytes / bandwidth
+            if end > backward_time:
+                break
+            chosen.add(b.index)
+            link = end
+        return frozenset(chosen)
+    fraction = float(rule)
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"allreduce must be a fraction in [0, 1] or 'auto', got {rule!r}")
     total = sum(b.grad_numel * b.element_size for b in plain)
     chosen, covered = set(), 0
     for b in reversed(plain):
-        if total == 0 or covered >= fraction * total - 1e-9 or fraction == 0.0:
+        if fraction == 0.0 or covered >= fraction * total - 1e-9:
             break
         chosen.add(b.index)
         covered += b.grad_numel * b.element_size

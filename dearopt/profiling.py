@@ -1,8 +1,9 @@
 """The one-time profile a priority plan is ordered by.
 
-With ``priority=True``, rank 0 records during step :data:`ReadyProfile.STEP`
-when each gradient becomes ready (seconds after backward starts) and the
-bandwidth its reductions achieved.  At that step's ``step()`` it broadcasts
+With ``priority=True`` (or ``dear``'s ``allreduce="auto"``), rank 0 records
+during step :data:`ReadyProfile.STEP` when each gradient becomes ready
+(seconds after backward starts), how long backward took and the bandwidth its
+reductions achieved while the link was busy.  At that step's ``step()`` it broadcasts
 the numbers once over the control channel; every rank then re-plans from the
 same numbers at the next backward, so the order stays identical everywhere.
 """
@@ -26,10 +27,12 @@ class ReadyProfile:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.result: Optional[Tuple[List[float], float]] = None  # (ready times per parameter, bytes/s)
+        # (ready times per parameter, bytes/s of a reduction on the link, backward seconds)
+        self.result: Optional[Tuple[List[float], float, float]] = None
         self.fresh = False  # a result arrived that the plan does not use yet
         self._times: Optional[List[float]] = None
         self._t0 = 0.0
+        self._backward = 0.0
 
     @property
     def recording(self) -> bool:
@@ -44,17 +47,23 @@ class ReadyProfile:
         if self._times is not None:
             self._times[position] = time.perf_counter() - self._t0
 
-    def share(self, control: CollectiveBackend, nbytes: int, first_start: Optional[float],
-              last_done: Optional[float], step: int) -> None:
-        """Broadcast rank 0's profile (called on every rank at the profiled step's ``step()``)."""
+    def end_backward(self) -> None:
+        if self._times is not None:
+            self._backward = time.perf_counter() - self._t0
+
+    def share(self, control: CollectiveBackend, nbytes: int, busy: float, step: int) -> None:
+        """Broadcast rank 0's profile (called on every rank at the profiled step's ``step()``).
+
+        ``busy``: seconds the link was busy with the ``nbytes`` of reductions
+        (from each op's start, or the end of the one before it, to its observed end).
+        """
         if self._times is None:
             return
         ready = [t if math.isfinite(t) else 0.0 for t in self._times]
-        span = (last_done or 0.0) - (first_start or 0.0)
-        bandwidth = nbytes / span if span > 0 else 1e9
-        profile = torch.tensor(ready + [bandwidth], dtype=torch.float64, device=control.device)
+        bandwidth = nbytes / busy if busy > 0 else 1e9
+        profile = torch.tensor(ready + [bandwidth, self._backward], dtype=torch.float64, device=control.device)
         control.broadcast(profile, 0, step=step).wait()
         values = profile.tolist()
-        self.result = (values[:-1], values[-1])
+        self.result = (values[:-2], values[-2], values[-1])
         self._times = None
         self.fresh = True

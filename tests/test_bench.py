@@ -98,7 +98,7 @@ def _timeline_run(path, steps):
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     # ~2 KB buckets: several buckets for a model of ~6 KB
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="dear",
-                            buffer_size=2048, timeline=path)
+                            buffer_size=2048, timeline=path, allreduce=0.0)  # DeAR's spans in every bucket
     g = torch.Generator().manual_seed(dearopt.rank())
     for _ in range(steps):
         opt.zero_grad()

@@ -164,10 +164,13 @@ def _nonfinite_optimizer(model, scale):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _nonfinite(policy, bad_step=2, steps=4, scale=None):
+def _nonfinite(policy, bad_step=2, steps=4, scale=None, allreduce=0.0):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(_nonfinite_optimizer(model, scale), model, buffer_size=64, nonfinite=policy)
+    # allreduce=0.0: every bucket keeps this rank's own gradient until the next forward (DeAR as in the paper),
+    # which is what lets the error name the rank a non-finite gradient came from
+    opt = dearopt.DistOptim(_nonfinite_optimizer(model, scale), model, buffer_size=64, nonfinite=policy,
+                            allreduce=allreduce)
     for step in range(steps):
         x, y = global_batch(step, "mlp")
         x = shard(x, rank, world).clone()
@@ -192,6 +195,14 @@ def test_nonfinite_raise_names_parameter_rank_and_step():
         assert o.error_type == "NonFiniteGradientError", o.message
         assert "rank(s) [1]" in o.message and "'fc1.weight' on rank 1" in o.message and "step 2" in o.message
         print(f"non-finite (raise): rank {o.rank} raised {o.error_type} {o.seconds:.3f} s into its run")
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_raise_in_all_reduced_buckets_names_the_parameter():
+    # every bucket all-reduced in backward: the average is everywhere, where it came from is not
+    for o in run_workers(_nonfinite, 2, "raise", allreduce=1.0, expect_errors=True, timeout=40):
+        assert o.error_type == "NonFiniteGradientError", o.message
+        assert "the averaged gradient of parameter 'fc1.weight' is not finite" in o.message and "step 2" in o.message
 
 
 @pytest.mark.timeout(60)

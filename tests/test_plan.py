@@ -199,16 +199,29 @@ def test_an_embedding_is_reduced_as_rows_and_its_tied_use_is_complete_before_its
         assert rows.update == (forward_of(0) if schedule in ("dear", "bytescheduler") else STEP), schedule
 
 
-def test_dear_gathers_the_output_side_in_backward_when_asked():
-    plan = build_plan(specs(10, 10, 10, 10), 40, 2, "dear", backward_gather_fraction=0.5)
-    back = {op.bucket for op in plan.ops if op.kind == ALL_GATHER and op.start.when is When.AFTER}
-    assert back == {2, 3}  # the output side, half the bytes
+def test_dear_all_reduces_the_output_side_in_backward_when_asked():
+    plan = build_plan(specs(10, 10, 10, 10), 40, 2, "dear", allreduce=0.5)
+    whole = {op.bucket for op in plan.ops if op.kind == ALL_REDUCE}
+    assert whole == {2, 3} and plan.allreduce == (2, 3)  # the output side, half the bytes
     for op in plan.ops:
-        if op.bucket in back:
-            assert op.due == BACKWARD_END and op.update in (None, STEP)
+        if op.bucket in whole:
+            assert op.due == BACKWARD_END and op.update == STEP and op.average
         elif op.kind == ALL_GATHER:
             assert op.due == forward_of(op.bucket) and op.update == forward_of(op.bucket)
-    forward_gathers = [op for op in plan.ops if op.kind == ALL_GATHER and op.bucket not in back]
-    assert [op.start for op in forward_gathers] == [STEP, forward_of(0)]
-    assert build_plan(specs(10, 10), 40, 2, "dear", backward_gather_fraction=0.0).fingerprint() != \
-        build_plan(specs(10, 10), 40, 2, "dear", backward_gather_fraction=1.0).fingerprint()
+    forward_gathers = [op for op in plan.ops if op.kind == ALL_GATHER]
+    assert [(op.bucket, op.start) for op in forward_gathers] == [(0, STEP), (1, forward_of(0))]
+    assert build_plan(specs(10, 10), 40, 2, "dear", allreduce=0.0).fingerprint() != \
+        build_plan(specs(10, 10), 40, 2, "dear", allreduce=1.0).fingerprint()
+    assert build_plan(specs(10, 10), 40, 2, "wfbp", allreduce=1.0).allreduce == ()  # dear's choice only
+
+
+def test_auto_all_reduces_what_ends_within_backward():
+    # four buckets of 48 bytes (10 + a flag + 2 tags padded to 12 elements); a reduce-scatter takes 48 / 480 = 0.1 s,
+    # an all-reduce 0.2 s; gradients of buckets 3, 2, 1, 0 ready at 0.1, 0.2, 0.3, 0.8; backward ends at 0.9
+    params = specs(10, 10, 10, 10)
+    ready = [0.8, 0.3, 0.2, 0.1]
+    plan = build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=ready, bandwidth=480.0,
+                      backward_time=0.9)
+    # bucket 3: 0.1-0.3; bucket 2: 0.3-0.5; bucket 1: 0.5-0.7; bucket 0: 0.8-1.0 > 0.9: DeAR from there
+    assert plan.allreduce == (1, 2, 3)
+    assert build_plan(params, 40, 2, "dear", allreduce="auto").allreduce == ()  # no profile: DeAR

@@ -59,6 +59,9 @@ def parse_args(argv):
                         "once do not fit in memory for BERT-Base on 24 GiB); default: on for bert, off otherwise. "
                         "Each round then starts with --warmup untimed iterations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="record a dearopt.sim profile in the same run (DIR/profile.json) and print the simulator's "
+                        "prediction for every schedule beside the measurement")
     done = p.add_argument_group("finished runs (instead of measuring)")
     done.add_argument("--rerender", metavar="DIR", help="recompute every number of DIR/results.json from its samples; "
                                                         "rewrite it, table.txt and chart.png")
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
            "part_repeats": args.part_repeats or max(1, args.iterations // args.rounds),
            "comm_repeats": args.comm_repeats, "overlap_repeats": args.overlap_repeats, "distinct_batches": 4,
            "timeline": timeline, "timeline_schedule": "dear" if timeline else None,
-           "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert"}
+           "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert", "profile": args.profile}
     print(f"[bench] {args.model}: {args.ranks} ranks, link {link}, schedules {','.join(args.schedule_list)}, "
           f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds", flush=True)
     results = spawn(run_rank, args.ranks, cfg, threads=args.threads)
@@ -161,6 +164,10 @@ def main(argv=None) -> int:
                 idx = report.render_timeline(paths, os.path.join(out, "timeline.png"))
                 doc["timeline"] = {"files": [os.path.basename(p) for p in paths], "png": "timeline.png",
                                    "iteration_shown": idx}
+        if doc.get("profile"):
+            from dearopt.sim import Profile
+
+            Profile.from_json(doc["profile"]).save(os.path.join(out, "profile.json"))
         report.write(doc, out)
         print(f"[bench] wrote {os.path.join(out, 'results.json')} and chart.png", flush=True)
     return 0

@@ -90,7 +90,31 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
                       for s in cfg["schedules"]},
         "wall_s": max(r["wall_s"] for r in rank_results),
     }
+    if first.get("profile"):
+        doc["profile"] = first["profile"]
     return derive(doc)
+
+
+def predictions(doc: dict) -> Dict[str, dict]:
+    """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
+
+    ``ddp`` is predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++ reducer are not
+    modelled)."""
+    from dearopt.sim import Profile, predict
+
+    from .runner import VARIANTS
+
+    profile = Profile.from_json(doc["profile"])
+    out = {}
+    for name in doc["schedules"]:
+        schedule, extra = VARIANTS.get(name, ("wfbp" if name == "ddp" else name, {}))
+        knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
+        knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
+        if isinstance(extra.get("allreduce"), (int, float)):
+            knobs["allreduce"] = extra["allreduce"]
+        p = predict(profile, schedule, **knobs)
+        out[name] = {"iter": p.iteration, "forward": p.forward, "backward": p.backward, "step": p.step}
+    return out
 
 
 def derive(doc: dict) -> dict:
@@ -122,6 +146,11 @@ def derive(doc: dict) -> dict:
     for s, row in doc["schedules"].items():
         row["speedup_vs_ddp"] = ref["iter_time"] / row["iter_time"] if ref else None
         row["speedup_vs_ddp_min"] = ref["iter_time_min"] / row["iter_time_min"] if ref else None
+    if doc.get("profile"):
+        for name, predicted in predictions(doc).items():
+            row = doc["schedules"][name]
+            row["predicted"] = predicted
+            row["prediction_error"] = predicted["iter"] / row["iter_time"] - 1.0
     parts = doc["parts"]
     doc["cr"] = (parts["t_rs"] + parts["t_ag"]) / (parts["t_ff"] + parts["t_bp"])
     if "dear" in doc["schedules"] and ref and doc.get("model") in TARGET_MODELS:
@@ -183,6 +212,10 @@ def table(doc: dict) -> str:
                      "; ".join(f"{s} {r['iter_time_min']:.3f}s {r['speedup_vs_ddp_min']:.3f}x "
                                f"{r['fraction_of_bound_min']:.3f} of bound"
                                for s, r in doc["schedules"].items() if r.get("speedup_vs_ddp_min")))
+    if any("predicted" in r for r in doc["schedules"].values()):
+        lines.append("dearopt.sim from the profile of this run: " + "; ".join(
+            f"{s} predicted {r['predicted']['iter']:.3f}s (measured {r['iter_time']:.3f}s, error "
+            f"{100 * r['prediction_error']:+.1f}%)" for s, r in doc["schedules"].items() if "predicted" in r))
     if "targets" in doc:
         lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in doc["targets"].items()))
     return "\n".join(lines)

@@ -34,9 +34,12 @@ VARIANTS = {
     # name: (dearopt schedule, extra DistOptim keywords); the bucket size is --bucket-mb for all
     "dear+pc": ("dear", {"priority": True, "partition_size": 4 * 2**20, "credit": 16 * 2**20}),
     "dear-nocheck": ("dear", {"check_agreement": False, "nonfinite": "ignore"}),
+    "dear-paper": ("dear", {"allreduce": 0.0}),
 }
 """Configured variants: ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
-(issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9)."""
+(issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9);
+``dear-paper`` is DeAR as in the paper (every bucket reduce-scattered and gathered in the next forward), where
+``dear`` all-reduces in backward the buckets whose all-reduce a profile of step 1 says ends within backward."""
 
 SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
 """Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.schedules.names()``)
@@ -235,6 +238,17 @@ def run_rank(cfg: dict) -> dict:
     parts = _Parts(cfg, world, backend)
     batches = [parts.workload.make_batch(1000 * rank + i) for i in range(cfg["distinct_batches"])]
     rebuild = cfg.get("rebuild", False)
+    profile = None
+    if cfg.get("profile"):
+        from dearopt.sim import record_profile
+
+        _log(rank, "recording a profile for dearopt.sim (per-module times, gradient ready times, collective fits, "
+                   "contention)")
+        model, wl = parts.workload.model, parts.workload
+        x, y = batches[0]
+        profile = record_profile(model, lambda: wl.loss(model(x), y),
+                                 torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9),
+                                 link=os.environ.get("DEAROPT_SHAPED_RATE", "unshaped loopback")).to_json()
     _log(rank, f"{parts.workload.describe}; {parts.workload.n_params() / 1e6:.2f} M params, "
                f"{len(parts.plan.buckets)} buckets of <= {cfg['bucket_mb']} MiB; "
                + ("building a model per schedule and round" if rebuild else f"building {len(schedules)} models"))
@@ -294,6 +308,7 @@ def run_rank(cfg: dict) -> dict:
         "batch_size": parts.workload.batch_size,
         "wall_s": time.perf_counter() - t_start,
         "pid": os.getpid(),
+        "profile": profile,
     }
 
 

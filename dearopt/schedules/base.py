@@ -26,6 +26,8 @@ class Schedule(abc.ABC):
     """Whether ``partition_size``, ``credit`` and ``priority`` apply."""
     reduces_before_step: ClassVar[bool] = True
     """Whether every gradient is averaged by the end of ``step()`` (``nonfinite="skip"`` needs that)."""
+    mixes_allreduce: ClassVar[bool] = False
+    """Whether the schedule all-reduces the buckets in ``Layout.allreduce`` (the ``allreduce`` option)."""
     updates_in_forward: ClassVar[bool] = False
     """Whether updates are applied during the next forward (the model's forward hooks must run)."""
 

@@ -8,16 +8,17 @@ forward.  The first bucket's all-gather starts at ``step()``; each next one
 when the forward reaches the one before (one bucket ahead), or, with a
 ``credit`` window, at ``step()`` as far as the credit allows.
 
-Buckets in ``layout.backward_gathers`` (the output side, whose gradients are
-ready first) are instead gathered right after their reduce-scatter, while
-backward still computes, complete when backward returns (their ``p.grad``
-holds the average, as under ``rsag``) and updated at ``step()``: where the link has room
-in backward, the next forward then waits for fewer gathers.
+Buckets in ``layout.allreduce`` (the output side, whose gradients are ready
+first; see :func:`dearopt.plan.allreduce_buckets`) are instead all-reduced in
+backward as ``wfbp`` does, complete when backward returns and updated at
+``step()``: where the link has room in backward, one all-reduce costs less CPU
+than a reduce-scatter plus an all-gather, and the next forward waits for fewer
+gathers.
 """
 
 from __future__ import annotations
 
-from ..plan import ALL_GATHER, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, after, forward_of
+from ..plan import ALL_GATHER, ALL_REDUCE, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, forward_of
 from .base import Schedule, mark_updates
 
 
@@ -25,25 +26,24 @@ class DeAR(Schedule):
     name = "dear"
     reduction = REDUCE_SCATTER
     updates_in_forward = True
+    mixes_allreduce = True
 
     def ops(self, layout):
-        buckets, back = layout.buckets, layout.backward_gathers
+        buckets, whole = layout.buckets, layout.allreduce
         ops = []
         for b, k in layout.reduction_order:
-            # a bucket gathered in backward is complete (p.grad averaged) when backward returns, as under rsag
-            due = BACKWARD_END if b in back else STEP
-            ops.append(CommOp(REDUCE_SCATTER, b, k, buckets[b].piece_nbytes(k), start=GRADS_READY, due=due,
-                              average=True))
-            if b in back:
-                ops.append(CommOp(ALL_GATHER, b, k, buckets[b].piece_nbytes(k), start=after(len(ops) - 1),
-                                  due=BACKWARD_END))
+            nbytes = buckets[b].piece_nbytes(k)
+            if b in whole:  # all-reduced in backward, complete when backward returns, as under wfbp
+                ops.append(CommOp(ALL_REDUCE, b, k, nbytes, start=GRADS_READY, due=BACKWARD_END, average=True))
+            else:
+                ops.append(CommOp(REDUCE_SCATTER, b, k, nbytes, start=GRADS_READY, due=STEP, average=True))
         previous = None
         for bucket in buckets:
             b = bucket.index
-            if b in back:
+            if b in whole:
                 continue
             start = STEP if previous is None or layout.credit is not None else forward_of(previous)
             ops += [CommOp(ALL_GATHER, b, k, bucket.piece_nbytes(k), start=start, due=forward_of(b))
                     for k in range(len(bucket.pieces))]
             previous = b
-        return mark_updates(ops, at=lambda op: STEP if op.bucket in back else op.due)
+        return mark_updates(ops, at=lambda op: STEP if op.bucket in whole else op.due)

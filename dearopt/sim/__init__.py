@@ -1,0 +1,61 @@
+"""``dearopt.sim``: predict a plan's iteration time from a measured profile, here or at P ranks on another link.
+
+    from dearopt.sim import Profile, record_profile, simulate, predict
+    profile = record_profile(model, lambda: loss_fn(model(x), y), optimizer)   # on every rank
+    profile.save("profile.json")
+    prediction = predict(profile, "dear", ranks=64, link="10gbit")
+    prediction.iteration, prediction.parts()
+
+or ``python -m dearopt.sim --profile profile.json --schedule dear --ranks 64 --link 10gbit``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+from ..plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, Plan, build_plan
+from .cost import CommCost, fit, parse_link
+from .profile import Profile, contention_from_overlap, record_profile
+from .simulator import Prediction, simulate
+
+__all__ = ["Profile", "record_profile", "simulate", "predict", "plan_for", "best_buffer_size", "Prediction",
+           "CommCost", "fit", "parse_link", "contention_from_overlap"]
+
+
+def plan_for(profile: Profile, schedule: str, ranks: Optional[int] = None, *, buffer_size=DEFAULT_BUFFER_SIZE,
+             first_bucket_size=DEFAULT_FIRST_BUCKET_SIZE, **knobs) -> Plan:
+    """The plan ``DistOptim`` would make for the profiled model (``knobs``: partition_size, credit, priority,
+    allreduce; ``allreduce="auto"`` decides from the profile, as the executor does from its step-1 profile)."""
+    world = ranks or profile.world
+    if knobs.get("allreduce", "auto") == "auto" and profile.comm:
+        from ..plan import layout_buckets
+
+        buckets = layout_buckets(profile.params, buffer_size, world, None, first_bucket_size)
+        rs = profile.comm["reduce_scatter"]
+        nbytes = sum(b.padded_numel * b.element_size for b in buckets)
+        seconds = sum(rs.time(b.padded_numel * b.element_size, world) for b in buckets)
+        knobs = dict(knobs, allreduce="auto", ready_times=profile.ready, backward_time=profile.t_bp,
+                     bandwidth=nbytes / seconds if seconds > 0 else None)
+    return build_plan(profile.params, buffer_size, world, schedule, first_bucket_size=first_bucket_size, **knobs)
+
+
+def link_costs(profile: Profile, link: Optional[str] = None, latency: Optional[float] = None) -> Dict[str, CommCost]:
+    """The profile's collective costs, or the same collectives on another link."""
+    if link is None and latency is None:
+        return dict(profile.comm)
+    bits = parse_link(link) if link else None
+    return {k: (c.on_link(bits, latency) if bits else CommCost(c.kind, latency, c.beta)) for k, c in profile.comm.items()}
+
+
+def predict(profile: Profile, schedule: str, *, ranks: Optional[int] = None, link: Optional[str] = None,
+            latency: Optional[float] = None, contention: Optional[Dict[str, float]] = None, **knobs) -> Prediction:
+    """Predict ``schedule`` on ``ranks`` ranks (default: the profiled number) on ``link`` (default: the profiled
+    link), with the plan's knobs (buffer_size, first_bucket_size, partition_size, credit, ...)."""
+    plan = plan_for(profile, schedule, ranks, **knobs)
+    return simulate(profile, plan, world=ranks or profile.world, comm=link_costs(profile, link, latency),
+                    contention=contention)
+
+
+def best_buffer_size(profile: Profile, schedule: str, candidates: Sequence[int], **kwargs) -> int:
+    """The buffer size of ``candidates`` with the shortest predicted iteration."""
+    return min(candidates, key=lambda size: predict(profile, schedule, buffer_size=size, **kwargs).iteration)

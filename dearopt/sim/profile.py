@@ -1,0 +1,305 @@
+"""A model's profile: what the simulator needs to know about one training iteration, measured.
+
+:func:`record_profile` measures, on the job's own ranks and link:
+
+* the parameters in forward order as the planner sees them (twins and
+  row-sparse embeddings included, as :class:`dearopt.DistOptim` plans them);
+* the forward as segments between the modules that own parameters (the
+  executor acts just before those run), and the time each gradient becomes
+  ready after backward starts;
+* the optimizer's update cost (seconds per parameter element, and per call);
+* for each collective kind, timings at several sizes and their alpha-beta fit
+  (:mod:`dearopt.sim.cost`), on this backend and link;
+* how much compute slows down while the link is busy (on a machine where
+  communication takes CPU from compute, as a 2-core one), forward and backward.
+
+A :class:`Profile` is saved and loaded as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..plan import ParamSpec
+from .cost import KINDS, CommCost, fit
+
+__all__ = ["Profile", "record_profile", "contention_from_overlap"]
+
+
+@dataclasses.dataclass
+class Profile:
+    params: List[ParamSpec]  # forward order, as planned
+    forward_segments: List[Tuple[List[int], float]]  # (the module's parameter positions, seconds before it runs)
+    forward_tail: float  # seconds from the last parameter-owning module to the end of forward (and the loss)
+    ready: List[float]  # per parameter position: seconds after backward starts
+    t_bp: float  # backward, end to end
+    update_per_element: float
+    update_per_call: float
+    comm: Dict[str, CommCost]
+    comm_samples: Dict[str, List[Tuple[float, float]]]
+    contention: Dict[str, float]  # "forward"/"backward": compute slowdown factor minus 1 while the link is busy
+    world: int
+    backend: str = "gloo"
+    link: str = "unknown"
+    rows_fraction: Dict[int, float] = dataclasses.field(default_factory=dict)  # row-sparse param -> rows touched
+
+    @property
+    def t_ff(self) -> float:
+        return sum(t for _, t in self.forward_segments) + self.forward_tail
+
+    def to_json(self) -> dict:
+        doc = dataclasses.asdict(self)
+        doc["params"] = [dataclasses.asdict(p) for p in self.params]
+        doc["comm"] = {k: dataclasses.asdict(c) for k, c in self.comm.items()}
+        doc["rows_fraction"] = {str(k): v for k, v in self.rows_fraction.items()}
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "Profile":
+        doc = dict(doc)
+        doc["params"] = [ParamSpec(**p) for p in doc["params"]]
+        doc["comm"] = {k: CommCost(**c) for k, c in doc["comm"].items()}
+        doc["forward_segments"] = [(list(s[0]), s[1]) for s in doc["forward_segments"]]
+        doc["comm_samples"] = {k: [tuple(s) for s in v] for k, v in doc["comm_samples"].items()}
+        doc["rows_fraction"] = {int(k): v for k, v in doc.get("rows_fraction", {}).items()}
+        return cls(**doc)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_json(), fh, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        with open(path) as fh:
+            return cls.from_json(json.load(fh))
+
+
+def contention_from_overlap(compute: float, comm: float, both: float) -> float:
+    """The slowdown ``gamma`` of compute while the link is busy, from three timings: compute alone, the
+    collectives alone, and both started together (time until both are done).
+
+    Model: compute runs at ``1 / (1 + gamma)`` of its speed while the link is
+    busy.  If compute outlasts the link, ``both = compute + comm * gamma / (1 + gamma)``.
+    """
+    if comm <= 0 or both <= compute:
+        return 0.0
+    x = min((both - compute) / comm, 0.95)
+    return x / (1.0 - x)
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
+                   *, sizes: Sequence[int] = (2**20, 8 * 2**20, 32 * 2**20), repeats: int = 3,
+                   link: str = "unknown", embedding_rows: bool = True) -> Profile:
+    """Measure ``model`` on this job (call it on every rank, after ``dearopt.init()``; rank 0's profile is
+    returned on every rank).
+
+    ``run()`` runs one forward and returns the loss (no backward).  The model's
+    parameters and ``optimizer`` are left as they were (gradients are zeroed).
+    """
+    from .. import runtime
+    from ..forward_order import ForwardOrderRecorder, parameters_in_forward_order
+    from ..functions import broadcast_object
+    from ..tied import TiedEmbeddings
+
+    backend = runtime.get_backend()
+    world = backend.size
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    names = {id(p): n for n, p in model.named_parameters()}
+    owned = {id(p) for p in trainable}
+    tied = TiedEmbeddings(model, owned if embedding_rows else set(), lambda method: method)
+    recorder = ForwardOrderRecorder()
+    marks: Dict[int, float] = {}  # id(module) -> when it first ran in this iteration
+
+    def mark(module, args):
+        recorder.saw(module)
+        marks.setdefault(id(module), time.perf_counter())
+
+    hooks = []
+    for module in model.modules():
+        if any(id(p) in owned for p in module.parameters(recurse=False)):
+            hooks.append(module.register_forward_pre_hook(mark))
+    planned = trainable + tied.twin_params()
+    ready_at: Dict[int, List[float]] = {id(p): [] for p in planned}
+    t0 = [0.0]
+    for p in planned:
+        hooks.append(p.register_post_accumulate_grad_hook(
+            lambda q: ready_at[id(q)].append(time.perf_counter() - t0[0])))
+    segments, tails, t_bps = [], [], []
+    rows_touched: Dict[int, List[float]] = {}
+    try:
+        for i in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            for twin in tied.twin_params():
+                twin.grad = None
+            if i == 0:
+                recorder.start()
+            marks.clear()
+            start = time.perf_counter()
+            loss = run()
+            end_fwd = time.perf_counter()
+            if i == 0:
+                order = recorder.stop()
+            t0[0] = time.perf_counter()
+            loss.backward()
+            t_bp = time.perf_counter() - t0[0]
+            if i == 0:
+                for p in planned:
+                    ready_at[id(p)].clear()
+                continue
+            stamps = [marks[id(m)] for m in order if id(m) in marks]
+            segments.append([b - a for a, b in zip([start] + stamps[:-1], stamps)])
+            tails.append(end_fwd - (stamps[-1] if stamps else start))
+            t_bps.append(t_bp)
+            for owner_id, width in tied.row_numel.items():
+                grad = next(p for p in trainable if id(p) == owner_id).grad
+                if grad is not None:
+                    rows_touched.setdefault(owner_id, []).append(float(grad.view(-1, width).any(1).float().mean()))
+    finally:
+        for h in hooks:
+            h.remove()
+        tied.restore()
+        model.zero_grad(set_to_none=True)
+    twins_by_module: Dict[int, List[torch.Tensor]] = {}
+    for uses in tied.twins.values():
+        for module, _, twin in uses:
+            twins_by_module.setdefault(id(module), []).append(twin)
+    ordered = parameters_in_forward_order(model, order, planned, twins_by_module)
+    position = {id(p): i for i, p in enumerate(ordered)}
+    specs = []
+    for i, p in enumerate(ordered):
+        dtype, size = str(p.dtype).replace("torch.", ""), p.element_size()
+        owner = tied.owner_of.get(id(p))
+        if owner is not None:
+            specs.append(ParamSpec(f"{names.get(id(owner), 'tied weight')} (tied use)", p.numel(), dtype, size,
+                                   twin_of=position[id(owner)]))
+        else:
+            specs.append(ParamSpec(names.get(id(p), f"param{i}"), p.numel(), dtype, size,
+                                   row_numel=tied.row_numel.get(id(p), 0)))
+    # forward segments, attributed to the first parameter of each module, in the order modules ran
+    seg_times = [_median([s[k] for s in segments if k < len(s)]) for k in range(len(order))]
+    forward_segments = []
+    for module, seconds in zip(order, seg_times):
+        own = [position[id(p)] for p in module.parameters(recurse=False) if id(p) in position]
+        own += [position[id(t)] for t in twins_by_module.get(id(module), ())]
+        forward_segments.append((sorted(own), seconds))
+    ready = [_median(ready_at[id(p)]) for p in ordered]
+    per_element, per_call = _update_cost(optimizer, trainable)
+    comm, samples = _comm_fits(backend, sizes, repeats) if world > 1 else ({}, {})
+    total_bytes = sum(s.nbytes for s in specs)
+    contention = _contention(backend, model, run, total_bytes, repeats) if world > 1 else {"forward": 0.0,
+                                                                                          "backward": 0.0}
+    profile = Profile(params=specs, forward_segments=forward_segments, forward_tail=_median(tails),
+                      ready=ready, t_bp=_median(t_bps), update_per_element=per_element, update_per_call=per_call,
+                      comm=comm, comm_samples=samples, contention=contention, world=world,
+                      backend=getattr(backend, "name", "gloo"), link=link,
+                      rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position})
+    if world > 1:
+        profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
+    return profile
+
+
+def _update_cost(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> Tuple[float, float]:
+    """Seconds per element and per call of the optimizer's step, timed on copies of the parameters."""
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c in copies:
+        c.grad = torch.randn_like(c) * 1e-3
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in ("params",)}
+    try:
+        shadow = type(optimizer)(copies, **defaults)
+        small = [torch.nn.Parameter(torch.zeros(1))]
+        small[0].grad = torch.zeros(1)
+        tiny = type(optimizer)(small, **defaults)
+    except Exception:  # an optimizer that cannot be rebuilt from its defaults: no update cost in the model
+        return 0.0, 0.0
+    shadow.step()  # state is created on the first step
+    tiny.step()
+    timings, tiny_timings = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        shadow.step()
+        timings.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        tiny.step()
+        tiny_timings.append(time.perf_counter() - t)
+    per_call = _median(tiny_timings)
+    elements = sum(p.numel() for p in params)
+    return max(_median(timings) - per_call, 0.0) / max(elements, 1), per_call
+
+
+def _comm_fits(backend, sizes: Sequence[int], repeats: int):
+    comm, samples = {}, {}
+    world = backend.size
+    for kind in KINDS:
+        samples[kind] = []
+        for nbytes in sizes:
+            n = max(world, (nbytes // 4) // world * world)
+            full = torch.ones(n, device=backend.device)
+            shard = torch.ones(n // world, device=backend.device)
+            ops = {"reduce_scatter": lambda: backend.reduce_scatter(shard, full),
+                   "all_gather": lambda: backend.all_gather(full, shard),
+                   "all_reduce": lambda: backend.all_reduce(full),
+                   "broadcast": lambda: backend.broadcast(full, 0)}
+            times = []
+            for i in range(repeats + 1):
+                backend.all_reduce(torch.zeros(1, device=backend.device)).wait()  # start together
+                t = time.perf_counter()
+                ops[kind]().synchronize()
+                if i:
+                    times.append(time.perf_counter() - t)
+            samples[kind].append((n * 4.0, _median(times)))
+        comm[kind] = fit(kind, samples[kind], world)
+    return comm, samples
+
+
+def _contention(backend, model, run, total_bytes: int, repeats: int) -> Dict[str, float]:
+    """Compute alone, the model's worth of collectives alone, and both together: the slowdown of compute."""
+    world = backend.size
+    n = max(world, (total_bytes // 4) // world * world)
+    full = torch.ones(n, device=backend.device)
+    shard = torch.ones(n // world, device=backend.device)
+    out = {}
+    for phase, start in (("forward", lambda: backend.all_gather(full, shard)),
+                         ("backward", lambda: backend.reduce_scatter(shard, full))):
+        alone, comm, both = [], [], []
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
+            t = time.perf_counter()
+            loss = run()
+            forward = time.perf_counter() - t
+            t = time.perf_counter()
+            loss.backward()
+            backward = time.perf_counter() - t
+            alone.append(forward if phase == "forward" else backward)
+            backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
+            t = time.perf_counter()
+            start().synchronize()
+            comm.append(time.perf_counter() - t)
+            model.zero_grad(set_to_none=True)
+            backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
+            if phase == "forward":
+                t = time.perf_counter()
+                handle = start()
+                loss = run()
+                handle.synchronize()
+                both.append(time.perf_counter() - t)
+            else:
+                loss = run()
+                t = time.perf_counter()
+                handle = start()
+                loss.backward()
+                handle.synchronize()
+                both.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+        out[phase] = contention_from_overlap(_median(alone), _median(comm), _median(both))
+    return out

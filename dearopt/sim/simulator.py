@@ -1,0 +1,269 @@
+"""Replay what the executor would do with a plan, in simulated time.
+
+Two resources: the **compute** stream (one rank's forward, backward, the
+executor's waits and its optimizer updates) and the **link** (collectives,
+one at a time, in the order they were started).  The simulator walks the
+compute stream of several iterations exactly as :class:`dearopt.executor.Executor`
+acts on the plan:
+
+* forward: before each parameter-owning module, the buckets up to its own
+  reach their forward moment: ops due there are waited for, ops that start
+  there are started, updates due there cost compute time;
+* backward: gradients become ready at the profiled times; a bucket whose
+  gradients are all ready lets its reductions start (in plan order, within the
+  credit window); at backward end the ops due there are waited for;
+* ``step()``: ops due there are waited for, updates due there are applied,
+  ops that start there start.
+
+An op starts on the link when every op before it has started, its start
+moment has come, the credit window has room (unless it is due now) and the
+link is free; it lasts what the profile's alpha-beta fit predicts for the
+world size.  While the link is busy, compute runs ``1 + gamma`` times slower
+(the profile's contention).  Several iterations are simulated; the last one
+is the prediction (steady state, for schedules whose work crosses iterations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from ..plan import ALL_GATHER, ROWS, Plan, When, forward_of
+from .cost import CommCost
+from .profile import Profile
+
+__all__ = ["Prediction", "simulate", "op_time"]
+
+
+@dataclasses.dataclass
+class Prediction:
+    iteration: float  # seconds per iteration in the steady state
+    forward: float  # the phases as the benchmark measures them: zero_grad + forward (waits, updates included),
+    backward: float  # loss.backward() (waits at its end included),
+    step: float  # optimizer.step()
+    link_busy: float  # seconds the link was busy during that iteration
+    events: List[dict]  # Chrome trace events of the last iteration (the timeline renderer's format)
+
+    def parts(self) -> Dict[str, float]:
+        return {"iter": self.iteration, "forward": self.forward, "backward": self.backward, "step": self.step}
+
+
+def op_time(profile: Profile, plan: Plan, op, world: int, comm: Dict[str, CommCost]) -> float:
+    """Seconds ``op`` keeps the link busy."""
+    if world <= 1:
+        return 0.0
+    bucket = plan.buckets[op.bucket]
+    if op.kind == ROWS:
+        position = bucket.params[0]
+        width = max(bucket.row_numel, 1)
+        rows_total = bucket.grad_numel // width
+        rows = math.ceil(profile.rows_fraction.get(position, 1.0) * rows_total)
+        if world * rows * 2 > rows_total:  # the executor falls back to a dense all-reduce
+            return comm["all_gather"].alpha + comm["all_reduce"].time(bucket.padded_numel * bucket.element_size, world)
+        gathered = world * rows * (width * bucket.element_size + 8)
+        return comm["all_gather"].alpha + comm["all_gather"].time(gathered, world)
+    return comm[op.kind].time(op.nbytes, world)
+
+
+class _Link:
+    def __init__(self, durations: List[float], credit: Optional[int], nbytes: List[int]):
+        self.durations = durations
+        self.nbytes = nbytes
+        self.credit = credit
+        self.issued: List[float] = []  # issue time per op (in order)
+        self.done: Dict[int, float] = {}  # op -> completion time
+        self.queue: List[int] = []  # issued, not yet finished, in order
+        self.busy_until = 0.0
+        self.running: Optional[int] = None
+        self.start_times: Dict[int, float] = {}
+
+    @property
+    def cursor(self) -> int:
+        return len(self.issued)
+
+    def inflight_bytes(self) -> int:
+        return sum(self.nbytes[i] for i in self.queue)
+
+    def issue(self, i: int, now: float) -> None:
+        self.issued.append(now)
+        self.queue.append(i)
+        self._advance(now)
+
+    def _advance(self, now: float) -> None:
+        if self.running is None and self.queue and self.queue[0] not in self.start_times:
+            i = self.queue[0]
+            self.running = i
+            self.start_times[i] = now
+            self.busy_until = now + self.durations[i]
+
+    def next_event(self) -> float:
+        return self.busy_until if self.running is not None else math.inf
+
+    def finish(self, now: float) -> int:
+        i = self.running
+        self.done[i] = now
+        self.queue.pop(0)
+        self.running = None
+        self._advance(now)
+        return i
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None
+
+
+def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm: Optional[Dict[str, CommCost]] = None,
+             iterations: int = 3, contention: Optional[Dict[str, float]] = None) -> Prediction:
+    """Predict ``plan``'s iteration on ``world`` ranks (default: the plan's) from ``profile``."""
+    world = world or plan.world_size
+    comm = comm or profile.comm
+    gamma = profile.contention if contention is None else contention
+    ops = plan.ops
+    durations = [op_time(profile, plan, op, world, comm) for op in ops]
+    owner = {}
+    for b in plan.buckets:
+        for p in b.params:
+            owner[p] = b.index
+    members = [sum(plan.params[p].numel for p in b.params if plan.params[p].twin_of is None) for b in plan.buckets]
+    update_cost = [profile.update_per_call + profile.update_per_element * n if n else 0.0 for n in members]
+    due: Dict[Tuple, List[int]] = {}
+    updates: Dict[Tuple, List[int]] = {}
+    for i, op in enumerate(ops):
+        due.setdefault((op.due.when, op.due.index), []).append(i)
+        if op.update is not None:
+            updates.setdefault((op.update.when, op.update.index), []).append(op.bucket)
+
+    clock = [0.0]
+    events: List[dict] = []
+    marks: Dict[str, float] = {}
+    link_busy_total = [0.0]
+
+    state = {"ready": set(), "backward_done": False, "stepped": False, "reached": -1, "link": None}
+
+    def may_start(i: int, forced: bool) -> bool:
+        op, link = ops[i], state["link"]
+        start = op.start
+        if not forced:
+            if start.when is When.GRADS_READY and not (state["backward_done"] or op.bucket in state["ready"]):
+                return False
+            if start.when is When.BACKWARD_END and not state["backward_done"]:
+                return False
+            if start.when is When.STEP and not state["stepped"]:
+                return False
+            if start.when is When.FORWARD and state["reached"] < start.index:
+                return False
+            if link.credit is not None and link.queue and link.inflight_bytes() + ops[i].nbytes > link.credit:
+                return False
+        if start.when is When.AFTER and start.index not in link.done:
+            return False
+        return True
+
+    def pump(force_through: int = -1) -> None:
+        link = state["link"]
+        while link.cursor < len(ops) and may_start(link.cursor, link.cursor <= force_through):
+            link.issue(link.cursor, clock[0])
+
+    def advance(until: float, phase: str) -> float:
+        """Run the clock to ``until`` or to the link's next event, whichever is first; return the compute
+        progress made meanwhile (slower while the link is busy)."""
+        link = state["link"]
+        step_end = min(until, link.next_event())
+        rate = 1.0 / (1.0 + gamma.get(phase, 0.0)) if link.busy else 1.0
+        span = max(step_end - clock[0], 0.0)
+        if link.busy:
+            link_busy_total[0] += span
+        clock[0] = max(clock[0], step_end)
+        if link.busy and link.next_event() <= clock[0] + 1e-12:
+            i = link.finish(clock[0])
+            events.append({"name": ops[i].kind, "cat": "comm", "ph": "X", "tid": 1,
+                           "ts": link.start_times[i] * 1e6, "dur": (clock[0] - link.start_times[i]) * 1e6,
+                           "args": {"bucket": ops[i].bucket, "piece": ops[i].piece}})
+            pump()  # an op after this one (its dependency, or credit) may go now
+        return span * rate
+
+    def work(seconds: float, name: str, phase: str) -> None:
+        start = clock[0]
+        remaining = seconds
+        while remaining > 1e-12:
+            link = state["link"]
+            rate = 1.0 / (1.0 + gamma.get(phase, 0.0)) if link.busy else 1.0
+            remaining -= advance(clock[0] + remaining / rate, phase)
+        if seconds > 0:
+            events.append({"name": name, "cat": "compute", "ph": "X", "tid": 0, "ts": start * 1e6,
+                           "dur": (clock[0] - start) * 1e6, "args": {}})
+
+    def wait_for(indices: List[int], name: str) -> None:
+        if not indices:
+            return
+        pump(force_through=max(indices))
+        start = clock[0]
+        link = state["link"]
+        while any(i not in link.done for i in indices):
+            if not link.busy:  # nothing on the link can finish what we wait for: a dependency must start
+                pump(force_through=max(indices))
+                if not link.busy:
+                    raise RuntimeError(f"simulation stuck waiting for ops {indices} at {clock[0]:.4f}s")
+            advance(link.next_event(), "backward")
+        if clock[0] > start:
+            events.append({"name": name, "cat": "wait", "ph": "X", "tid": 0, "ts": start * 1e6,
+                           "dur": (clock[0] - start) * 1e6, "args": {}})
+
+    def apply_updates(key: Tuple, phase: str) -> None:
+        for b in sorted(updates.get(key, ())):
+            work(update_cost[b], "update", phase)
+
+    def reach(target: int) -> None:
+        while state["stepped"] and state["reached"] < target:
+            k = state["reached"] + 1
+            wait_for(due.get((When.FORWARD, k), []), "wait all_gather")
+            state["reached"] = k
+            pump()
+            apply_updates((When.FORWARD, k), "forward")
+
+    def iteration(n: int) -> Iterator[None]:
+        marks[f"start{n}"] = clock[0]
+        # forward
+        for positions, seconds in profile.forward_segments:
+            work(seconds, "forward", "forward")
+            if positions:
+                reach(max(owner[p] for p in positions))
+        work(profile.forward_tail, "forward", "forward")
+        reach(len(plan.buckets) - 1)  # buckets the forward did not reach: applied before the next backward
+        marks[f"backward{n}"] = clock[0]
+        # backward: a new round of the plan's ops (the last round's were all due by the end of this forward)
+        state["link"] = _Link(durations, plan.credit, [op.nbytes for op in ops])
+        state.update(ready=set(), backward_done=False, stepped=False, reached=-1)
+        remaining = {b.index: set(b.params) for b in plan.buckets}
+        previous = 0.0
+        for p in sorted(range(len(plan.params)), key=lambda q: profile.ready[q]):
+            work(max(profile.ready[p] - previous, 0.0), "backward", "backward")
+            previous = max(previous, profile.ready[p])
+            b = owner[p]
+            remaining[b].discard(p)
+            if not remaining[b]:
+                state["ready"].add(b)
+                pump()
+        work(max(profile.t_bp - previous, 0.0), "backward", "backward")
+        wait_for(due.get((When.BACKWARD_END, None), []), "wait reduce")
+        state["backward_done"] = True
+        pump()
+        marks[f"step{n}"] = clock[0]
+        wait_for(due.get((When.STEP, None), []), "wait reduce")
+        state["stepped"] = True
+        apply_updates((When.STEP, None), "backward")
+        pump()
+        marks[f"end{n}"] = clock[0]
+        yield
+
+    state["link"] = _Link(durations, plan.credit, [op.nbytes for op in ops])
+    first_events, busy_before = 0, 0.0
+    for n in range(max(iterations, 2)):
+        first_events, busy_before = len(events), link_busy_total[0]
+        for _ in iteration(n):
+            pass
+    last = max(iterations, 2) - 1
+    t0, tb, ts, te = marks[f"start{last}"], marks[f"backward{last}"], marks[f"step{last}"], marks[f"end{last}"]
+    shown = [dict(e, ts=e["ts"] - t0 * 1e6) for e in events[first_events:]]
+    return Prediction(iteration=te - t0, forward=tb - t0, backward=ts - tb, step=te - ts,
+                      link_busy=link_busy_total[0] - busy_before, events=shown)

@@ -1,0 +1,81 @@
+"""The simulator against timelines computed by hand, and the alpha-beta fit against synthetic timings."""
+
+import pytest
+
+from dearopt.plan import ParamSpec, build_plan
+from dearopt.sim.cost import CommCost, fit, parse_link
+from dearopt.sim.profile import Profile, contention_from_overlap
+from dearopt.sim.simulator import simulate
+
+# two parameters of 997 elements: each bucket holds 997 + 1 flag + 2 tags = 1000 float32 = 4000 bytes (2 ranks)
+PARAMS = [ParamSpec("p0", 997, "float32", 4), ParamSpec("p1", 997, "float32", 4)]
+
+
+def profile(beta, gamma=0.0):
+    comm = {k: CommCost(k, alpha=0.0, beta=beta) for k in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")}
+    return Profile(params=PARAMS, forward_segments=[([0], 0.1), ([1], 0.1)], forward_tail=0.2, ready=[0.3, 0.1],
+                   t_bp=0.4, update_per_element=0.0, update_per_call=0.0, comm=comm, comm_samples={},
+                   contention={"forward": gamma, "backward": gamma}, world=2)
+
+
+def plan(schedule):
+    return build_plan(PARAMS, 4000, 2, schedule)
+
+
+def test_wfbp_hides_what_fits_in_backward_and_waits_for_the_rest_at_its_end():
+    # all-reduce of 4000 bytes on 2 ranks: 4000 * beta; gradients ready at 0.1 (p1) and 0.3 (p0), backward 0.4
+    fast = simulate(profile(beta=2.5e-5), plan("wfbp"))  # 0.1 s each: 0.1-0.2, 0.3-0.4
+    assert fast.iteration == pytest.approx(0.8) and fast.backward == pytest.approx(0.4)
+    slow = simulate(profile(beta=1e-4), plan("wfbp"))  # 0.4 s each: 0.1-0.5, 0.5-0.9
+    assert (slow.forward, slow.backward, slow.step) == pytest.approx((0.4, 0.9, 0.0))
+    assert slow.iteration == pytest.approx(1.3)
+
+
+def test_dear_overlaps_gathers_with_the_next_forward():
+    # reduce-scatter and all-gather 0.2 s each.  Backward [0, 0.4]: RS1 0.1-0.3, RS0 0.3-0.5; step waits until 0.5,
+    # AG0 0.5-0.7.  Forward: 0.1 of work, wait AG0 until 0.7, AG1 0.7-0.9, 0.1 of work, wait AG1 until 0.9,
+    # 0.2 of tail: 1.1.  Per iteration: forward 0.6, backward 0.4, step 0.1.
+    p = simulate(profile(beta=1e-4), plan("dear"))
+    assert (p.forward, p.backward, p.step) == pytest.approx((0.6, 0.4, 0.1))
+    assert p.iteration == pytest.approx(1.1)
+    names = [e["name"] for e in p.events if e["cat"] == "comm"]
+    assert names == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
+
+
+def test_compute_slows_while_the_link_is_busy():
+    # gamma 1: half speed while an all-reduce runs.  Backward: 0-0.1 alone; AR1 0.1-0.2 (compute +0.05);
+    # 0.2-0.35 alone (p0 ready); AR0 0.35-0.45 (+0.05); 0.45-0.5 alone: backward 0.5
+    p = simulate(profile(beta=2.5e-5, gamma=1.0), plan("wfbp"))
+    assert p.backward == pytest.approx(0.5) and p.iteration == pytest.approx(0.9)
+
+
+def test_more_ranks_cost_what_the_ring_formulas_say():
+    cost = CommCost("all_reduce", alpha=1e-4, beta=1e-9)
+    assert cost.time(1e6, 2) == pytest.approx(2 * 1e-4 + 1e6 * 1e-9)
+    assert cost.time(1e6, 64) == pytest.approx(2 * 63 * 1e-4 + 2 * 63 / 64 * 1e6 * 1e-9)
+    rs = CommCost("reduce_scatter", alpha=1e-4, beta=1e-9)
+    assert rs.time(1e6, 8) == pytest.approx(7 * (1e-4 + 1e6 / 8 * 1e-9))
+    assert cost.on_link(parse_link("10gbit")).beta == pytest.approx(8 / 1e10)
+
+
+@pytest.mark.parametrize("kind, world", [("reduce_scatter", 2), ("all_gather", 3), ("all_reduce", 2), ("broadcast", 4)])
+def test_the_fit_recovers_alpha_and_beta_from_synthetic_timings(kind, world):
+    truth = CommCost(kind, alpha=3e-5, beta=2.7e-10)
+    samples = [(n, truth.time(n, world) * (1 + noise)) for n, noise in
+               [(2**20, 0.01), (2**23, -0.01), (2**25, 0.005), (2**27, 0.0)]]
+    got = fit(kind, samples, world)
+    assert got.beta == pytest.approx(truth.beta, rel=0.02)
+    assert got.time(2**26, 64) == pytest.approx(truth.time(2**26, 64), rel=0.05)
+
+
+def test_contention_from_an_overlap_measurement():
+    # compute 1.0 alone, link 0.5 alone, both 1.25: compute lost 0.25 in the 0.5 of link: gamma = 1
+    assert contention_from_overlap(1.0, 0.5, 1.25) == pytest.approx(1.0)
+    assert contention_from_overlap(1.0, 0.5, 1.0) == 0.0
+
+
+def test_a_profile_round_trips_through_json(tmp_path):
+    p = profile(beta=1e-4, gamma=0.3)
+    p.save(str(tmp_path / "p.json"))
+    q = Profile.load(str(tmp_path / "p.json"))
+    assert q == p
