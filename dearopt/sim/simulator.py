@@ -29,7 +29,7 @@ import dataclasses
 import math
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ..plan import ALL_GATHER, ROWS, Plan, When, forward_of
+from ..plan import ROWS, Plan, When
 from .cost import CommCost
 from .profile import Profile
 
