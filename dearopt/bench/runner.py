@@ -248,7 +248,8 @@ def run_rank(cfg: dict) -> dict:
         x, y = batches[0]
         profile = record_profile(model, lambda: wl.loss(model(x), y),
                                  torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9),
-                                 link=os.environ.get("DEAROPT_SHAPED_RATE", "unshaped loopback")).to_json()
+                                 link=os.environ.get("DEAROPT_SHAPED_RATE", "unshaped loopback"),
+                                 bucket_bytes=int(cfg["bucket_mb"] * 2**20)).to_json()
     _log(rank, f"{parts.workload.describe}; {parts.workload.n_params() / 1e6:.2f} M params, "
                f"{len(parts.plan.buckets)} buckets of <= {cfg['bucket_mb']} MiB; "
                + ("building a model per schedule and round" if rebuild else f"building {len(schedules)} models"))

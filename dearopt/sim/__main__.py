@@ -50,9 +50,12 @@ def main(argv=None) -> int:
     p.add_argument("--measured", default=None, help="a measured timeline.rank0.json to draw beside the prediction")
     args = p.parse_args(argv)
     profile = Profile.load(args.profile)
-    prediction = predict(profile, args.schedule, ranks=args.ranks, link=args.link, latency=args.latency,
-                         buffer_size=parse_size(args.buffer_size),
-                         contention={"forward": 0.0, "backward": 0.0} if args.no_contention else None)
+    try:
+        prediction = predict(profile, args.schedule, ranks=args.ranks, link=args.link, latency=args.latency,
+                             buffer_size=parse_size(args.buffer_size),
+                             contention={"forward": 0.0, "backward": 0.0} if args.no_contention else None)
+    except ValueError as exc:  # an unknown schedule, link or size: say so as a usage error
+        p.error(str(exc))
     ranks = args.ranks or profile.world
     print(f"{args.schedule} on {ranks} ranks, link {args.link or profile.link}: predicted iteration "
           f"{prediction.iteration:.4f} s (forward {prediction.forward:.4f}, backward {prediction.backward:.4f}, "

@@ -99,7 +99,7 @@ def _median(values: Sequence[float]) -> float:
 
 def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
                    *, sizes: Sequence[int] = (2**20, 8 * 2**20, 32 * 2**20), repeats: int = 3,
-                   link: str = "unknown", embedding_rows: bool = True) -> Profile:
+                   link: str = "unknown", embedding_rows: bool = True, bucket_bytes: int = 25 * 2**20) -> Profile:
     """Measure ``model`` on this job (call it on every rank, after ``dearopt.init()``; rank 0's profile is
     returned on every rank).
 
@@ -187,19 +187,26 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
                                    row_numel=tied.row_numel.get(id(p), 0)))
     # forward segments, attributed to the first parameter of each module, in the order modules ran
     seg_times = [_median([s[k] for s in segments if k < len(s)]) for k in range(len(order))]
+    ready = [_median(ready_at[id(p)]) for p in ordered]
+    tail, t_bp = _median(tails), _median(t_bps)
+    if world > 1:  # a synchronous job runs at its slowest rank: take each time from the rank where it is longest
+        from ..functions import allreduce
+
+        times = allreduce(torch.tensor(seg_times + [tail] + ready + [t_bp], dtype=torch.float64), "max").tolist()
+        seg_times, tail, ready, t_bp = (times[:len(seg_times)], times[len(seg_times)],
+                                        times[len(seg_times) + 1:-1], times[-1])
     forward_segments = []
     for module, seconds in zip(order, seg_times):
         own = [position[id(p)] for p in module.parameters(recurse=False) if id(p) in position]
         own += [position[id(t)] for t in twins_by_module.get(id(module), ())]
         forward_segments.append((sorted(own), seconds))
-    ready = [_median(ready_at[id(p)]) for p in ordered]
     per_element, per_call = _update_cost(optimizer, trainable)
     comm, samples = _comm_fits(backend, sizes, repeats) if world > 1 else ({}, {})
     total_bytes = sum(s.nbytes for s in specs)
-    contention = _contention(backend, model, run, total_bytes, repeats) if world > 1 else {"forward": 0.0,
+    contention = _contention(backend, model, run, total_bytes, bucket_bytes, repeats) if world > 1 else {"forward": 0.0,
                                                                                           "backward": 0.0}
-    profile = Profile(params=specs, forward_segments=forward_segments, forward_tail=_median(tails),
-                      ready=ready, t_bp=_median(t_bps), update_per_element=per_element, update_per_call=per_call,
+    profile = Profile(params=specs, forward_segments=forward_segments, forward_tail=tail,
+                      ready=ready, t_bp=t_bp, update_per_element=per_element, update_per_call=per_call,
                       comm=comm, comm_samples=samples, contention=contention, world=world,
                       backend=getattr(backend, "name", "gloo"), link=link,
                       rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position})
@@ -261,15 +268,34 @@ def _comm_fits(backend, sizes: Sequence[int], repeats: int):
     return comm, samples
 
 
-def _contention(backend, model, run, total_bytes: int, repeats: int) -> Dict[str, float]:
-    """Compute alone, the model's worth of collectives alone, and both together: the slowdown of compute."""
+def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeats: int) -> Dict[str, float]:
+    """Compute alone, the model's worth of collectives alone, and both together: the slowdown of compute.
+
+    The collectives are issued in buckets of ``bucket_bytes``, as the engine
+    issues them: on a CPU machine much of their cost is per-op copying and
+    summing, which one large op would understate.
+    """
     world = backend.size
-    n = max(world, (total_bytes // 4) // world * world)
-    full = torch.ones(n, device=backend.device)
-    shard = torch.ones(n // world, device=backend.device)
+    per = max(world, (bucket_bytes // 4) // world * world)
+    left = max(world, (total_bytes // 4) // world * world)
+    pieces = []
+    while left > 0:
+        n = min(per, left)
+        pieces.append((torch.ones(n, device=backend.device), torch.ones(n // world, device=backend.device)))
+        left -= n
+
+    def gathers():
+        return [backend.all_gather(full, shard) for full, shard in pieces]
+
+    def reductions():
+        return [backend.reduce_scatter(shard, full) for full, shard in pieces]
+
+    def finish(handles):
+        for h in handles:
+            h.synchronize()
+
     out = {}
-    for phase, start in (("forward", lambda: backend.all_gather(full, shard)),
-                         ("backward", lambda: backend.reduce_scatter(shard, full))):
+    for phase, start in (("forward", gathers), ("backward", reductions)):
         alone, comm, both = [], [], []
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
@@ -283,23 +309,26 @@ def _contention(backend, model, run, total_bytes: int, repeats: int) -> Dict[str
             alone.append(forward if phase == "forward" else backward)
             backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
             t = time.perf_counter()
-            start().synchronize()
+            finish(start())
             comm.append(time.perf_counter() - t)
             model.zero_grad(set_to_none=True)
             backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
             if phase == "forward":
                 t = time.perf_counter()
-                handle = start()
+                handles = start()
                 loss = run()
-                handle.synchronize()
+                finish(handles)
                 both.append(time.perf_counter() - t)
             else:
                 loss = run()
+                backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
                 t = time.perf_counter()
-                handle = start()
+                handles = start()
                 loss.backward()
-                handle.synchronize()
+                finish(handles)
                 both.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
-        out[phase] = contention_from_overlap(_median(alone), _median(comm), _median(both))
+        slowest = torch.tensor([_median(alone), _median(comm), _median(both)], dtype=torch.float64)
+        backend.all_reduce(slowest, "max").wait()  # the slowest rank's times, as for the compute times
+        out[phase] = contention_from_overlap(*slowest.tolist())
     return out
