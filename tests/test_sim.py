@@ -79,3 +79,46 @@ def test_a_profile_round_trips_through_json(tmp_path):
     p.save(str(tmp_path / "p.json"))
     q = Profile.load(str(tmp_path / "p.json"))
     assert q == p
+
+
+def _record(kind):
+    import torch
+
+    import dearopt
+    from dearopt.sim import record_profile
+    from models import global_batch, loss_fn, make_model, shard
+
+    model = make_model(kind)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = (shard(t, dearopt.rank(), dearopt.size()) for t in global_batch(0, kind))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = record_profile(model, lambda: loss_fn(kind, model(x), y), opt, sizes=(2**12, 2**16), repeats=2,
+                          bucket_bytes=2**12)
+    untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    no_grads = all(p.grad is None for p in model.parameters())
+    return prof.to_json(), [p.numel() for p in model.parameters()], untouched, no_grads
+
+
+@pytest.mark.parametrize("kind", ["mlp"])
+def test_record_profile_on_two_ranks(kind):
+    from harness import run_workers
+
+    outs = run_workers(_record, 2, kind, timeout=90)
+    docs = [o.value[0] for o in outs]
+    assert docs[0] == docs[1]  # rank 0's profile, on every rank
+    doc, numels, untouched, no_grads = outs[0].value
+    prof = Profile.from_json(doc)
+    assert untouched and no_grads  # the model is left as it was
+    # every parameter, in forward order (the MLP's modules run in definition order)
+    assert [s.numel for s in prof.params] == numels
+    # gradients become ready in reverse forward order, within backward
+    assert all(a >= b for a, b in zip(prof.ready, prof.ready[1:]))
+    assert 0 < prof.ready[0] <= prof.t_bp
+    assert prof.t_ff > 0 and prof.world == 2
+    for kind_ in ("reduce_scatter", "all_gather", "all_reduce", "broadcast"):
+        cost = prof.comm[kind_]
+        assert cost.alpha >= 0 and cost.beta >= 0
+        # the fit reproduces its own samples' scale: the larger message costs at least the smaller one
+        small, large = prof.comm_samples[kind_][0][0], prof.comm_samples[kind_][-1][0]
+        assert cost.time(large, 2) >= cost.time(small, 2)
+    assert set(prof.contention) == {"forward", "backward"} and min(prof.contention.values()) >= 0
