@@ -182,6 +182,31 @@ class CollectiveBackend(abc.ABC):
         self._close_forks()
 
 
+class _ThenHandle(Handle):
+    """``inner``, then ``then()`` once its result is usable (the narrowing copy of a widened op)."""
+
+    def __init__(self, inner: Handle, then: Callable[[], None]):
+        self.op = getattr(inner, "op", "collective")
+        self._inner = inner
+        self._then = then
+
+    def _done(self) -> None:
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._inner.wait(timeout)
+        self._done()
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        self._inner.synchronize(timeout)
+        self._done()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+
 class _TorchHandle(Handle):
     def __init__(
         self,
@@ -239,6 +264,8 @@ class _TorchHandle(Handle):
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+_GLOO_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
     "min": dist.ReduceOp.MIN,
@@ -277,6 +304,26 @@ class TorchDistBackend(CollectiveBackend):
             raise translate_error(exc, rank=self.rank, op=op_name, **where) from exc
         return _TorchHandle(self, work, op_name, where, finish)
 
+    @staticmethod
+    def _then(handle: Handle, then: Callable[[], None]) -> Handle:
+        return _ThenHandle(handle, then)
+
+    def _widened(self, tensors):
+        """Gloo has no 16-bit integers: such tensors travel widened (exact, also for sums, which wrap alike).
+
+        Returns the tensors to hand to torch.distributed and a function that
+        copies the wide results back, or ``None`` when nothing was widened.
+        """
+        if self.pg_backend != "gloo" or tensors[0].dtype not in _GLOO_WIDER:
+            return tensors, None
+        wide = [t.to(_GLOO_WIDER[t.dtype]) for t in tensors]
+
+        def narrow():
+            for t, w in zip(tensors, wide):
+                t.copy_(w)
+
+        return wide, narrow
+
     def fork(self) -> "TorchDistBackend":
         self._check_open("fork", {})
         group = dist.new_group(backend=self.pg_backend, timeout=datetime.timedelta(seconds=self.timeout))
@@ -308,6 +355,9 @@ class TorchDistBackend(CollectiveBackend):
         if self.size == 1:
             out_shard.copy_(in_full)
             return CompletedHandle("reduce_scatter")
+        (wide_out, wide_in), narrow = self._widened([out_shard, in_full])
+        if narrow is not None:
+            return self._then(self.reduce_scatter(wide_out, wide_in, **where), narrow)
         if not self._use_all_to_all:
             return self._start("reduce_scatter", where, dist.reduce_scatter_tensor, out_shard, in_full)
         # The receive buffer is keyed by the output shard so that several
@@ -333,6 +383,9 @@ class TorchDistBackend(CollectiveBackend):
         if self.size == 1:
             out_full.copy_(in_shard)
             return CompletedHandle("all_gather")
+        (wide_out, wide_in), narrow = self._widened([out_full, in_shard])
+        if narrow is not None:
+            return self._then(self.all_gather(wide_out, wide_in, **where), narrow)
         return self._start("all_gather", where, _all_gather_flat, out_full, in_shard)
 
     def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
@@ -341,6 +394,9 @@ class TorchDistBackend(CollectiveBackend):
             raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
         if self.size == 1:
             return CompletedHandle("all_reduce")
+        (wide,), narrow = self._widened([tensor])
+        if narrow is not None:
+            return self._then(self.all_reduce(wide, op, **where), narrow)
         if op == "avg":
             size = self.size
 
@@ -356,4 +412,7 @@ class TorchDistBackend(CollectiveBackend):
             raise ValueError(f"broadcast: root {root} is not a rank of a world of size {self.size}")
         if self.size == 1:
             return CompletedHandle("broadcast")
+        (wide,), narrow = self._widened([tensor])
+        if narrow is not None:
+            return self._then(self.broadcast(wide, root, **where), narrow)
         return self._start("broadcast", where, dist.broadcast, tensor, src=root)

@@ -153,3 +153,42 @@ def test_shape_errors_name_the_problem():
         CollectiveBackend.check_shapes(two_ranks, "all_gather", torch.zeros(2, 2), torch.zeros(2))
     with pytest.raises(TypeError, match="dtypes differ"):
         CollectiveBackend.check_shapes(two_ranks, "all_gather", torch.zeros(4), torch.zeros(2, dtype=torch.float64))
+
+
+def _int16_everything():
+    backend = dearopt.get_backend()
+    r, w = dearopt.rank(), dearopt.size()
+    base = torch.tensor([32000, -32000, 7, -5], dtype=torch.int16) + r  # the sum wraps, as int16 arithmetic does
+    out = {}
+    t = base.clone()
+    backend.all_reduce(t, "sum").wait(timeout=20)
+    out["sum"] = t
+    t = base.clone()
+    backend.all_reduce(t, "max").wait(timeout=20)
+    out["max"] = t
+    t = base.clone()
+    backend.broadcast(t, root=1).synchronize(timeout=20)
+    out["broadcast"] = t
+    shard = torch.empty(4 // w, dtype=torch.int16)
+    backend.reduce_scatter(shard, base.clone()).wait(timeout=20)
+    out["shard"] = shard
+    gathered = torch.empty(4, dtype=torch.int16)
+    backend.all_gather(gathered, base[r * 2:(r + 1) * 2].clone()).wait(timeout=20)
+    out["gathered"] = gathered
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_int16_travels_exactly_on_gloo():
+    """Gloo has no int16 ("Invalid scalar type"): it is widened and narrowed back, sums wrapping as in int16."""
+    per_rank = [torch.tensor([32000, -32000, 7, -5], dtype=torch.int16) + r for r in range(2)]
+    total = per_rank[0] + per_rank[1]
+    assert total[0] < 0  # the hand computation wraps
+    for o in run_workers(_int16_everything, 2):
+        got = o.value
+        assert all(v.dtype == torch.int16 for v in got.values())
+        assert torch.equal(got["sum"], total)
+        assert torch.equal(got["max"], torch.maximum(per_rank[0], per_rank[1]))
+        assert torch.equal(got["broadcast"], per_rank[1])
+        assert torch.equal(got["shard"], total[o.rank * 2:(o.rank + 1) * 2])
+        assert torch.equal(got["gathered"], torch.cat([per_rank[0][:2], per_rank[1][2:]]))

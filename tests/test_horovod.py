@@ -298,7 +298,8 @@ def test_handles_and_autograd():
         rows = torch.arange(1.0, 1.0 + s).unsqueeze(1).expand(-1, 2)
         offset = sum(range(1, r + 1))
         close(o["grad_allgather"], (rows * s)[offset:offset + r + 1])
-        close(o["grad_broadcast"], torch.full((3,), float(s)) if r == 1 else torch.zeros(3))
+        # Horovod's broadcast backward: the average of the upstream gradients, on the root only
+        close(o["grad_broadcast"], torch.full((3,), s / n) if r == 1 else torch.zeros(3))
         close(o["grad_grouped"][0], torch.full((2,), float(s)))
         close(o["grad_grouped"][1], torch.full((3,), 2.0 * n))
         close(o["grad_fp16"], torch.full((2,), s / n))

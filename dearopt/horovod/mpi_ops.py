@@ -673,7 +673,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 class _BroadcastFunction(torch.autograd.Function):
-    """Broadcast whose backward sums the gradients onto the root; other ranks get zero (as Horovod)."""
+    """Broadcast whose backward averages the gradients onto the root; other ranks get zero (as Horovod)."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank):
@@ -682,10 +682,10 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        summed = synchronize(allreduce_async(grad_output.contiguous(), op=Sum))
+        averaged = synchronize(allreduce_async(grad_output.contiguous(), op=Average))
         if _backend().rank != ctx.root_rank:
-            summed.zero_()
-        return summed, None
+            averaged.zero_()
+        return averaged, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
