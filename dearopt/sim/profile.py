@@ -134,13 +134,15 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
     for p in planned:
         hooks.append(p.register_post_accumulate_grad_hook(
             lambda q: ready_at[id(q)].append(time.perf_counter() - t0[0])))
-    segments, tails, t_bps = [], [], []
+    timings: List[List[float]] = []  # per repeat: forward segments, tail, t_bp, ready time per planned parameter
     rows_touched: Dict[int, List[float]] = {}
     try:
         for i in range(repeats + 1):
             model.zero_grad(set_to_none=True)
             for twin in tied.twin_params():
                 twin.grad = None
+            if world > 1:  # the ranks compute together, as in training
+                backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
             if i == 0:
                 recorder.start()
             marks.clear()
@@ -156,10 +158,15 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
                 for p in planned:
                     ready_at[id(p)].clear()
                 continue
-            stamps = [marks[id(m)] for m in order if id(m) in marks]
-            segments.append([b - a for a, b in zip([start] + stamps[:-1], stamps)])
-            tails.append(end_fwd - (stamps[-1] if stamps else start))
-            t_bps.append(t_bp)
+            stamps = [marks.get(id(m), start) for m in order]
+            sample = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
+            sample += [end_fwd - (stamps[-1] if stamps else start), t_bp]
+            sample += [ready_at[id(p)][-1] if ready_at[id(p)] else 0.0 for p in planned]
+            if world > 1:  # a synchronous job runs at its slowest rank: per sample, each time from the slowest
+                vector = torch.tensor(sample, dtype=torch.float64, device=backend.device)
+                backend.all_reduce(vector, "max").wait()
+                sample = vector.tolist()
+            timings.append(sample)
             for owner_id, width in tied.row_numel.items():
                 grad = next(p for p in trainable if id(p) == owner_id).grad
                 if grad is not None:
@@ -186,15 +193,11 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
             specs.append(ParamSpec(names.get(id(p), f"param{i}"), p.numel(), dtype, size,
                                    row_numel=tied.row_numel.get(id(p), 0)))
     # forward segments, attributed to the first parameter of each module, in the order modules ran
-    seg_times = [_median([s[k] for s in segments if k < len(s)]) for k in range(len(order))]
-    ready = [_median(ready_at[id(p)]) for p in ordered]
-    tail, t_bp = _median(tails), _median(t_bps)
-    if world > 1:  # a synchronous job runs at its slowest rank: take each time from the rank where it is longest
-        from ..functions import allreduce
-
-        times = allreduce(torch.tensor(seg_times + [tail] + ready + [t_bp], dtype=torch.float64), "max").tolist()
-        seg_times, tail, ready, t_bp = (times[:len(seg_times)], times[len(seg_times)],
-                                        times[len(seg_times) + 1:-1], times[-1])
+    medians = [_median([sample[k] for sample in timings]) for k in range(len(timings[0]))]
+    n_seg = len(order)
+    seg_times, tail, t_bp = medians[:n_seg], medians[n_seg], medians[n_seg + 1]
+    ready_of = {id(p): medians[n_seg + 2 + j] for j, p in enumerate(planned)}
+    ready = [ready_of[id(p)] for p in ordered]
     forward_segments = []
     for module, seconds in zip(order, seg_times):
         own = [position[id(p)] for p in module.parameters(recurse=False) if id(p) in position]
@@ -327,8 +330,10 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeat
                 loss.backward()
                 finish(handles)
                 both.append(time.perf_counter() - t)
+            # per sample, the slowest rank's times, as for the compute times
+            slowest = torch.tensor([alone[-1], comm[-1], both[-1]], dtype=torch.float64, device=backend.device)
+            backend.all_reduce(slowest, "max").wait()
+            alone[-1], comm[-1], both[-1] = slowest.tolist()
         model.zero_grad(set_to_none=True)
-        slowest = torch.tensor([_median(alone), _median(comm), _median(both)], dtype=torch.float64)
-        backend.all_reduce(slowest, "max").wait()  # the slowest rank's times, as for the compute times
-        out[phase] = contention_from_overlap(*slowest.tolist())
+        out[phase] = contention_from_overlap(_median(alone), _median(comm), _median(both))
     return out
