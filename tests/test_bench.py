@@ -76,7 +76,8 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert summary.returncode == 0, summary.stderr
     row = summary.stdout.strip().splitlines()[-1].strip("|").split("|")
     rows = doc["schedules"]
-    assert [float(c) for c in row[2:2 + len(rows)]] == [round(r["iter_time"], 3) for r in rows.values()]
+    assert int(row[2]) == doc["ranks"] and float(row[3]) == round(doc["cr"], 2)
+    assert [float(c) for c in row[4:4 + len(rows)]] == [round(r["iter_time"], 3) for r in rows.values()]
     assert row[-2].strip() == f"{rows['ddp']['iter_time'] / rows['dear']['iter_time']:.3f}x"
     assert float(row[-1]) == round(rows["dear"]["bound"] / rows["dear"]["iter_time"], 3)
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]

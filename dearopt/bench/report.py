@@ -387,18 +387,42 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> 
     return index
 
 
+def _cell(doc: dict) -> str:
+    """A short name for a run: the model with its batch (and sequence) as the describe line gives them."""
+    shape = doc["describe"].split(", ", 1)[1] if ", " in doc["describe"] else ""
+    return f"{doc['model']} ({shape})" if shape else doc["model"]
+
+
 def summary(docs: List[dict]) -> str:
-    """A markdown table with one row per run: median iteration time of each schedule, dear vs DDP and vs Eq. 7."""
+    """A markdown table with one row per run: median iteration time of each schedule, dear vs DDP and vs Eq. 7.
+
+    When the runs recorded a profile (``--profile``), a second table gives
+    dearopt.sim's prediction for every schedule beside the measurement.
+    """
     names: List[str] = []
     for doc in docs:
         names += [n for n in doc["schedules"] if n not in names]
-    head = "| model | link | " + " | ".join(f"{n} [s]" for n in names) + " | dear vs DDP | dear of Eq. 7 bound |"
-    lines = [head, "|---|---|" + "---:|" * (len(names) + 2)]
+    head = ("| model | link | ranks | CR | " + " | ".join(f"{n} [s]" for n in names)
+            + " | dear vs DDP | dear of Eq. 7 bound |")
+    lines = [head, "|---|---|---:|---:|" + "---:|" * (len(names) + 2)]
     for doc in docs:
         rows = doc["schedules"]
         cells = [f"{rows[n]['iter_time']:.3f}" if n in rows else "-" for n in names]
         dear = rows.get("dear")
         vs = f"{dear['speedup_vs_ddp']:.3f}x" if dear and dear.get("speedup_vs_ddp") else "-"
         frac = f"{dear['fraction_of_bound']:.3f}" if dear else "-"
-        lines.append(f"| {doc['model']} | {doc['link']} | " + " | ".join(cells) + f" | {vs} | {frac} |")
+        cr = f"{doc['cr']:.2f}" if doc.get("cr") is not None else "-"
+        lines.append(f"| {_cell(doc)} | {doc['link']} | {doc['ranks']} | {cr} | " + " | ".join(cells)
+                     + f" | {vs} | {frac} |")
+    if any("predicted" in r for doc in docs for r in doc["schedules"].values()):
+        lines += ["", "dearopt.sim's prediction from the profile recorded in the same run, against the measured "
+                      "median (error = predicted / measured - 1):", "",
+                  "| model | link | ranks | " + " | ".join(f"{n}: predicted / measured [s] (error)" for n in names)
+                  + " |", "|---|---|---:|" + "---|" * len(names)]
+        for doc in docs:
+            rows = doc["schedules"]
+            cells = [f"{rows[n]['predicted']['iter']:.3f} / {rows[n]['iter_time']:.3f} "
+                     f"({100 * rows[n]['prediction_error']:+.1f}%)" if "predicted" in rows.get(n, {}) else "-"
+                     for n in names]
+            lines.append(f"| {_cell(doc)} | {doc['link']} | {doc['ranks']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
