@@ -287,9 +287,10 @@ class TorchDistBackend(CollectiveBackend):
     name = "torch"
     WORKSPACE_ENTRIES = 512
 
-    def __init__(self, rank: int, size: int, timeout: float, group=None):
+    def __init__(self, rank: int, size: int, timeout: float, group=None, owns_group: bool = True):
         super().__init__(rank, size, timeout)
         self.group = group
+        self._owns_group = owns_group
         self.pg_backend = dist.get_backend(group)
         self.name = f"torch-{self.pg_backend}"
         self._workspace: Dict[tuple, torch.Tensor] = {}
@@ -326,7 +327,15 @@ class TorchDistBackend(CollectiveBackend):
 
     def fork(self) -> "TorchDistBackend":
         self._check_open("fork", {})
-        group = dist.new_group(backend=self.pg_backend, timeout=datetime.timedelta(seconds=self.timeout))
+        if self.size == 1:  # nothing is ever exchanged: no new communicator (none to agree on with anyone)
+            return self._track_fork(TorchDistBackend(self.rank, 1, self.timeout, group=self.group, owns_group=False))
+        timeout = datetime.timedelta(seconds=self.timeout)
+        members = None if self.group is None else dist.get_process_group_ranks(self.group)
+        if members is None or len(members) == dist.get_world_size():
+            group = dist.new_group(backend=self.pg_backend, timeout=timeout)
+        else:  # a subset of the ranks: only its members take part in making the new group
+            group = dist.new_group(ranks=members, backend=self.pg_backend, timeout=timeout,
+                                   use_local_synchronization=True)
         return self._track_fork(TorchDistBackend(self.rank, self.size, self.timeout, group=group))
 
     def close(self) -> None:
@@ -342,7 +351,7 @@ class TorchDistBackend(CollectiveBackend):
             return
         super().close()
         group, self.group = self.group, None
-        if group is not None and dist.is_initialized():
+        if group is not None and self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group(group)
             except Exception:  # already torn down with the default group
@@ -415,4 +424,6 @@ class TorchDistBackend(CollectiveBackend):
         (wide,), narrow = self._widened([tensor])
         if narrow is not None:
             return self._then(self.broadcast(wide, root, **where), narrow)
-        return self._start("broadcast", where, dist.broadcast, tensor, src=root)
+        # torch names the source by its rank in the whole job
+        src = root if self.group is None else dist.get_global_rank(self.group, root)
+        return self._start("broadcast", where, dist.broadcast, tensor, src=src)

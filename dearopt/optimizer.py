@@ -106,6 +106,9 @@ class DistOptim(torch.optim.Optimizer):
         tuning_steps: iterations measured per trial (after one discarded iteration).
         profile: a :class:`dearopt.sim.Profile` of this model: with ``buffer_size="auto"`` the tuner's first
             trial is the buffer size the simulator predicts fastest, instead of 25 MB.
+        backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); a
+            :class:`dearopt.collectives.CollectiveBackend` over a subset of the ranks restricts the averaging to
+            them (``dearopt.horovod``'s process sets use this).
 
     Step hooks registered on this optimizer (``register_step_pre_hook``,
     ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
@@ -123,7 +126,7 @@ class DistOptim(torch.optim.Optimizer):
                  priority: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
-                 tuning_steps: int = 10, profile=None):
+                 tuning_steps: int = 10, profile=None, backend=None):
         _check_arguments(optimizer, model)
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
                           embedding_rows=embedding_rows, allreduce=allreduce,
@@ -143,9 +146,14 @@ class DistOptim(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.options = options
-        main = runtime.get_backend()
+        main = runtime.get_backend() if backend is None else backend
         if options.broadcast_parameters:
-            functions.broadcast_parameters(model, root_rank=0)
+            if backend is None:
+                functions.broadcast_parameters(model, root_rank=0)
+            else:
+                with torch.no_grad():
+                    for t in list(model.parameters()) + list(model.buffers()):
+                        main.broadcast(t.data, 0).wait()
         try:
             engine = main.fork()
         except NotImplementedError:

@@ -14,6 +14,7 @@ import torch
 import dearopt.horovod as hvd
 from harness import free_port, launcher_free_env, run_workers
 from models import global_batch, loss_fn, make_model, shard
+from test_distoptim import assert_params_match
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "horovod_digits.py")
@@ -41,15 +42,15 @@ def test_names_before_init_and_out_of_scope_features():
     assert hvd.nccl_built() == (0 if not torch.distributed.is_nccl_available() else hvd.nccl_built())
     for call, match in [(lambda: hvd.start_timeline("t.json"), "DEAROPT_TIMELINE"),
                         (lambda: hvd.stop_timeline(), "DEAROPT_TIMELINE"),
-                        (lambda: hvd.ProcessSet([0]), "process sets"),
-                        (lambda: hvd.add_process_set([0]), "process sets"),
-                        (lambda: hvd.init(process_sets=[[0]]), "process sets"),
                         (lambda: hvd.init(comm=[0]), "comm"),
                         (lambda: hvd.elastic.run(lambda: None), "elastic"),
-                        (lambda: hvd.elastic.TorchState(), "elastic"),
-                        (lambda: hvd.sparse_allreduce_async(torch.ones(1)), "sparse")]:
+                        (lambda: hvd.elastic.TorchState(), "elastic")]:
         with pytest.raises(NotImplementedError, match=match):
             call()
+    with pytest.raises(ValueError, match="hvd.init"):
+        hvd.add_process_set([0])
+    with pytest.raises(ValueError, match="each rank once"):
+        hvd.ProcessSet([0, 0])
 
 
 def _single_process_checks():
@@ -536,3 +537,84 @@ def test_example_under_mpirun_with_fp16_and_clipping():
     print(f"horovod_digits.py --clip 1.0: one process {_accuracy(single.stdout):.2f}%, "
           f"mpirun -np 2 --fp16-allreduce {distributed:.2f}%")
     assert abs(distributed - _accuracy(single.stdout)) <= 1.5
+
+
+# ----------------------------------------------------------- process sets
+def _process_sets():
+    """Ranks {0, 2} as a set of 3: collectives, autograd and DistributedOptimizer restricted to it."""
+    r = hvd.rank()
+    outer = hvd.add_process_set([0, 2])
+    lone = hvd.add_process_set(hvd.ProcessSet([1]))
+    out = {"ids": (outer.process_set_id, lone.process_set_id), "included": outer.included(), "size": outer.size(),
+           "set_rank": outer.rank()}
+    try:
+        hvd.add_process_set([2, 0])
+    except ValueError as exc:
+        out["duplicate"] = str(exc)
+    mine = outer if r != 1 else lone
+    out["sum"] = hvd.allreduce(torch.tensor([r + 1.0, 10.0 * r]), op=hvd.Sum, process_set=mine)
+    out["bcast"] = hvd.broadcast(torch.full((2,), float(r)), root_rank=2 if r != 1 else 1, process_set=mine)
+    out["gather"] = hvd.allgather(torch.full((r + 1, 2), float(r)), process_set=mine)
+    out["rs"] = hvd.reducescatter(torch.arange(4.0) * (r + 1), op=hvd.Sum, process_set=mine)
+    out["obj"] = hvd.broadcast_object({"from": r}, root_rank=2 if r != 1 else 1, process_set=mine)
+    if r == 1:
+        try:
+            hvd.allreduce(torch.ones(1), process_set=outer)
+        except ValueError as exc:
+            out["outside"] = str(exc)
+    # the optimizer averages over the set on its members; the rank outside applies its own gradients
+    model = make_model("mlp")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), process_set=outer)
+    for step in range(3):
+        x, y = global_batch(step, "mlp")
+        opt.zero_grad()
+        loss_fn("mlp", model(shard(x, r, 3)), shard(y, r, 3)).backward()
+        opt.step()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    hvd.barrier(process_set=mine)
+    out["removed"] = (hvd.remove_process_set(outer), hvd.remove_process_set(outer))
+    hvd.remove_process_set(lone)
+    return out
+
+
+def _set_reference(ranks):
+    """SGD on the samples of ``ranks`` (their shards of the global batch), as one process."""
+    model = make_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        x, y = global_batch(step, "mlp")
+        opt.zero_grad()
+        loss = sum(loss_fn("mlp", model(shard(x, q, 3)), shard(y, q, 3)) for q in ranks) / len(ranks)
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(90)
+def test_process_sets_restrict_collectives_and_the_optimizer():
+    outs = {o.rank: o.value for o in run_workers(_process_sets, 3, timeout=80)}
+    close = torch.testing.assert_close
+    in_set, alone = _set_reference([0, 2]), _set_reference([1])
+    for r, o in outs.items():
+        assert o["ids"] == outs[0]["ids"] and o["ids"][0] != o["ids"][1] != 0
+        assert o["included"] == (r != 1) and o["size"] == 2
+        assert o["set_rank"] == {0: 0, 1: None, 2: 1}[r]
+        assert "duplicate" in o["duplicate"]
+        if r == 1:
+            close(o["sum"], torch.tensor([2.0, 10.0]))
+            close(o["bcast"], torch.full((2,), 1.0))
+            close(o["gather"], torch.full((2, 2), 1.0))
+            close(o["rs"], torch.arange(4.0) * 2)
+            assert o["obj"] == {"from": 1}
+            assert "not part of" in o["outside"]
+            assert_params_match(o["params"], alone)
+        else:
+            close(o["sum"], torch.tensor([1.0 + 3.0, 0.0 + 20.0]))
+            close(o["bcast"], torch.full((2,), 2.0))  # root_rank is a global rank
+            close(o["gather"], torch.cat([torch.zeros(1, 2), torch.full((3, 2), 2.0)]))
+            rs = torch.arange(4.0) * (1 + 3)
+            close(o["rs"], rs[:2] if r == 0 else rs[2:])
+            assert o["obj"] == {"from": 2}
+            assert_params_match(o["params"], in_set)
+        assert o["removed"] == (True, False)

@@ -13,6 +13,7 @@ from .functions import allgather_object, broadcast_object, broadcast_optimizer_s
 from .mpi_ops import (
     Adasum,
     Average,
+    HorovodInternalError,
     HorovodNotInitializedError,
     Max,
     Min,

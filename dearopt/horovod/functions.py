@@ -20,8 +20,8 @@ def broadcast_parameters(params, root_rank, prefix=None, process_set=mpi_ops.glo
     ``params``: ``model.state_dict()``, ``model.named_parameters()`` (a list or
     the generator itself), or a list of tensors, as Horovod accepts.
     """
-    mpi_ops._check_process_set(process_set)
     mpi_ops._check_init()
+    mpi_ops._check_process_set(process_set)
     if isinstance(params, dict):
         items = sorted(params.items())  # the same order on every rank, as Horovod
     elif isinstance(params, (list, tuple)) or hasattr(params, "__next__"):
@@ -31,7 +31,12 @@ def broadcast_parameters(params, root_rank, prefix=None, process_set=mpi_ops.glo
     for name, value in items:
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"broadcast_parameters: entry {name!r} is a {type(value).__name__}, not a tensor")
-    _functions.broadcast_parameters(items, root_rank=root_rank)
+    if process_set.ranks is None:
+        _functions.broadcast_parameters(items, root_rank=root_rank)
+        return
+    for _, value in items:  # a subset of the ranks: tensor by tensor on the set's communicator
+        mpi_ops.broadcast_(value.data if isinstance(value, torch.nn.Parameter) else value, root_rank,
+                           process_set=process_set)
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=mpi_ops.global_process_set) -> None:
@@ -41,18 +46,31 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=mpi_
     or only some ranks: ``root_rank``'s whole ``state_dict()`` is sent and
     loaded, so no dummy step is taken.
     """
-    mpi_ops._check_process_set(process_set)
     mpi_ops._check_init()
+    mpi_ops._check_process_set(process_set)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    _functions.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+    # As Horovod (whose dummy step sets them), parameters that train and have no gradient get a zero one.
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+    if process_set.ranks is None:
+        _functions.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+        return
+    state = broadcast_object(optimizer.state_dict(), root_rank, process_set=process_set)
+    optimizer.load_state_dict(state)
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name=None, process_set=mpi_ops.global_process_set) -> Any:
     """Return ``root_rank``'s ``obj`` (any picklable object) on every rank."""
-    mpi_ops._check_process_set(process_set)
     mpi_ops._check_init()
-    return _functions.broadcast_object(obj, root_rank=root_rank)
+    mpi_ops._check_process_set(process_set)
+    if process_set.ranks is None:
+        return _functions.broadcast_object(obj, root_rank=root_rank)
+    return _functions.broadcast_object(obj, root_rank=mpi_ops._set_rank(process_set, root_rank, "broadcast_object"),
+                                       backend=mpi_ops._set_backend(process_set))
 
 
 def allgather_object(obj: Any, name=None, process_set=mpi_ops.global_process_set) -> List[Any]:
@@ -61,8 +79,8 @@ def allgather_object(obj: Any, name=None, process_set=mpi_ops.global_process_set
     buffer = io.BytesIO()
     torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    sizes = mpi_ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64)).tolist()
-    gathered = mpi_ops.allgather(payload)
+    sizes = mpi_ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64), process_set=process_set).tolist()
+    gathered = mpi_ops.allgather(payload, process_set=process_set)
     out, offset = [], 0
     for n in sizes:
         out.append(torch.load(io.BytesIO(gathered[offset:offset + n].numpy().tobytes()), weights_only=False))

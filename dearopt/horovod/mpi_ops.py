@@ -14,6 +14,7 @@ is what ordinary training scripts do.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import math
 import time
@@ -31,7 +32,8 @@ __all__ = [
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
     "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "handle_average_backwards_compatibility", "ProcessSet", "global_process_set", "add_process_set",
+    "handle_average_backwards_compatibility", "HorovodInternalError", "ProcessSet", "global_process_set",
+    "add_process_set",
     "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async",
@@ -46,28 +48,36 @@ class HorovodNotInitializedError(NotInitializedError, ValueError):
     """Raised before :func:`init`; a ``ValueError`` as in Horovod, and a :class:`dearopt.NotInitializedError`."""
 
 
+class HorovodInternalError(RuntimeError):
+    """Horovod's name for a failed collective; dearopt raises its own :class:`dearopt.CollectiveError` types."""
+
+
 # ------------------------------------------------------------------ the job
 def init(comm=None, process_sets=None, *, backend: Optional[str] = None, timeout: Optional[float] = None) -> None:
     """Join the job (horovodrun, mpirun, torchrun, Slurm or a single process).
 
     Callable again: later calls do nothing; after :func:`shutdown` it joins
     anew.  ``backend``/``timeout`` are dearopt's (see :func:`dearopt.init`).
-    ``comm`` (a sub-communicator) and ``process_sets`` are not supported.
+    ``comm`` (a sub-communicator) is not supported; ``process_sets`` (a list
+    of :class:`ProcessSet` or rank lists) are added as by :func:`add_process_set`.
     """
     if comm is not None:
         raise NotImplementedError(
             "hvd.init(comm=...) is not supported: dearopt always runs on every launched process. Launch only "
             "the processes that should take part (e.g. mpirun -np N) and call hvd.init()")
-    if process_sets is not None:
-        raise NotImplementedError(
-            "process sets are not supported by dearopt.horovod: every collective spans all ranks. Use "
-            "torch.distributed.new_group() after hvd.init() for collectives on a subset of ranks")
     runtime.init(backend=backend, timeout=timeout)
+    _channel(runtime.get_backend(), "data")  # every rank makes its side channels here, at the same point
+    for ps in process_sets or ():
+        if not (isinstance(ps, ProcessSet) and ps.process_set_id is not None):
+            add_process_set(ps)
 
 
 def shutdown() -> None:
     """Leave the job; pending handles are dropped and :func:`init` may be called again."""
     _handle_map.clear()
+    _staged.clear()
+    _forget_process_sets()
+    _channels.clear()
     runtime.shutdown()
 
 
@@ -233,69 +243,197 @@ def _check_op(op, allowed=tuple(_BACKEND_OPS)):
 
 # --------------------------------------------------------- process sets
 class ProcessSet:
-    """Only the global process set exists in dearopt.horovod."""
+    """A subset of the ranks that collectives may be restricted to (``process_set=``), as Horovod's.
+
+    ``hvd.add_process_set(ranks)`` (on every rank, in the same order) makes it
+    usable; each set is a ``torch.distributed`` group of its own.  Ranks are
+    global ranks, also for ``root_rank=``.
+    """
 
     def __init__(self, ranks=None):
-        if ranks is not None:
-            raise NotImplementedError(
-                "process sets are not supported by dearopt.horovod: every collective spans all ranks. Use "
-                "torch.distributed.new_group(ranks) after hvd.init() for collectives on a subset of ranks")
-        self.ranks = None
-        self.process_set_id = 0
+        if ranks is None:
+            self.ranks = None
+        else:
+            if not isinstance(ranks, (list, tuple, range)) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                raise ValueError(f"a process set is a list of ranks (ints), got {ranks!r}")
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"a process set lists each rank once, got {list(ranks)}")
+            self.ranks = sorted(ranks)
+        self.process_set_id = 0 if ranks is None else None
+        self._backend = None  # this rank's communicator in the set, once added (None where not included)
 
-    def included(self) -> bool:
-        return True
+    def _members(self) -> List[int]:
+        return list(range(size())) if self.ranks is None else self.ranks
 
-    def size(self) -> int:
-        return size()
+    def included(self) -> Optional[bool]:
+        if self.process_set_id is None:
+            return None
+        return rank() in self._members()
 
-    def rank(self) -> int:
-        return rank()
+    def size(self) -> Optional[int]:
+        if self.process_set_id is None:
+            return None
+        return len(self._members())
+
+    def rank(self) -> Optional[int]:
+        if self.process_set_id is None or not self.included():
+            return None
+        return self._members().index(rank())
+
+    def __eq__(self, other):
+        if not isinstance(other, ProcessSet):
+            return NotImplemented
+        return self.process_set_id == other.process_set_id and self.ranks == other.ranks
+
+    def __hash__(self):
+        return hash((self.process_set_id, tuple(self.ranks or ())))
 
     def __repr__(self):
-        return "ProcessSet(global)"
+        if self.ranks is None:
+            return "ProcessSet(global)"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
 global_process_set = ProcessSet()
+_process_sets: Dict[int, ProcessSet] = {}
+_set_ids = itertools.count(1)
 
 
-def add_process_set(process_set):
-    raise NotImplementedError(
-        "process sets are not supported by dearopt.horovod: every collective spans all ranks. Use "
-        "torch.distributed.new_group(ranks) after hvd.init() for collectives on a subset of ranks")
+def add_process_set(process_set) -> ProcessSet:
+    """Make ``process_set`` (a :class:`ProcessSet` or a list of ranks) usable; call it on every rank, in the same
+    order.  Returns the set (with its id)."""
+    _check_init()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None:
+        raise ValueError("the global process set exists already")
+    if ps.process_set_id is not None:
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+    world = size()
+    if not ps.ranks or ps.ranks[0] < 0 or ps.ranks[-1] >= world:
+        raise ValueError(f"process set ranks {ps.ranks} must be ranks of a job of size {world}")
+    if any(other.ranks == ps.ranks for other in _process_sets.values()):
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+    from ..collectives import TorchDistBackend
+
+    main = runtime.get_backend()
+    if not hasattr(main, "pg_backend"):
+        raise NotImplementedError(f"process sets need a torch.distributed backend, this job runs {main.name}")
+    group = torch.distributed.new_group(ranks=ps.ranks, backend=main.pg_backend,
+                                        timeout=datetime.timedelta(seconds=main.timeout))
+    ps.process_set_id = next(_set_ids)
+    if rank() in ps.ranks:
+        ps._backend = TorchDistBackend(ps.ranks.index(rank()), len(ps.ranks), main.timeout, group=group)
+        _channel(ps._backend, "data")
+    _process_sets[ps.process_set_id] = ps
+    return ps
 
 
-def remove_process_set(process_set):
-    raise NotImplementedError("process sets are not supported by dearopt.horovod; only the global set exists")
+def remove_process_set(process_set) -> bool:
+    """Forget ``process_set`` (on every rank); returns whether it was known.  The global set stays."""
+    if not isinstance(process_set, ProcessSet) or process_set.ranks is None:
+        return False
+    ps = _process_sets.pop(process_set.process_set_id, None) if process_set.process_set_id else None
+    if ps is None:
+        return False
+    if ps._backend is not None:
+        _channels.pop(id(ps._backend), None)
+        ps._backend.close()  # and its side channels (forks)
+    ps._backend = None
+    ps.process_set_id = None
+    if process_set is not ps:
+        process_set.process_set_id = None
+    return True
 
 
-def _check_process_set(process_set):
-    if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError(
-            "process_set= other than hvd.global_process_set is not supported by dearopt.horovod; use "
-            "torch.distributed.new_group(ranks) for collectives on a subset of ranks")
+def _check_process_set(process_set) -> None:
+    if process_set is None or process_set is global_process_set or (
+            isinstance(process_set, ProcessSet) and process_set.ranks is None):
+        return
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be a hvd.ProcessSet, got {type(process_set).__name__}")
+    if process_set.process_set_id not in _process_sets:
+        raise ValueError(f"{process_set} was not added (hvd.add_process_set) or was removed")
+    if not process_set.included():
+        raise ValueError(f"rank {rank()} is not part of {process_set}")
+
+
+def _set_backend(process_set):
+    """The communicator of ``process_set`` on this rank (the job's own for the global set)."""
+    _check_process_set(process_set)
+    if process_set is None or process_set.ranks is None:
+        return _backend()
+    return _process_sets[process_set.process_set_id]._backend
+
+
+def _set_rank(process_set, global_rank: int, what: str) -> int:
+    """``global_rank`` as a rank of ``process_set``'s communicator."""
+    if process_set is None or process_set.ranks is None:
+        return global_rank
+    if global_rank not in process_set.ranks:
+        raise ValueError(f"{what}: root_rank {global_rank} is not part of {process_set}")
+    return process_set.ranks.index(global_rank)
+
+
+def _forget_process_sets() -> None:
+    for ps in list(_process_sets.values()):
+        remove_process_set(ps)
 
 
 # ------------------------------------------------------------------ handles
 class _Pending:
-    """An op in flight: the transport handles, what makes the result, and what must stay alive."""
+    """An op in flight: the transport handles, what makes the result, and what must stay alive.
 
-    __slots__ = ("works", "finish", "keep")
+    ``advance``, when set, starts the op's second stage once its first one
+    (``works``) has completed and returns the second stage's handles (an
+    allgather exchanges shapes first, then the data).  Second stages start in
+    the order the ops were issued, on every rank.
+    """
 
-    def __init__(self, works, finish: Callable[[], object], keep=()):
+    __slots__ = ("works", "finish", "keep", "name", "advance")
+
+    def __init__(self, works, finish: Callable[[], object], keep=(), name=None, advance=None):
         self.works = list(works)
         self.finish = finish
         self.keep = keep
+        self.name = name
+        self.advance = advance
 
 
 _handle_map: Dict[int, _Pending] = {}
 _handle_ids = itertools.count(1)
+_staged: List[int] = []  # handles whose second stage has not started, in issue order
 
 
-def _register(works, finish, keep=()) -> int:
+def _claim(name) -> None:
+    """Horovod refuses a second op with the name of one still in flight (matched by name, it would be ambiguous)."""
+    if name is None:
+        return
+    for pending in _handle_map.values():
+        if pending.name == name and not all(w.is_completed() for w in pending.works):
+            raise ValueError(f"Duplicate name {name!r}: an operation with this name is still in flight; "
+                             f"synchronize it first or use another name")
+
+
+def _register(works, finish, keep=(), name=None, advance=None) -> int:
     handle = next(_handle_ids)
-    _handle_map[handle] = _Pending(works, finish, keep)
+    _handle_map[handle] = _Pending(works, finish, keep, name, advance)
+    if advance is not None:
+        _staged.append(handle)
     return handle
+
+
+def _advance_through(handle: int) -> None:
+    """Start the second stage of every staged op issued up to ``handle`` (the same order on every rank)."""
+    while handle in _staged:
+        first = _staged.pop(0)
+        pending = _handle_map.get(first)
+        if pending is None or pending.advance is None:
+            continue
+        for w in pending.works:
+            w.wait()
+        pending.works = list(pending.advance())
+        pending.advance = None
 
 
 def poll(handle: int) -> bool:
@@ -303,7 +441,12 @@ def poll(handle: int) -> bool:
     pending = _handle_map.get(handle)
     if pending is None:
         raise ValueError(f"handle {handle!r} was not created or has already been synchronized")
-    return all(w.is_completed() for w in pending.works)
+    if not all(w.is_completed() for w in pending.works):
+        return False
+    if pending.advance is not None:
+        _advance_through(handle)
+        return all(w.is_completed() for w in pending.works)
+    return True
 
 
 def synchronize(handle: int):
@@ -312,15 +455,38 @@ def synchronize(handle: int):
     As in Horovod, a handle is consumed by its first ``synchronize``: a second
     call returns ``None`` (and :func:`poll` on it raises ``ValueError``).
     """
-    pending = _handle_map.pop(handle, None)
+    pending = _handle_map.get(handle)
     if pending is None:
         return None
+    if pending.advance is not None:
+        _advance_through(handle)
+    del _handle_map[handle]
     for w in pending.works:
         w.wait()
     return pending.finish()
 
 
 # ----------------------------------------------------------------- helpers
+_channels: Dict[int, Dict[str, object]] = {}
+
+
+def _channel(backend, kind: str):
+    """A communicator of its own beside ``backend`` for ``kind``: ``"data"`` carries only the second stage of
+    allgathers, in issue order (so when each starts never matters), ``"barrier"`` only barriers (so a barrier
+    never pairs with an op a rank left in flight).  Made at the first collective that needs one, which every
+    rank reaches in the same order."""
+    forks = _channels.get(id(backend))
+    if forks is None:  # both at once, in one order: the n-th new group is the same channel on every rank
+        forks = {"of": backend}
+        for name in ("data", "barrier"):
+            try:
+                forks[name] = backend.fork()
+            except NotImplementedError:
+                forks[name] = backend
+        _channels[id(backend)] = forks
+    return forks[kind]
+
+
 def _backend():
     _check_init()
     return runtime.get_backend()
@@ -394,36 +560,38 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     The result is ``postscale * reduce(prescale * x)``, divided by ``size()``
     for ``Average``.
     """
-    _check_process_set(process_set)
+    _claim(name)
+    backend = _set_backend(process_set)
     op = handle_average_backwards_compatibility(op, average)
     output = torch.empty_like(tensor)
-    works, finish = _allreduce_start(tensor, output, op, prescale_factor, postscale_factor)
-    return _register(works, finish, (tensor, output))
+    works, finish = _allreduce_start(tensor, output, op, prescale_factor, postscale_factor, backend=backend)
+    return _register(works, finish, (tensor, output), name)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> int:
     """As :func:`allreduce_async`, in place: ``synchronize`` returns ``tensor`` holding the result."""
-    _check_process_set(process_set)
+    _claim(name)
+    backend = _set_backend(process_set)
     op = handle_average_backwards_compatibility(op, average)
-    works, finish = _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor)
-    return _register(works, finish, (tensor,))
+    works, finish = _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, backend=backend)
+    return _register(works, finish, (tensor,), name)
 
 
 class _AllreduceFunction(torch.autograd.Function):
     """Allreduce whose backward is the allreduce of the gradient with the same op and factors (as Horovod)."""
 
     @staticmethod
-    def forward(ctx, tensor, op, prescale_factor, postscale_factor):
-        ctx.args = (op, prescale_factor, postscale_factor)
+    def forward(ctx, tensor, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
         return synchronize(allreduce_async(tensor, op=op, prescale_factor=prescale_factor,
-                                           postscale_factor=postscale_factor))
+                                           postscale_factor=postscale_factor, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        op, pre, post = ctx.args
+        op, pre, post, process_set = ctx.args
         return synchronize(allreduce_async(grad_output.contiguous(), op=op, prescale_factor=pre,
-                                           postscale_factor=post)), None, None, None
+                                           postscale_factor=post, process_set=process_set)), None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -436,7 +604,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     op = handle_average_backwards_compatibility(op, average)
     _check_op(op)
     compressed, ctx = compression.compress(tensor)
-    reduced = _AllreduceFunction.apply(compressed, op, prescale_factor, postscale_factor)
+    reduced = _AllreduceFunction.apply(compressed, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 
@@ -447,26 +615,44 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
-    raise NotImplementedError(
-        "sparse allreduce is not supported by dearopt.horovod; reduce tensor.to_dense() with hvd.allreduce, "
-        "or pass sparse_as_dense=True to hvd.DistributedOptimizer")
+    """Reduce a sparse COO tensor as Horovod does: every rank's indices and values are all-gathered.
+
+    Returns a function; calling it waits and returns the (uncoalesced) sparse
+    result, divided by the set's size for ``Average``.
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async expects a sparse COO tensor")
+    if op not in (Average, Sum):
+        _check_op(op, (Average, Sum))
+    t = tensor.coalesce()
+    indices = allgather_async(t.indices().t().contiguous(), name=None if name is None else f"{name}.indices",
+                              process_set=process_set)
+    values = allgather_async(t.values(), name=None if name is None else f"{name}.values", process_set=process_set)
+    n = _set_backend(process_set).size
+
+    def result():
+        idx, val = synchronize(indices), synchronize(values)
+        if op == Average:
+            val = val / n
+        return torch.sparse_coo_tensor(idx.t(), val, tensor.shape)
+
+    return result
 
 
 # --------------------------------------------------------- grouped allreduce
-def _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_factor):
+def _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_factor, backend):
     """One fused allreduce per dtype: the tensors are flattened into one buffer."""
     tensors = list(tensors)
     for t in tensors:
         _check_tensor(t, "grouped_allreduce")
     _check_op(op)
-    backend = _backend()
     by_dtype: Dict[torch.dtype, List[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     works, parts = [], []
     for dtype, members in by_dtype.items():
         flat = torch.cat([tensors[i].detach().reshape(-1).to(backend.device) for i in members]) if members else None
-        w, fin = _allreduce_start(flat, flat, op, prescale_factor, postscale_factor, "grouped_allreduce")
+        w, fin = _allreduce_start(flat, flat, op, prescale_factor, postscale_factor, "grouped_allreduce", backend)
         works += w
         parts.append((members, flat, fin))
 
@@ -487,37 +673,41 @@ def _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_fa
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set) -> int:
     """Start one fused reduction of a list of tensors; ``synchronize`` returns a list of new tensors."""
-    _check_process_set(process_set)
+    _claim(name)
+    backend = _set_backend(process_set)
     op = handle_average_backwards_compatibility(op, average)
     tensors = list(tensors)
     outputs = [torch.empty_like(t) for t in tensors]
-    works, finish = _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_factor)
-    return _register(works, finish, (tensors, outputs))
+    works, finish = _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_factor, backend)
+    return _register(works, finish, (tensors, outputs), name)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                              process_set=global_process_set) -> int:
     """In-place :func:`grouped_allreduce_async`: ``synchronize`` returns the input list, reduced."""
-    _check_process_set(process_set)
+    _claim(name)
+    backend = _set_backend(process_set)
     op = handle_average_backwards_compatibility(op, average)
     tensors = list(tensors)
-    works, finish = _grouped_allreduce_start(tensors, tensors, op, prescale_factor, postscale_factor)
-    return _register(works, finish, (tensors,))
+    works, finish = _grouped_allreduce_start(tensors, tensors, op, prescale_factor, postscale_factor, backend)
+    return _register(works, finish, (tensors,), name)
 
 
 class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, prescale_factor, postscale_factor, *tensors):
-        ctx.args = (op, prescale_factor, postscale_factor)
+    def forward(ctx, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
         return tuple(synchronize(grouped_allreduce_async(list(tensors), op=op, prescale_factor=prescale_factor,
-                                                         postscale_factor=postscale_factor)))
+                                                         postscale_factor=postscale_factor,
+                                                         process_set=process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, pre, post = ctx.args
+        op, pre, post, process_set = ctx.args
         reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=op,
-                                                      prescale_factor=pre, postscale_factor=post))
-        return (None, None, None) + tuple(reduced)
+                                                      prescale_factor=pre, postscale_factor=post,
+                                                      process_set=process_set))
+        return (None, None, None, None) + tuple(reduced)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -527,7 +717,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     op = handle_average_backwards_compatibility(op, average)
     _check_op(op)
     compressed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, *[c for c, _ in compressed])
+    reduced = _GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, process_set,
+                                              *[c for c, _ in compressed])
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
@@ -542,8 +733,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 _MAX_DIMS = 16
 
 
-def _gather_shapes(tensor, backend) -> List[List[int]]:
-    """Every rank's shape (blocking, one small all-gather); checks dtypes and trailing dims agree."""
+def _shape_meta(tensor, backend):
+    """This rank's shape and dtype as a small tensor to all-gather."""
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension; use tensor.reshape(1)")
     if tensor.dim() > _MAX_DIMS:
@@ -554,9 +745,11 @@ def _gather_shapes(tensor, backend) -> List[List[int]]:
     meta = torch.full((_MAX_DIMS + 2,), -1, dtype=torch.int64)
     meta[0], meta[1] = tensor.dim(), code
     meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    meta = meta.to(backend.device)
-    everyone = torch.empty(backend.size * meta.numel(), dtype=torch.int64, device=backend.device)
-    backend.all_gather(everyone, meta).wait()
+    return meta.to(backend.device)
+
+
+def _parse_shapes(everyone, backend) -> List[List[int]]:
+    """Every rank's shape from the gathered metadata; checks dtypes and trailing dims agree."""
     rows = everyone.view(backend.size, -1).cpu().tolist()
     shapes = [row[2:2 + row[0]] for row in rows]
     if any(row[1] != rows[0][1] for row in rows):
@@ -567,24 +760,38 @@ def _gather_shapes(tensor, backend) -> List[List[int]]:
     return shapes
 
 
-def _allgather_start(tensor):
+def _allgather_start(tensor, backend):
+    """Two stages: the shapes travel now (first dimensions may differ), the data once they are known.
+
+    Returns ``(works, finish, advance, state)``: ``advance()`` starts the data
+    on the gather channel (in issue order, see :func:`_advance_through`) and
+    fills ``state["firsts"]``.
+    """
     _check_tensor(tensor, "allgather")
-    backend = _backend()
-    shapes = _gather_shapes(tensor, backend)
-    firsts = [s[0] for s in shapes]
-    row = math.prod(shapes[0][1:]) if len(shapes[0]) > 1 else 1
-    chunk = max(1, max(firsts) * row)
-    shard = torch.zeros(chunk, dtype=tensor.dtype, device=backend.device)
-    shard[:tensor.numel()] = tensor.detach().reshape(-1).to(backend.device)
-    full = torch.empty(chunk * backend.size, dtype=tensor.dtype, device=backend.device)
-    handle = backend.all_gather(full, shard)
+    meta = _shape_meta(tensor, backend)
+    data = _channel(backend, "data")
+    everyone = torch.empty(backend.size * meta.numel(), dtype=torch.int64, device=backend.device)
+    shapes_work = backend.all_gather(everyone, meta)
+    source = tensor.detach().reshape(-1).to(backend.device)
+    state = {}
+
+    def advance():
+        shapes = _parse_shapes(everyone, backend)
+        firsts = [s[0] for s in shapes]
+        row = math.prod(shapes[0][1:]) if len(shapes[0]) > 1 else 1
+        chunk = max(1, max(firsts) * row)
+        shard = torch.zeros(chunk, dtype=tensor.dtype, device=backend.device)
+        shard[:source.numel()] = source
+        full = torch.empty(chunk * backend.size, dtype=tensor.dtype, device=backend.device)
+        state.update(firsts=firsts, row=row, chunk=chunk, full=full, trailing=shapes[0][1:])
+        return [data.all_gather(full, shard)]
 
     def finish():
+        firsts, row, chunk, full = state["firsts"], state["row"], state["chunk"], state["full"]
         parts = [full[r * chunk:r * chunk + firsts[r] * row] for r in range(backend.size)]
-        out = torch.cat(parts).view(sum(firsts), *shapes[0][1:]).to(tensor.device)
-        return out
+        return torch.cat(parts).view(sum(firsts), *state["trailing"]).to(tensor.device)
 
-    return [handle], finish, firsts
+    return [shapes_work], finish, advance, state
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
@@ -593,28 +800,29 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     The first dimensions are exchanged first (a small blocking all-gather),
     then the data travels asynchronously.
     """
-    _check_process_set(process_set)
-    works, finish, _ = _allgather_start(tensor)
-    return _register(works, finish, (tensor,))
+    _claim(name)
+    works, finish, advance, _ = _allgather_start(tensor, _set_backend(process_set))
+    return _register(works, finish, (tensor,), name, advance)
 
 
 class _AllgatherFunction(torch.autograd.Function):
     """Allgather whose backward sums the gradient over ranks and returns this rank's slice (as Horovod)."""
 
     @staticmethod
-    def forward(ctx, tensor):
-        works, finish, firsts = _allgather_start(tensor)
-        for w in works:
-            w.wait()
-        ctx.firsts = firsts
-        ctx.rank = _backend().rank
-        return finish()
+    def forward(ctx, tensor, process_set):
+        backend = _set_backend(process_set)
+        works, finish, advance, state = _allgather_start(tensor, backend)
+        out = synchronize(_register(works, finish, (tensor,), None, advance))
+        ctx.firsts = state["firsts"]
+        ctx.rank = backend.rank
+        ctx.process_set = process_set
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        summed = synchronize(allreduce_async(grad_output.contiguous(), op=Sum))
+        summed = synchronize(allreduce_async(grad_output.contiguous(), op=Sum, process_set=ctx.process_set))
         offset = sum(ctx.firsts[:ctx.rank])
-        return summed.narrow(0, offset, ctx.firsts[ctx.rank])
+        return summed.narrow(0, offset, ctx.firsts[ctx.rank]), None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -623,15 +831,17 @@ def allgather(tensor, name=None, process_set=global_process_set):
     All dimensions but the first must agree across ranks.
     """
     _check_process_set(process_set)
-    return _AllgatherFunction.apply(tensor)
+    return _AllgatherFunction.apply(tensor, process_set)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
     """Start :func:`allgather` of each tensor; ``synchronize`` returns the list of results."""
-    _check_process_set(process_set)
-    started = [_allgather_start(t) for t in tensors]
-    works = [w for ws, _, _ in started for w in ws]
-    return _register(works, lambda: [fin() for _, fin, _ in started], (list(tensors),))
+    _claim(name)
+    backend = _set_backend(process_set)
+    started = [_allgather_start(t, backend) for t in tensors]
+    works = [w for ws, _, _, _ in started for w in ws]
+    return _register(works, lambda: [fin() for _, fin, _, _ in started], (list(tensors),), name,
+                     lambda: [w for _, _, adv, _ in started for w in adv()])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -640,13 +850,14 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------- broadcast
-def _broadcast_start(tensor, output, root_rank):
+def _broadcast_start(tensor, output, root_rank, process_set):
     _check_tensor(tensor, "broadcast")
-    backend = _backend()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < backend.size:
-        raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of a job of size {backend.size}")
+    backend = _set_backend(process_set)
+    world = size()
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool) or not 0 <= root_rank < world:
+        raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of a job of size {world}")
     work = _work_tensor(tensor.detach(), backend, output is tensor)
-    handle = backend.broadcast(work, root_rank)
+    handle = backend.broadcast(work, _set_rank(process_set, root_rank, "broadcast"))
 
     def finish():
         if work is not output:
@@ -659,39 +870,40 @@ def _broadcast_start(tensor, output, root_rank):
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """Start copying ``root_rank``'s ``tensor`` into a new tensor on every rank; returns a handle."""
-    _check_process_set(process_set)
+    _claim(name)
     output = torch.empty_like(tensor)
-    works, finish = _broadcast_start(tensor, output, root_rank)
-    return _register(works, finish, (tensor, output))
+    works, finish = _broadcast_start(tensor, output, root_rank, process_set)
+    return _register(works, finish, (tensor, output), name)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """Start overwriting ``tensor`` with ``root_rank``'s, in place; returns a handle."""
-    _check_process_set(process_set)
-    works, finish = _broadcast_start(tensor, tensor, root_rank)
-    return _register(works, finish, (tensor,))
+    _claim(name)
+    works, finish = _broadcast_start(tensor, tensor, root_rank, process_set)
+    return _register(works, finish, (tensor,), name)
 
 
 class _BroadcastFunction(torch.autograd.Function):
     """Broadcast whose backward averages the gradients onto the root; other ranks get zero (as Horovod)."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank):
+    def forward(ctx, tensor, root_rank, process_set):
         ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank))
+        ctx.process_set = process_set
+        return synchronize(broadcast_async(tensor, root_rank, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        averaged = synchronize(allreduce_async(grad_output.contiguous(), op=Average))
-        if _backend().rank != ctx.root_rank:
+        averaged = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ctx.process_set))
+        if rank() != ctx.root_rank:
             averaged.zero_()
-        return averaged, None
+        return averaged, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (differentiable)."""
     _check_process_set(process_set)
-    return _BroadcastFunction.apply(tensor, root_rank)
+    return _BroadcastFunction.apply(tensor, root_rank, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -714,20 +926,20 @@ def _alltoall_splits(tensor, splits, n):
     return splits
 
 
-def _alltoall_start(tensor, splits):
+def _alltoall_start(tensor, splits, backend):
     """Alltoall built on allgather: every rank receives all data and keeps its part (costs size() x the bytes)."""
     _check_tensor(tensor, "alltoall")
-    backend = _backend()
     n = backend.size
     mine = torch.tensor(_alltoall_splits(tensor, splits, n), dtype=torch.int64, device=backend.device)
     matrix = torch.empty(n * n, dtype=torch.int64, device=backend.device)
     backend.all_gather(matrix, mine).wait()
     matrix = matrix.view(n, n).cpu()  # matrix[src][dst]
-    works, gather_finish, firsts = _allgather_start(tensor)
+    works, gather_finish, advance, state = _allgather_start(tensor, backend)
     me = backend.rank
 
     def finish():
         gathered = gather_finish()
+        firsts = state["firsts"]
         pieces, start = [], 0
         for src in range(n):
             offset = start + int(matrix[src, :me].sum())
@@ -736,28 +948,29 @@ def _alltoall_start(tensor, splits):
         received = matrix[:, me].to(torch.int32)
         return torch.cat(pieces) if pieces else gathered[:0], received
 
-    return works, finish
+    return works, finish, advance
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    _check_process_set(process_set)
-    works, finish = _alltoall_start(tensor, splits)
-    return _register(works, finish, (tensor,))
+    _claim(name)
+    works, finish, advance = _alltoall_start(tensor, splits, _set_backend(process_set))
+    return _register(works, finish, (tensor,), name, advance)
 
 
 class _AlltoallFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits):
-        output, received = synchronize(alltoall_async(tensor, splits))
+    def forward(ctx, tensor, splits, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, process_set=process_set))
         ctx.received = received
+        ctx.process_set = process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx, grad_output, _grad_received):
-        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received))
-        return grad, None
+        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received, process_set=ctx.process_set))
+        return grad, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -769,7 +982,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     times the data of a native alltoall.
     """
     _check_process_set(process_set)
-    output, received = _AlltoallFunction.apply(tensor, splits)
+    output, received = _AlltoallFunction.apply(tensor, splits, process_set)
     return output if splits is None else (output, received)
 
 
@@ -783,11 +996,10 @@ def _rows_of(first, n):
     return [base + (1 if r < extra else 0) for r in range(n)]
 
 
-def _reducescatter_start(tensor, op, prescale_factor, postscale_factor):
+def _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend):
     _check_tensor(tensor, "reducescatter")
     if op not in (Average, Sum):
         _check_op(op, (Average, Sum))
-    backend = _backend()
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     n, me = backend.size, backend.rank
@@ -824,25 +1036,28 @@ def _reducescatter_start(tensor, op, prescale_factor, postscale_factor):
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
     """Start reducing ``tensor`` and scattering dim 0 over ranks; returns a handle."""
-    _check_process_set(process_set)
-    works, finish, _ = _reducescatter_start(tensor, op, prescale_factor, postscale_factor)
-    return _register(works, finish, (tensor,))
+    _claim(name)
+    works, finish, _ = _reducescatter_start(tensor, op, prescale_factor, postscale_factor,
+                                            _set_backend(process_set))
+    return _register(works, finish, (tensor,), name)
 
 
 class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, prescale_factor, postscale_factor):
-        works, finish, _ = _reducescatter_start(tensor, op, prescale_factor, postscale_factor)
+    def forward(ctx, tensor, op, prescale_factor, postscale_factor, process_set):
+        backend = _set_backend(process_set)
+        works, finish, _ = _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
         for w in works:
             w.wait()
-        n = _backend().size
+        n = backend.size
         ctx.factor = float(prescale_factor) * float(postscale_factor) / (n if op == Average else 1)
+        ctx.process_set = process_set
         return finish()
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allgather(grad_output.contiguous())
-        return grad * ctx.factor, None, None, None
+        grad = allgather(grad_output.contiguous(), process_set=ctx.process_set)
+        return grad * ctx.factor, None, None, None, None
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
@@ -854,16 +1069,17 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     """
     _check_process_set(process_set)
     compressed, ctx = compression.compress(tensor)
-    return compression.decompress(_ReducescatterFunction.apply(compressed, op, prescale_factor, postscale_factor),
-                                  ctx)
+    return compression.decompress(_ReducescatterFunction.apply(compressed, op, prescale_factor, postscale_factor,
+                                                               process_set), ctx)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
-    _check_process_set(process_set)
-    started = [_reducescatter_start(t, op, prescale_factor, postscale_factor) for t in tensors]
+    _claim(name)
+    backend = _set_backend(process_set)
+    started = [_reducescatter_start(t, op, prescale_factor, postscale_factor, backend) for t in tensors]
     works = [w for ws, _, _ in started for w in ws]
-    return _register(works, lambda: [fin() for _, fin, _ in started], (list(tensors),))
+    return _register(works, lambda: [fin() for _, fin, _ in started], (list(tensors),), name)
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -875,8 +1091,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 # ------------------------------------------------------------ barrier, join
 def barrier(process_set=global_process_set) -> None:
     """Return once every rank has called ``barrier()``."""
-    _check_process_set(process_set)
-    backend = _backend()
+    backend = _channel(_set_backend(process_set), "barrier")
     token = torch.zeros(1, dtype=torch.int32, device=backend.device)
     backend.all_reduce(token, "sum").wait()
 

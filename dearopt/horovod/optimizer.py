@@ -108,7 +108,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into a subclass of the wrapped optimizer's class; built by :func:`DistributedOptimizer`."""
 
     def _hvd_setup(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense, model, schedule, buffer_size):
+                   gradient_predivide_factor, groups, sparse_as_dense, model, schedule, buffer_size, backend=None):
         self._inner = optimizer
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
@@ -160,7 +160,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             [(self._parameter_names[p], p) for p in params])
         self._engine = DistOptim(optimizer, container, schedule=schedule, buffer_size=buffer_size,
                                  backward_passes_per_step=backward_passes_per_step, broadcast_parameters=False,
-                                 broadcast_buffers=False, nonfinite="ignore", comm_hook=hook)
+                                 broadcast_buffers=False, nonfinite="ignore", comm_hook=hook, backend=backend)
         self._sum = op == Sum
 
     # ------------------------------------------------------------- Horovod
@@ -265,8 +265,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     engine's size-based bucketing; ``sparse_as_dense`` is accepted (gradients
     are always reduced as dense tensors).
     """
-    mpi_ops._check_process_set(process_set)
     mpi_ops._check_init()
+    backend = _backend_of(process_set)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if gradient_predivide_factor != 1.0 and op != Average:
@@ -311,5 +311,23 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         _CLASSES[base] = cls
     obj = cls.__new__(cls)
     obj._hvd_setup(optimizer, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense, model, schedule, buffer_size)
+                   gradient_predivide_factor, groups, sparse_as_dense, model, schedule, buffer_size, backend)
     return obj
+
+
+def _backend_of(process_set):
+    """The engine's communicator for ``process_set``: the set's on its members, a one-rank one elsewhere.
+
+    As in Horovod, a rank outside the set reduces nothing: its optimizer
+    applies its own gradients.
+    """
+    if process_set is None or process_set.ranks is None:
+        return None
+    if not isinstance(process_set, mpi_ops.ProcessSet) or process_set.process_set_id not in mpi_ops._process_sets:
+        raise ValueError(f"process_set {process_set!r} was not added with hvd.add_process_set")
+    if process_set.included():
+        return mpi_ops._set_backend(process_set)
+    from ..collectives import TorchDistBackend
+
+    main = runtime.get_backend()
+    return TorchDistBackend(0, 1, main.timeout, owns_group=False)

@@ -1,0 +1,1 @@
+"""Only what Horovod's test utilities import from ``horovod.runner``."""
