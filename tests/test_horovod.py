@@ -276,6 +276,27 @@ def _handles_and_autograd():
     c = torch.ones(2, requires_grad=True)
     (hvd.allreduce(c, compression=hvd.Compression.fp16) * (r + 1)).sum().backward()
     out["grad_fp16"] = c.grad.clone()
+    # join: rank 0 joins first and answers the others' allreduce with zeros; their allgather raises
+    v = torch.arange(4.0) * (r + 1)
+    if r == 0:
+        out["join"] = hvd.join()
+    else:
+        out["joined_average"] = hvd.allreduce(v)
+        out["joined_max"] = hvd.allreduce(v - 10, op=hvd.Max)
+        try:
+            hvd.allgather(v)
+        except hvd.HorovodJoinedError as exc:
+            out["joined_allgather"] = str(exc)
+        out["join"] = hvd.join()
+    # mismatched calls raise on every rank (instead of hanging)
+    for what, call in [("shape", lambda: hvd.broadcast(torch.zeros(r + 2), 0)),
+                       ("root", lambda: hvd.broadcast(torch.zeros(2), r)),
+                       ("kind", lambda: hvd.allreduce(torch.zeros(2)) if r else hvd.allgather(torch.zeros(2)))]:
+        try:
+            call()
+        except hvd.HorovodMismatchError as exc:
+            out[f"mismatch_{what}"] = str(exc)
+    out["after_errors"] = hvd.allreduce(torch.ones(2), op=hvd.Sum)
     return out
 
 
@@ -298,12 +319,22 @@ def test_handles_and_autograd():
         close(o["grad_allreduce_sum"], 2.0 * torch.tensor([1.0, 2.0]) * s)
         rows = torch.arange(1.0, 1.0 + s).unsqueeze(1).expand(-1, 2)
         offset = sum(range(1, r + 1))
-        close(o["grad_allgather"], (rows * s)[offset:offset + r + 1])
+        close(o["grad_allgather"], (rows * s / n)[offset:offset + r + 1])  # Horovod 0.28: averaged
         # Horovod's broadcast backward: the average of the upstream gradients, on the root only
         close(o["grad_broadcast"], torch.full((3,), s / n) if r == 1 else torch.zeros(3))
         close(o["grad_grouped"][0], torch.full((2,), float(s)))
         close(o["grad_grouped"][1], torch.full((3,), 2.0 * n))
         close(o["grad_fp16"], torch.full((2,), s / n))
+        assert o["join"] == n - 1  # the last to join, on every rank
+        if r:
+            v = torch.arange(4.0) * (r + 1)
+            close(o["joined_average"], sum(torch.arange(4.0) * (q + 1) for q in range(1, n)) / n)  # rank 0: zeros
+            close(o["joined_max"], v - 10)  # rank 0 contributes the identity of max
+            assert "join()" in o["joined_allgather"]
+        assert "Mismatched broadcast tensor shapes" in o["mismatch_shape"]
+        assert "Mismatched broadcast root ranks" in o["mismatch_root"]
+        assert "Mismatched operations" in o["mismatch_kind"]
+        close(o["after_errors"], torch.full((2,), float(n)))
 
 
 # --------------------------------------------------------------- optimizer

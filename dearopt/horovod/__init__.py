@@ -14,6 +14,8 @@ from .mpi_ops import (
     Adasum,
     Average,
     HorovodInternalError,
+    HorovodJoinedError,
+    HorovodMismatchError,
     HorovodNotInitializedError,
     Max,
     Min,

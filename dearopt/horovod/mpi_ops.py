@@ -32,7 +32,7 @@ __all__ = [
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
     "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "handle_average_backwards_compatibility", "HorovodInternalError", "ProcessSet", "global_process_set",
+    "handle_average_backwards_compatibility", "HorovodInternalError", "HorovodMismatchError", "HorovodJoinedError", "ProcessSet", "global_process_set",
     "add_process_set",
     "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
@@ -46,6 +46,15 @@ __all__ = [
 
 class HorovodNotInitializedError(NotInitializedError, ValueError):
     """Raised before :func:`init`; a ``ValueError`` as in Horovod, and a :class:`dearopt.NotInitializedError`."""
+
+
+class HorovodMismatchError(ValueError, RuntimeError):
+    """Ranks started the same op with tensors that cannot be combined (dtype, shape): raised on every rank, as
+    Horovod's coordinator does (a ``RuntimeError`` there; a ``ValueError`` too, since the input is at fault)."""
+
+
+class HorovodJoinedError(RuntimeError):
+    """An op other ranks cannot answer after they called :func:`join` (Horovod raises a ``RuntimeError`` too)."""
 
 
 class HorovodInternalError(RuntimeError):
@@ -216,6 +225,7 @@ def stop_timeline():
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 _BACKEND_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+_BACKEND_CODES = {"sum": 0, "min": 1, "max": 2, "product": 3}
 
 
 def handle_average_backwards_compatibility(op, average):
@@ -458,9 +468,11 @@ def synchronize(handle: int):
     pending = _handle_map.get(handle)
     if pending is None:
         return None
-    if pending.advance is not None:
-        _advance_through(handle)
-    del _handle_map[handle]
+    try:
+        if pending.advance is not None:
+            _advance_through(handle)
+    finally:
+        del _handle_map[handle]
     for w in pending.works:
         w.wait()
     return pending.finish()
@@ -472,7 +484,7 @@ _channels: Dict[int, Dict[str, object]] = {}
 
 def _channel(backend, kind: str):
     """A communicator of its own beside ``backend`` for ``kind``: ``"data"`` carries only the second stage of
-    allgathers, in issue order (so when each starts never matters), ``"barrier"`` only barriers (so a barrier
+    allgathers and broadcasts, in issue order (so when each starts never matters), ``"barrier"`` only barriers (so a barrier
     never pairs with an op a rank left in flight).  Made at the first collective that needs one, which every
     rank reaches in the same order."""
     forks = _channels.get(id(backend))
@@ -526,7 +538,8 @@ def _check_tensor(tensor, what):
 
 # ---------------------------------------------------------------- allreduce
 def _allreduce_start(tensor, output, op, prescale_factor, postscale_factor, what="allreduce", backend=None):
-    """Start reducing ``tensor`` into ``output`` (which may be ``tensor``); return (works, finish)."""
+    """Start reducing ``tensor`` into ``output`` (which may be ``tensor``); return ``(works, finish, advance)``:
+    the header travels now, the data (on the data channel, in issue order) once every rank's header is known."""
     _check_tensor(tensor, what)
     _check_op(op)
     backend = backend or _backend()
@@ -534,7 +547,11 @@ def _allreduce_start(tensor, output, op, prescale_factor, postscale_factor, what
     work = _work_tensor(tensor.detach(), backend, in_place)
     _scale_(work, float(prescale_factor))
     n = backend.size
-    handle = backend.all_reduce(work, _BACKEND_OPS[op])
+    header_work, everyone = _announce("allreduce", work, backend, op=_BACKEND_CODES[_BACKEND_OPS[op]])
+
+    def advance():
+        _rows(everyone, backend, what)
+        return [_channel(backend, "data").all_reduce(work, _BACKEND_OPS[op])]
 
     def finish():
         if op == Average:
@@ -549,7 +566,7 @@ def _allreduce_start(tensor, output, op, prescale_factor, postscale_factor, what
                 output.copy_(work)
         return output
 
-    return [handle], finish
+    return [header_work], finish, advance
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -564,8 +581,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     backend = _set_backend(process_set)
     op = handle_average_backwards_compatibility(op, average)
     output = torch.empty_like(tensor)
-    works, finish = _allreduce_start(tensor, output, op, prescale_factor, postscale_factor, backend=backend)
-    return _register(works, finish, (tensor, output), name)
+    works, finish, advance = _allreduce_start(tensor, output, op, prescale_factor, postscale_factor, backend=backend)
+    return _register(works, finish, (tensor, output), name, advance)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -574,8 +591,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     _claim(name)
     backend = _set_backend(process_set)
     op = handle_average_backwards_compatibility(op, average)
-    works, finish = _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, backend=backend)
-    return _register(works, finish, (tensor,), name)
+    works, finish, advance = _allreduce_start(tensor, tensor, op, prescale_factor, postscale_factor, backend=backend)
+    return _register(works, finish, (tensor,), name, advance)
 
 
 class _AllreduceFunction(torch.autograd.Function):
@@ -649,11 +666,12 @@ def _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_fa
     by_dtype: Dict[torch.dtype, List[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    works, parts = [], []
+    works, parts, advances = [], [], []
     for dtype, members in by_dtype.items():
         flat = torch.cat([tensors[i].detach().reshape(-1).to(backend.device) for i in members]) if members else None
-        w, fin = _allreduce_start(flat, flat, op, prescale_factor, postscale_factor, "grouped_allreduce", backend)
+        w, fin, adv = _allreduce_start(flat, flat, op, prescale_factor, postscale_factor, "allreduce", backend)
         works += w
+        advances.append(adv)
         parts.append((members, flat, fin))
 
     def finish():
@@ -667,7 +685,7 @@ def _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_fa
                     offset += n
         return list(outputs)
 
-    return works, finish
+    return works, finish, lambda: [w for adv in advances for w in adv()]
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -678,8 +696,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     op = handle_average_backwards_compatibility(op, average)
     tensors = list(tensors)
     outputs = [torch.empty_like(t) for t in tensors]
-    works, finish = _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_factor, backend)
-    return _register(works, finish, (tensors, outputs), name)
+    works, finish, advance = _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_factor, backend)
+    return _register(works, finish, (tensors, outputs), name, advance)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -689,8 +707,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     backend = _set_backend(process_set)
     op = handle_average_backwards_compatibility(op, average)
     tensors = list(tensors)
-    works, finish = _grouped_allreduce_start(tensors, tensors, op, prescale_factor, postscale_factor, backend)
-    return _register(works, finish, (tensors,), name)
+    works, finish, advance = _grouped_allreduce_start(tensors, tensors, op, prescale_factor, postscale_factor, backend)
+    return _register(works, finish, (tensors,), name, advance)
 
 
 class _GroupedAllreduceFunction(torch.autograd.Function):
@@ -731,33 +749,65 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 # ---------------------------------------------------------------- allgather
 _MAX_DIMS = 16
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_JOIN, _KINDS = 1, {"allreduce": 2, "allgather": 3, "broadcast": 4, "alltoall": 5, "reducescatter": 6}
+_KIND_NAMES = {code: name for name, code in _KINDS.items()}
+_KIND_NAMES[_JOIN] = "join"
 
 
-def _shape_meta(tensor, backend):
-    """This rank's shape and dtype as a small tensor to all-gather."""
-    if tensor.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension; use tensor.reshape(1)")
-    if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"allgather supports tensors of at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-              torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
-    code = dtypes.index(tensor.dtype) if tensor.dtype in dtypes else 99
-    meta = torch.full((_MAX_DIMS + 2,), -1, dtype=torch.int64)
-    meta[0], meta[1] = tensor.dim(), code
-    meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+def _header(kind: str, tensor, backend, root: int = -1, op: int = -1) -> torch.Tensor:
+    """What this rank is about to do, as a small tensor every rank all-gathers before the data moves (Horovod's
+    negotiation): op kind, dtype, shape, broadcast root, reduction op.  A rank in :func:`join` answers headers."""
+    meta = torch.full((_MAX_DIMS + 5,), -1, dtype=torch.int64)
+    meta[0] = _JOIN if kind == "join" else _KINDS[kind]
+    meta[-2], meta[-1] = root, op
+    if tensor is not None:
+        if tensor.dim() > _MAX_DIMS:
+            raise ValueError(f"{kind} supports tensors of at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
+        meta[1] = tensor.dim()
+        meta[2] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
+        meta[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     return meta.to(backend.device)
 
 
-def _parse_shapes(everyone, backend) -> List[List[int]]:
-    """Every rank's shape from the gathered metadata; checks dtypes and trailing dims agree."""
+def _announce(kind: str, tensor, backend, root: int = -1, op: int = -1):
+    """Start all-gathering this rank's header on ``backend``; returns ``(work, everyone)``."""
+    mine = _header(kind, tensor, backend, root, op)
+    everyone = torch.empty(backend.size * mine.numel(), dtype=torch.int64, device=backend.device)
+    return backend.all_gather(everyone, mine), everyone
+
+
+def _rows(everyone, backend, what: str) -> List[List[int]]:
+    """The headers of the ranks that take part in ``what`` (ranks in :func:`join` left out), checked: every rank
+    started the same kind of op, with the same dtype, and, per kind, compatible shapes, root and op."""
     rows = everyone.view(backend.size, -1).cpu().tolist()
-    shapes = [row[2:2 + row[0]] for row in rows]
-    if any(row[1] != rows[0][1] for row in rows):
-        raise ValueError(f"Mismatched data types: allgather got dtype codes {[row[1] for row in rows]} on ranks "
-                         f"0..{backend.size - 1}; every rank must gather the same dtype")
-    if any(len(s) != len(shapes[0]) or s[1:] != shapes[0][1:] for s in shapes):
-        raise ValueError(f"Mismatched allgather tensor shapes {shapes}: all dimensions but the first must agree")
-    return shapes
+    joined = [r for r, row in enumerate(rows) if row[0] == _JOIN]
+    if joined and what != "allreduce":
+        raise HorovodJoinedError(f"{what} is not supported once a rank has called join(): ranks {joined} have; "
+                                 f"only allreduce gets zeros from joined ranks")
+    active = [(r, row) for r, row in enumerate(rows) if row[0] != _JOIN]
+    kinds = {_KIND_NAMES.get(row[0], "?") for _, row in active}
+    if len(kinds) > 1:
+        raise HorovodMismatchError(f"Mismatched operations: ranks started {[_KIND_NAMES.get(row[0], '?') for _, row in active]} "
+                                   f"at the same point; every rank must issue the same collectives in the same order")
+    if any(row[2] != active[0][1][2] for _, row in active):
+        raise HorovodMismatchError(f"Mismatched data types: {what} got dtype codes {[row[2] for _, row in active]} on "
+                                   f"ranks {[r for r, _ in active]}; every rank must pass the same dtype")
+    shapes = [row[3:3 + row[1]] for _, row in active]
+    if what == "allgather":
+        if any(len(sh) != len(shapes[0]) or sh[1:] != shapes[0][1:] for sh in shapes):
+            raise HorovodMismatchError(f"Mismatched allgather tensor shapes {shapes}: all dimensions but the first "
+                                       f"must agree")
+    elif what in ("allreduce", "broadcast", "reducescatter") and any(sh != shapes[0] for sh in shapes):
+        raise HorovodMismatchError(f"Mismatched {what} tensor shapes {shapes}: every rank must pass the same shape")
+    if what == "broadcast" and any(row[-2] != active[0][1][-2] for _, row in active):
+        raise HorovodMismatchError(f"Mismatched broadcast root ranks {[row[-2] for _, row in active]}: every rank "
+                                   f"must name the same root_rank")
+    if any(row[-1] != active[0][1][-1] for _, row in active):
+        raise HorovodMismatchError(f"Mismatched {what} ops {[row[-1] for _, row in active]}: every rank must pass "
+                                   f"the same op")
+    return rows
 
 
 def _allgather_start(tensor, backend):
@@ -768,15 +818,15 @@ def _allgather_start(tensor, backend):
     fills ``state["firsts"]``.
     """
     _check_tensor(tensor, "allgather")
-    meta = _shape_meta(tensor, backend)
+    if tensor.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension; use tensor.reshape(1)")
     data = _channel(backend, "data")
-    everyone = torch.empty(backend.size * meta.numel(), dtype=torch.int64, device=backend.device)
-    shapes_work = backend.all_gather(everyone, meta)
+    shapes_work, everyone = _announce("allgather", tensor, backend)
     source = tensor.detach().reshape(-1).to(backend.device)
     state = {}
 
     def advance():
-        shapes = _parse_shapes(everyone, backend)
+        shapes = [row[3:3 + row[1]] for row in _rows(everyone, backend, "allgather")]
         firsts = [s[0] for s in shapes]
         row = math.prod(shapes[0][1:]) if len(shapes[0]) > 1 else 1
         chunk = max(1, max(firsts) * row)
@@ -806,7 +856,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
 
 
 class _AllgatherFunction(torch.autograd.Function):
-    """Allgather whose backward sums the gradient over ranks and returns this rank's slice (as Horovod)."""
+    """Allgather whose backward averages the gradient over ranks and returns this rank's slice (as Horovod 0.28)."""
 
     @staticmethod
     def forward(ctx, tensor, process_set):
@@ -820,9 +870,9 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        summed = synchronize(allreduce_async(grad_output.contiguous(), op=Sum, process_set=ctx.process_set))
+        averaged = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ctx.process_set))
         offset = sum(ctx.firsts[:ctx.rank])
-        return summed.narrow(0, offset, ctx.firsts[ctx.rank]), None
+        return averaged.narrow(0, offset, ctx.firsts[ctx.rank]), None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -851,13 +901,19 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 # ---------------------------------------------------------------- broadcast
 def _broadcast_start(tensor, output, root_rank, process_set):
+    """Two stages, as an allgather: every rank's shape, dtype and root travel first (so a mismatch is an error
+    on every rank, not a hang or a silent copy), then the data on the data channel, in issue order."""
     _check_tensor(tensor, "broadcast")
     backend = _set_backend(process_set)
     world = size()
     if not isinstance(root_rank, int) or isinstance(root_rank, bool) or not 0 <= root_rank < world:
         raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of a job of size {world}")
+    meta_work, everyone = _announce("broadcast", tensor, backend, root=root_rank)
     work = _work_tensor(tensor.detach(), backend, output is tensor)
-    handle = backend.broadcast(work, _set_rank(process_set, root_rank, "broadcast"))
+
+    def advance():
+        _rows(everyone, backend, "broadcast")
+        return [_channel(backend, "data").broadcast(work, _set_rank(process_set, root_rank, "broadcast"))]
 
     def finish():
         if work is not output:
@@ -865,22 +921,22 @@ def _broadcast_start(tensor, output, root_rank, process_set):
                 output.copy_(work)
         return output
 
-    return [handle], finish
+    return [meta_work], finish, advance
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """Start copying ``root_rank``'s ``tensor`` into a new tensor on every rank; returns a handle."""
     _claim(name)
     output = torch.empty_like(tensor)
-    works, finish = _broadcast_start(tensor, output, root_rank, process_set)
-    return _register(works, finish, (tensor, output), name)
+    works, finish, advance = _broadcast_start(tensor, output, root_rank, process_set)
+    return _register(works, finish, (tensor, output), name, advance)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """Start overwriting ``tensor`` with ``root_rank``'s, in place; returns a handle."""
     _claim(name)
-    works, finish = _broadcast_start(tensor, tensor, root_rank, process_set)
-    return _register(works, finish, (tensor,), name)
+    works, finish, advance = _broadcast_start(tensor, tensor, root_rank, process_set)
+    return _register(works, finish, (tensor,), name, advance)
 
 
 class _BroadcastFunction(torch.autograd.Function):
@@ -931,6 +987,9 @@ def _alltoall_start(tensor, splits, backend):
     _check_tensor(tensor, "alltoall")
     n = backend.size
     mine = torch.tensor(_alltoall_splits(tensor, splits, n), dtype=torch.int64, device=backend.device)
+    header_work, everyone = _announce("alltoall", tensor, backend)
+    header_work.wait()
+    _rows(everyone, backend, "alltoall")
     matrix = torch.empty(n * n, dtype=torch.int64, device=backend.device)
     backend.all_gather(matrix, mine).wait()
     matrix = matrix.view(n, n).cpu()  # matrix[src][dst]
@@ -1016,7 +1075,11 @@ def _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
     key = (shard_n, tensor.dtype, backend.device)
     pool = _shard_pool.setdefault(key, [])
     shard = pool.pop() if pool else torch.empty(shard_n, dtype=tensor.dtype, device=backend.device)
-    handle = backend.reduce_scatter(shard, full)
+    header_work, everyone = _announce("reducescatter", tensor, backend, op=op)
+
+    def advance():
+        _rows(everyone, backend, "reducescatter")
+        return [_channel(backend, "data").reduce_scatter(shard, full)]
 
     def finish():
         out = shard[:rows[me] * row].clone().view(rows[me], *tensor.shape[1:])
@@ -1030,29 +1093,29 @@ def _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
             _scale_(out, float(postscale_factor))
         return out.to(tensor.device)
 
-    return [handle], finish, rows
+    return [header_work], finish, advance
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
     """Start reducing ``tensor`` and scattering dim 0 over ranks; returns a handle."""
     _claim(name)
-    works, finish, _ = _reducescatter_start(tensor, op, prescale_factor, postscale_factor,
-                                            _set_backend(process_set))
-    return _register(works, finish, (tensor,), name)
+    works, finish, advance = _reducescatter_start(tensor, op, prescale_factor, postscale_factor,
+                                                  _set_backend(process_set))
+    return _register(works, finish, (tensor,), name, advance)
 
 
 class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale_factor, postscale_factor, process_set):
         backend = _set_backend(process_set)
-        works, finish, _ = _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
-        for w in works:
-            w.wait()
+        works, finish, advance = _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
+        out = synchronize(_register(works, finish, (tensor,), None, advance))
         n = backend.size
-        ctx.factor = float(prescale_factor) * float(postscale_factor) / (n if op == Average else 1)
+        # Horovod 0.28's backward: the allgathered gradient, times size() for Sum (1 for Average), pre and post
+        ctx.factor = float(prescale_factor) * float(postscale_factor) * (n if op == Sum else 1)
         ctx.process_set = process_set
-        return finish()
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -1079,7 +1142,8 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     backend = _set_backend(process_set)
     started = [_reducescatter_start(t, op, prescale_factor, postscale_factor, backend) for t in tensors]
     works = [w for ws, _, _ in started for w in ws]
-    return _register(works, lambda: [fin() for _, fin, _ in started], (list(tensors),), name)
+    return _register(works, lambda: [fin() for _, fin, _ in started], (list(tensors),), name,
+                     lambda: [w for _, _, adv in started for w in adv()])
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -1097,16 +1161,44 @@ def barrier(process_set=global_process_set) -> None:
 
 
 def join(device=-1) -> int:
-    """Wait for every rank to call ``join()`` and return the rank that joined last.
+    """Wait until every rank has called ``join()``; return the rank that joined last (the same on every rank).
 
-    Simplified: Horovod lets ranks that have joined answer other ranks'
-    collectives with zeros (for uneven data).  Here ``join()`` is a barrier:
-    every rank must have issued the same collectives before joining, so
-    equalize the number of batches per rank (e.g. ``DistributedSampler`` with
-    ``drop_last=True``) instead of relying on join.
+    As in Horovod, a rank that has joined answers the other ranks' ``allreduce``
+    and ``grouped_allreduce`` (of the global set) with zeros, so ranks with more
+    batches can go on (``Average`` still divides by ``size()``); ``allgather``,
+    ``broadcast``, ``alltoall`` and ``reducescatter`` raise
+    :class:`HorovodJoinedError` on the ranks that call them.  Not answered: the
+    ``DistributedOptimizer`` engine's gradient reductions and barriers (give
+    every rank the same number of optimizer steps, e.g. ``DistributedSampler``
+    with ``drop_last=True``), and ops on other process sets.
     """
+    _check_init()
     backend = _backend()
-    stamp = torch.tensor([time.time()], dtype=torch.float64, device=backend.device)
-    stamps = torch.empty(backend.size, dtype=torch.float64, device=backend.device)
-    backend.all_gather(stamps, stamp).wait()
-    return int(torch.argmax(stamps.cpu()))
+    data = _channel(backend, "data")
+    stamp = time.time_ns()
+    while True:
+        work, everyone = _announce("join", None, backend, root=stamp)
+        work.wait()
+        rows = everyone.view(backend.size, -1).cpu().tolist()
+        active = [row for row in rows if row[0] != _JOIN]
+        if not active:  # everyone has joined: the last to join has the latest stamp (ties: the highest rank)
+            stamps = [row[-2] for row in rows]
+            return max(range(len(stamps)), key=lambda r: (stamps[r], r))
+        row = active[0]
+        same = all(r[:3 + r[1]] == row[:3 + row[1]] and r[-1] == row[-1] for r in active)  # else they raise
+        if row[0] == _KINDS["allreduce"] and same:
+            dtype, shape = _DTYPES[row[2]], row[3:3 + row[1]]
+            reduce_op = next(name for name, code in _BACKEND_CODES.items() if code == row[-1])
+            zeros = torch.full(shape, _identity(reduce_op, dtype), dtype=dtype, device=backend.device)
+            data.all_reduce(zeros, reduce_op).wait()
+        # any other op: the ranks that started it raise HorovodJoinedError; nothing to answer
+
+
+def _identity(reduce_op: str, dtype: torch.dtype):
+    """What a joined rank contributes to a reduction: it changes nothing."""
+    if reduce_op == "sum":
+        return 0
+    if reduce_op == "product":
+        return 1
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return info.max if reduce_op == "min" else info.min
