@@ -78,6 +78,7 @@ class BucketState:
         self.pending = False  # reduced gradients await the optimizer update
         self.zero_after_update: Optional[bool] = None  # zero_grad() came while the update was pending
         self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it
+        self.sparse = [False] * len(params)  # autograd gives this parameter sparse gradients (sparse embeddings)
 
     @property
     def has_members(self) -> bool:
@@ -103,7 +104,7 @@ class BucketState:
     def adopt(self, p: torch.nn.Parameter, j: int) -> None:
         """Make ``p.grad`` the bucket's view, keeping any gradient it had."""
         if p.grad is not None:
-            self.views[j].copy_(p.grad)
+            self.views[j].copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
             self.used[j] = self.has_grad[j] = True
         p.grad = self.views[j]
         self.mark_seen()
@@ -116,10 +117,23 @@ class BucketState:
             if grad is None:
                 view.zero_()
             else:
-                view.copy_(grad)
+                view.copy_(grad.to_dense() if grad.is_sparse else grad)
             p.grad = view
         self.used[j] = True
         self.mark_seen()
+
+    def sparse_gradients(self):
+        """For the optimizer's update: ``p.grad`` as the sparse tensor autograd would have given it (Horovod's
+        ``to_sparse()`` of the reduced gradient), for the parameters that get sparse gradients; restore after."""
+        for j, p in enumerate(self.params):
+            if self.sparse[j] and p.grad is self.views[j]:
+                p.grad = self.views[j].to_sparse(1)
+
+    def dense_gradients(self) -> None:
+        """Undo :meth:`sparse_gradients`: the sparse parameters' ``p.grad`` is the bucket's view again."""
+        for j, p in enumerate(self.params):
+            if self.sparse[j] and p.grad is not None and p.grad.is_sparse:
+                p.grad = self.views[j]
 
     def restore_views(self) -> None:
         for p, view in zip(self.params, self.views):

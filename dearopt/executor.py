@@ -274,6 +274,8 @@ class Executor:
             for p in group["params"]:
                 group_of_param.setdefault(id(p), gi)
         self.buckets, self._where = [], {}
+        sparse = {id(m.weight) for m in self.model.modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
         for spec in plan.buckets:
             params = [ordered[i] for i in spec.params]
             state = BucketState(spec, params, [specs[i].name for i in spec.params],
@@ -281,6 +283,7 @@ class Executor:
                                 self.world, self.rank)
             for j, p in enumerate(params):
                 state.adopt(p, j)
+                state.sparse[j] = id(p) in sparse
                 self._where[id(p)] = (state, j)
             self.buckets.append(state)
         self._module_bucket = {}

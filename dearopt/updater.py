@@ -67,8 +67,10 @@ class BucketUpdater:
                 if not all(include):
                     members = [p for p in members if include[bucket.position[id(p)]]]
                 group["params"] = members
+            bucket.sparse_gradients()
             self._step()
         finally:
+            bucket.dense_gradients()
             for group, live in zip(groups, saved):
                 group.update(live)
         self._remaining -= 1

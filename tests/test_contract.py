@@ -223,14 +223,45 @@ def _branchy(schedule):
     return params
 
 
+SPARSE_TOKENS = torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9], [1, 3, 4, 0], [4, 7, 9, 8], [6, 6, 2, 0], [5, 1, 1, 3]])
+
+
+def _sparse_embedding(schedule=None, world=1):
+    """SparseAdam over nn.Embedding(sparse=True): the optimizer gets sparse gradients, as in one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.1)
+    rank = dearopt.rank() if schedule else None
+    if schedule:
+        opt = dearopt.DistOptim(opt, model, schedule=schedule)
+    for step in range(STEPS):
+        opt.zero_grad()
+        tokens = torch.roll(SPARSE_TOKENS, step, dims=0)
+        if rank is None:
+            (model(tokens).sum() / tokens.shape[0]).backward()
+        else:
+            mine = shard(tokens, rank, world)
+            (model(mine).sum() / mine.shape[0]).backward()
+        opt.step()
+    if schedule:
+        opt.synchronize()
+        opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _branchy_all():
-    return {s: _branchy(s) for s in SCHEDULES}
+    out = {s: _branchy(s) for s in SCHEDULES}
+    out.update({("sparse", s): _sparse_embedding(s, dearopt.size()) for s in SCHEDULES})
+    return out
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_parameter_used_on_one_rank_only_gets_the_global_batch_gradient(world):
+    """Also: sparse embedding gradients reach SparseAdam sparse, reduced as the global batch's."""
     want = _branchy_reference(world)
+    want_sparse = _sparse_embedding()
     for o in run_workers(_branchy_all, world, timeout=100):
         for schedule in SCHEDULES:
             assert_params_match(o.value[schedule], want)
+            assert_params_match(o.value[("sparse", schedule)], want_sparse)
