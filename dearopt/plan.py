@@ -433,24 +433,34 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
     * ``"auto"``: from a profile (each parameter's ``ready_times`` after backward
       starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter, the
       ``backward_time``): walking the buckets in the order backward completes
-      them, a bucket is all-reduced (twice a reduce-scatter's time) while that
-      all-reduce still ends before backward does, on a link that carries one op
-      at a time; from the first that would not, the rest are DeAR's.  Without a
-      profile, none.
+      them, a bucket is all-reduced (twice a reduce-scatter's time) while the
+      link, which carries one op at a time, still finishes *every* reduction
+      of backward (the all-reduces and the remaining buckets' reduce-scatters,
+      which ``step()`` waits for) no later than backward ends, or than it
+      would with reduce-scatters only.  So all-reduces fill the link's idle
+      time in backward and never lengthen the wait at ``step()``; where the
+      reduce-scatters alone keep the link busy (communication-bound), every
+      bucket is DeAR's.  Without a profile, none.
     """
     plain = [b for b in buckets if not b.row_numel and b.twin_of is None]
     if rule == "auto":
         if not ready_times or not bandwidth or not backward_time:
             return frozenset()
-        chosen, link = set(), 0.0
-        for b in reversed(plain):
-            ready = max(ready_times[p] for p in b.params)
-            nbytes = b.padded_numel * b.element_size
-            end = max(link, ready) + 2 * nbytes / bandwidth
-            if end > backward_time:
+        order = [(max(ready_times[p] for p in b.params), b.index, b.padded_numel * b.element_size / bandwidth)
+                 for b in reversed(plain)]
+
+        def link_end(whole) -> float:
+            link = 0.0
+            for ready, index, rs_time in order:
+                link = max(link, ready) + (2 if index in whole else 1) * rs_time
+            return link
+
+        limit = max(backward_time, link_end(()))
+        chosen: set = set()
+        for _, index, _ in order:
+            if link_end(chosen | {index}) > limit + 1e-12:
                 break
-            chosen.add(b.index)
-            link = end
+            chosen.add(index)
         return frozenset(chosen)
     fraction = float(rule)
     if not 0.0 <= fraction <= 1.0:

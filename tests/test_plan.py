@@ -225,3 +225,11 @@ def test_auto_all_reduces_what_ends_within_backward():
     # bucket 3: 0.1-0.3; bucket 2: 0.3-0.5; bucket 1: 0.5-0.7; bucket 0: 0.8-1.0 > 0.9: DeAR from there
     assert plan.allreduce == (1, 2, 3)
     assert build_plan(params, 40, 2, "dear", allreduce="auto").allreduce == ()  # no profile: DeAR
+    # communication-bound: gradients ready at 0, 0.05, 0.1, 0.15, backward ends at 0.3; the reduce-scatters alone
+    # keep the link busy until 0.4, so an all-reduce anywhere would make step() wait longer: none
+    assert build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=[0.15, 0.1, 0.05, 0.0],
+                      bandwidth=480.0, backward_time=0.3).allreduce == ()
+    # idle link time early in backward: bucket 3's all-reduce (0-0.2) fits before bucket 2 is ready (0.3), the
+    # others (ready 0.3, 0.4, 0.5; reduce-scatters end at 0.6) would push the end past 0.6
+    assert build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0],
+                      bandwidth=480.0, backward_time=0.55).allreduce == (3,)
