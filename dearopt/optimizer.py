@@ -86,8 +86,8 @@ class DistOptim(torch.optim.Optimizer):
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
         first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
         allreduce: under ``dear``, which buckets are all-reduced in backward instead of reduce-scattered and
-            gathered in the next forward: ``"auto"`` (default; from a profile of step 1, those whose all-reduce
-            ends within backward) or a fraction of the bytes from the output side (0: DeAR as in the paper).
+            gathered in the next forward: ``"auto"`` (default; from a profile of step 1, as many as fit in the
+            link's idle time in backward, see :func:`dearopt.plan.allreduce_buckets`) or a fraction of the bytes from the output side (0: DeAR as in the paper).
         embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
             such a weight as a gradient of its own (default True; exact either way, see :mod:`dearopt.tied`).
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
