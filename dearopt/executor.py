@@ -41,7 +41,8 @@ from .forward_order import ForwardOrderRecorder, parameters_in_forward_order
 from .issuer import CreditWindow, Issuer, OpState
 from .options import Options
 from .pending import PendingUpdateGuard
-from .plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, When, build_plan, forward_of, moment_key
+from .plan import (BACKWARD_END, STEP, ParamSpec, Plan, Point, When, allreduce_buckets, build_plan, forward_of,
+                   moment_key)
 from .profiling import ReadyProfile
 from .schedules import get_schedule
 from .tied import TiedEmbeddings
@@ -387,6 +388,20 @@ class Executor:
             if late or shard:
                 self._final_after_backward.discard(op.spec.bucket)
 
+    def _profile_changes_plan(self) -> bool:
+        """Whether rank 0's freshly shared profile changes the plan (the same answer on every rank: pure, from
+        the same numbers).  Without priority the profile only decides ``dear``'s all-reduced buckets; when
+        those stay as they are, re-planning would only cost (pending updates applied early, new buffers)."""
+        if not self.profile.fresh:
+            return False
+        self.profile.fresh = False
+        if self.options.priority or self.plan is None:
+            return True
+        ready, bandwidth, backward = self.profile.result
+        chosen = allreduce_buckets(self.plan.buckets, self.options.allreduce, ready, bandwidth, backward) \
+            if get_schedule(self.options.schedule).mixes_allreduce else frozenset()
+        return tuple(sorted(chosen)) != tuple(self.plan.allreduce)
+
     def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
                credit: Optional[int] = None, _inside_backward: bool = False) -> None:
         """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly."""
@@ -436,9 +451,8 @@ class Executor:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._hook_new_params()
         self.state = TrainingState.BACKWARD
-        if any(id(p) not in self._where for p in self._trainable()) or self.profile.fresh:
-            # a parameter was unfrozen, or rank 0's profile arrived: re-plan (the same on every rank)
-            self.profile.fresh = False
+        if any(id(p) not in self._where for p in self._trainable()) or self._profile_changes_plan():
+            # a parameter was unfrozen, or rank 0's profile changes the plan: re-plan (the same on every rank)
             self.replan(_inside_backward=True)
         communicates = (not self.no_sync) and (self.accumulated + 1 >= self.options.backward_passes_per_step)
         if communicates:
