@@ -436,8 +436,8 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
       them, a bucket is all-reduced (twice a reduce-scatter's time) while the
       link, which carries one op at a time, still finishes *every* reduction
       of backward (the all-reduces and the remaining buckets' reduce-scatters,
-      which ``step()`` waits for) no later than backward ends, or than it
-      would with reduce-scatters only.  So all-reduces fill the link's idle
+      which ``step()`` waits for) no later than it would with reduce-scatters
+      only.  So all-reduces fill the link's idle
       time in backward and never lengthen the wait at ``step()``; where the
       reduce-scatters alone keep the link busy (communication-bound), every
       bucket is DeAR's.  Without a profile, none.
@@ -455,7 +455,9 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
                 link = max(link, ready) + (2 if index in whole else 1) * rs_time
             return link
 
-        limit = max(backward_time, link_end(()))
+        # not max(backward_time, ...): the profiled step's backward is often slower than steady state (first
+        # touches), and a longer limit would admit all-reduces that lengthen every later step's wait
+        limit = link_end(())
         chosen: set = set()
         for _, index, _ in order:
             if link_end(chosen | {index}) > limit + 1e-12:

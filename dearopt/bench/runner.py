@@ -288,6 +288,9 @@ def run_rank(cfg: dict) -> dict:
                     for k, v in times.items():
                         samples[s][k].append(v)
             runner.settle()
+            plan = getattr(runner.opt, "plan", None)
+            if plan is not None and plan.allreduce:
+                _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
             if rebuild:
                 runners.pop(s).close()
                 del runner
