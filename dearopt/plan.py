@@ -446,20 +446,24 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
     if rule == "auto":
         if not ready_times or not bandwidth or not backward_time:
             return frozenset()
-        order = [(max(ready_times[p] for p in b.params), b.index, b.padded_numel * b.element_size / bandwidth)
-                 for b in reversed(plain)]
+        # the link in backward also carries each twin's reduce-scatter and its all-gather right after it (a tied
+        # decoder's gradient: large, and ready early); row-sparse buckets move few bytes and are left out
+        order = [(max(ready_times[p] for p in b.params), b.index, b.padded_numel * b.element_size / bandwidth,
+                  b.twin_of is not None) for b in reversed(buckets) if not b.row_numel]
 
         def link_end(whole) -> float:
             link = 0.0
-            for ready, index, rs_time in order:
-                link = max(link, ready) + (2 if index in whole else 1) * rs_time
+            for ready, index, rs_time, twin in order:
+                link = max(link, ready) + (2 if twin or index in whole else 1) * rs_time
             return link
 
         # not max(backward_time, ...): the profiled step's backward is often slower than steady state (first
         # touches), and a longer limit would admit all-reduces that lengthen every later step's wait
         limit = link_end(())
         chosen: set = set()
-        for _, index, _ in order:
+        for _, index, _, twin in order:
+            if twin:
+                continue
             if link_end(chosen | {index}) > limit + 1e-12:
                 break
             chosen.add(index)

@@ -233,3 +233,9 @@ def test_auto_all_reduces_what_ends_within_backward():
     # others (ready 0.3, 0.4, 0.5; reduce-scatters end at 0.6) would push the end past 0.6
     assert build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0],
                       bandwidth=480.0, backward_time=0.55).allreduce == (3,)
+    # a twin (a tied decoder's use of p0, ready first) takes the link for its reduce-scatter and all-gather:
+    # the idle time bucket 3's all-reduce used above is gone
+    tied = params + [ParamSpec("decoder (tied use)", 10, "float32", 4, twin_of=0)]
+    plan = build_plan(tied, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0, 0.0],
+                      bandwidth=480.0, backward_time=0.55)
+    assert plan.allreduce == (), [b.params for b in plan.buckets]
