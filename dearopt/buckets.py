@@ -112,6 +112,8 @@ class BucketState:
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
         grad = p.grad
+        if grad is not None and grad.is_sparse:
+            self.sparse[j] = True  # also for a model the engine was not shown (dearopt.horovod without model=)
         if grad is None or grad.data_ptr() != self.ptrs[j]:
             view = self.views[j]
             if grad is None:

@@ -76,6 +76,24 @@ class _EngineHook:
         return (_EngineHook, ())
 
 
+class _SparseWatch(_EngineHook):
+    """A one-shot tensor hook: notes whether autograd hands the parameter a sparse gradient (an embedding with
+    ``sparse=True``), which the post-accumulate hook cannot see once it was added into the bucket's dense view."""
+
+    __slots__ = ("_pid", "handle")
+
+    def __init__(self, method=None, pid: int = 0):
+        super().__init__(method)
+        self._pid = pid
+        self.handle = None
+
+    def __call__(self, grad):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        return super().__call__(self._pid, grad)
+
+
 class TrainingState(enum.Enum):
     """Where the training loop is, as the engine sees it."""
 
@@ -169,6 +187,7 @@ class Executor:
         self._hooks = []
         self._param_hooks = []
         self._hooked = set()
+        self._sparse_ids = set()  # parameters autograd gave a sparse gradient
         self.tied = TiedEmbeddings(model, {id(p) for p in self._trainable()} if options.embedding_rows else set(),
                                    _EngineHook)
         self._register_module_hooks()
@@ -196,6 +215,15 @@ class Executor:
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 self._param_hooks.append(p.register_post_accumulate_grad_hook(_EngineHook(self._on_grad_ready)))
+                watch = _SparseWatch(self._note_sparse, id(p))
+                watch.handle = p.register_hook(watch)
+
+    def _note_sparse(self, pid: int, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            self._sparse_ids.add(pid)
+            located = self._where.get(pid)
+            if located is not None:
+                located[0].sparse[located[1]] = True
 
     def _register_module_hooks(self) -> None:
         self._hooks.append(self.model.register_forward_pre_hook(_EngineHook(self._root_pre_hook)))
@@ -284,7 +312,7 @@ class Executor:
                                 self.world, self.rank)
             for j, p in enumerate(params):
                 state.adopt(p, j)
-                state.sparse[j] = id(p) in sparse
+                state.sparse[j] = id(p) in sparse or id(p) in self._sparse_ids
                 self._where[id(p)] = (state, j)
             self.buckets.append(state)
         self._module_bucket = {}
