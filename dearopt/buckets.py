@@ -78,7 +78,7 @@ class BucketState:
         self.pending = False  # reduced gradients await the optimizer update
         self.zero_after_update: Optional[bool] = None  # zero_grad() came while the update was pending
         self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it
-        self.sparse = [False] * len(params)  # autograd gives this parameter sparse gradients (sparse embeddings)
+        self.sparse = [False] * len(params)  # autograd gives it sparse gradients (set by the executor's watch)
 
     @property
     def has_members(self) -> bool:
@@ -112,8 +112,6 @@ class BucketState:
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
         grad = p.grad
-        if grad is not None and grad.is_sparse:
-            self.sparse[j] = True  # also for a model the engine was not shown (dearopt.horovod without model=)
         if grad is None or grad.data_ptr() != self.ptrs[j]:
             view = self.views[j]
             if grad is None:

@@ -290,21 +290,18 @@ class Executor:
         ordered = self._agree_on_order(
             parameters_in_forward_order(self.model, self._module_order, planned, twins_by_module), planned)
         specs = self._specs(ordered)
-        ready, bandwidth, backward = self.profile.result if self.profile.result is not None else (None, None, None)
+        ready, bandwidth, _ = self.profile.result if self.profile.result is not None else (None, None, None)
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, credit=self.window.credit, comm_hook=hook_name,
-                          first_bucket_size=self.options.first_bucket_size, allreduce=self.options.allreduce,
-                          backward_time=backward)
+                          first_bucket_size=self.options.first_bucket_size, allreduce=self.options.allreduce)
         self.checks.plan_agreement(plan, self.step_count)
         group_of_param = {}
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 group_of_param.setdefault(id(p), gi)
         self.buckets, self._where = [], {}
-        sparse = {id(m.weight) for m in self.model.modules()
-                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
         for spec in plan.buckets:
             params = [ordered[i] for i in spec.params]
             state = BucketState(spec, params, [specs[i].name for i in spec.params],
@@ -312,7 +309,7 @@ class Executor:
                                 self.world, self.rank)
             for j, p in enumerate(params):
                 state.adopt(p, j)
-                state.sparse[j] = id(p) in sparse or id(p) in self._sparse_ids
+                state.sparse[j] = id(p) in self._sparse_ids
                 self._where[id(p)] = (state, j)
             self.buckets.append(state)
         self._module_bucket = {}
@@ -425,8 +422,8 @@ class Executor:
         self.profile.fresh = False
         if self.options.priority or self.plan is None:
             return True
-        ready, bandwidth, backward = self.profile.result
-        chosen = allreduce_buckets(self.plan.buckets, self.options.allreduce, ready, bandwidth, backward) \
+        ready, bandwidth, _ = self.profile.result
+        chosen = allreduce_buckets(self.plan.buckets, self.options.allreduce, ready, bandwidth) \
             if get_schedule(self.options.schedule).mixes_allreduce else frozenset()
         return tuple(sorted(chosen)) != tuple(self.plan.allreduce)
 

@@ -45,15 +45,21 @@ def _agree(op: str, numel: int = 0, dtype: torch.dtype = None, root: int = 0) ->
                                 f"dearopt collective", rank=backend.rank, op=op, step=seq)
 
 
-def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, **where) -> None:
-    """Overwrite every tensor in place with ``root_rank``'s, coalesced by dtype and device."""
-    backend = runtime.get_backend()
+def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, backend=None, **where) -> None:
+    """Overwrite every tensor in place with ``root_rank``'s, coalesced by dtype and device.
+
+    ``backend`` defaults to the runtime's (whose calls are checked to agree across ranks); another one (a subset
+    of the ranks) is used as given, with ``root_rank`` its own rank.
+    """
+    own = backend is None
+    backend = runtime.get_backend() if own else backend
     groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
     for (dtype, device), group in groups.items():
         flat = torch.cat([t.detach().reshape(-1) for t in group]).to(backend.device)
-        _agree("broadcast", flat.numel(), dtype, root_rank)
+        if own:
+            _agree("broadcast", flat.numel(), dtype, root_rank)
         backend.broadcast(flat, root_rank, **where).wait()
         offset = 0
         with torch.no_grad():
@@ -79,8 +85,10 @@ def _named_tensors(target) -> List[Tuple[str, torch.Tensor]]:
     )
 
 
-def broadcast_parameters(model_or_state_dict: Union[torch.nn.Module, Dict[str, torch.Tensor], Iterable], root_rank: int = 0) -> None:
-    """Copy ``root_rank``'s parameters and buffers into every rank's, in place."""
+def broadcast_parameters(model_or_state_dict: Union[torch.nn.Module, Dict[str, torch.Tensor], Iterable],
+                         root_rank: int = 0, backend=None) -> None:
+    """Copy ``root_rank``'s parameters and buffers into every rank's, in place (``backend``: see
+    :func:`broadcast_tensors`)."""
     named = _named_tensors(model_or_state_dict)
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -90,7 +98,7 @@ def broadcast_parameters(model_or_state_dict: Union[torch.nn.Module, Dict[str, t
     for _, t in named:
         unique.setdefault(id(t), t)
     broadcast_tensors(
-        [t.data if isinstance(t, torch.nn.Parameter) else t for t in unique.values()], root_rank
+        [t.data if isinstance(t, torch.nn.Parameter) else t for t in unique.values()], root_rank, backend
     )
 
 

@@ -87,7 +87,8 @@ class DistOptim(torch.optim.Optimizer):
         first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
         allreduce: under ``dear``, which buckets are all-reduced in backward instead of reduce-scattered and
             gathered in the next forward: ``"auto"`` (default; from a profile of step 1, as many as fit in the
-            link's idle time in backward, see :func:`dearopt.plan.allreduce_buckets`) or a fraction of the bytes from the output side (0: DeAR as in the paper).
+            link's idle time in backward, see :func:`dearopt.plan.allreduce_buckets`) or a fraction of the bytes
+            from the output side (0: DeAR as in the paper).
         embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
             such a weight as a gradient of its own (default True; exact either way, see :mod:`dearopt.tied`).
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
@@ -148,12 +149,7 @@ class DistOptim(torch.optim.Optimizer):
         self.options = options
         main = runtime.get_backend() if backend is None else backend
         if options.broadcast_parameters:
-            if backend is None:
-                functions.broadcast_parameters(model, root_rank=0)
-            else:
-                with torch.no_grad():
-                    for t in list(model.parameters()) + list(model.buffers()):
-                        main.broadcast(t.data, 0).wait()
+            functions.broadcast_parameters(model, root_rank=0, backend=backend)
         try:
             engine = main.fork()
         except NotImplementedError:

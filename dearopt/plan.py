@@ -371,7 +371,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                priority: bool = False, ready_times: Optional[Sequence[float]] = None,
                bandwidth: Optional[float] = None, credit: Union[int, str, None] = None,
                comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
-               allreduce: Union[float, str] = 0.0, backward_time: Optional[float] = None) -> Plan:
+               allreduce: Union[float, str] = 0.0) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -385,7 +385,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     ``allreduce``: for ``dear``, which buckets are all-reduced in backward (as
     ``wfbp`` does) instead of reduce-scattered in backward and all-gathered in
     the next forward: a fraction of the gradient bytes from the output side, or
-    ``"auto"`` with a profile (``ready_times``, ``bandwidth``, ``backward_time``):
+    ``"auto"`` with a profile (``ready_times``, ``bandwidth``):
     see :func:`allreduce_buckets`.
 
     Twins and row-sparse parameters (:class:`ParamSpec`) are planned the same
@@ -411,7 +411,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
         probes = [CommOp(policy.reduction, b, k, buckets[b].piece_nbytes(k)) for b, k in backward]
         backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth)]
-    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth, backward_time) \
+    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth) \
         if policy.mixes_allreduce else frozenset()
     layout = Layout(buckets, tuple(backward), credit, chosen)
     ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
@@ -422,7 +422,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
 
 
 def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_times: Optional[Sequence[float]],
-                      bandwidth: Optional[float], backward_time: Optional[float]) -> FrozenSet[int]:
+                      bandwidth: Optional[float]) -> FrozenSet[int]:
     """Which buckets ``dear`` all-reduces in backward instead of reduce-scattering them (twins and rows aside).
 
     An all-reduce moves the bytes of a reduce-scatter and an all-gather in one
@@ -431,8 +431,7 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
 
     * a fraction: the buckets from the output side holding that fraction of the bytes;
     * ``"auto"``: from a profile (each parameter's ``ready_times`` after backward
-      starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter, the
-      ``backward_time``): walking the buckets in the order backward completes
+      starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter): walking the buckets in the order backward completes
       them, a bucket is all-reduced (twice a reduce-scatter's time) while the
       link, which carries one op at a time, still finishes *every* reduction
       of backward (the all-reduces and the remaining buckets' reduce-scatters,
@@ -444,7 +443,7 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
     """
     plain = [b for b in buckets if not b.row_numel and b.twin_of is None]
     if rule == "auto":
-        if not ready_times or not bandwidth or not backward_time:
+        if not ready_times or not bandwidth:
             return frozenset()
         # the link in backward also carries each twin's reduce-scatter and its all-gather right after it (a tied
         # decoder's gradient: large, and ready early); row-sparse buckets move few bytes and are left out
@@ -457,8 +456,8 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
                 link = max(link, ready) + (2 if twin or index in whole else 1) * rs_time
             return link
 
-        # not max(backward_time, ...): the profiled step's backward is often slower than steady state (first
-        # touches), and a longer limit would admit all-reduces that lengthen every later step's wait
+        # not the profiled backward's length: that step often runs slower than steady state (first touches), and
+        # a longer limit would admit all-reduces that lengthen every later step's wait
         limit = link_end(())
         chosen: set = set()
         for _, index, _, twin in order:

@@ -215,27 +215,27 @@ def test_dear_all_reduces_the_output_side_in_backward_when_asked():
     assert build_plan(specs(10, 10), 40, 2, "wfbp", allreduce=1.0).allreduce == ()  # dear's choice only
 
 
-def test_auto_all_reduces_what_ends_within_backward():
+def test_auto_all_reduces_only_into_the_links_idle_time_in_backward():
     # four buckets of 48 bytes (10 + a flag + 2 tags padded to 12 elements); a reduce-scatter takes 48 / 480 = 0.1 s,
-    # an all-reduce 0.2 s; gradients of buckets 3, 2, 1, 0 ready at 0.1, 0.2, 0.3, 0.8; backward ends at 0.9
+    # an all-reduce 0.2 s; gradients of buckets 3, 2, 1, 0 ready at 0.1, 0.2, 0.3, 0.8
     params = specs(10, 10, 10, 10)
     ready = [0.8, 0.3, 0.2, 0.1]
-    plan = build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=ready, bandwidth=480.0,
-                      backward_time=0.9)
-    # bucket 3: 0.1-0.3; bucket 2: 0.3-0.5; bucket 1: 0.5-0.7; bucket 0: 0.8-1.0 > 0.9: DeAR from there
+    plan = build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=ready, bandwidth=480.0)
+    # reduce-scatters only: the link ends at 0.9 (bucket 0: 0.8-0.9). All-reduces of 3, 2, 1: 0.1-0.3, 0.3-0.5,
+    # 0.5-0.7, bucket 0 still 0.8-0.9; bucket 0's all-reduce would end at 1.0 > 0.9: DeAR's
     assert plan.allreduce == (1, 2, 3)
     assert build_plan(params, 40, 2, "dear", allreduce="auto").allreduce == ()  # no profile: DeAR
-    # communication-bound: gradients ready at 0, 0.05, 0.1, 0.15, backward ends at 0.3; the reduce-scatters alone
+    # communication-bound: gradients ready at 0, 0.05, 0.1, 0.15; the reduce-scatters alone
     # keep the link busy until 0.4, so an all-reduce anywhere would make step() wait longer: none
     assert build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=[0.15, 0.1, 0.05, 0.0],
-                      bandwidth=480.0, backward_time=0.3).allreduce == ()
+                      bandwidth=480.0).allreduce == ()
     # idle link time early in backward: bucket 3's all-reduce (0-0.2) fits before bucket 2 is ready (0.3), the
     # others (ready 0.3, 0.4, 0.5; reduce-scatters end at 0.6) would push the end past 0.6
     assert build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0],
-                      bandwidth=480.0, backward_time=0.55).allreduce == (3,)
+                      bandwidth=480.0).allreduce == (3,)
     # a twin (a tied decoder's use of p0, ready first) takes the link for its reduce-scatter and all-gather:
     # the idle time bucket 3's all-reduce used above is gone
     tied = params + [ParamSpec("decoder (tied use)", 10, "float32", 4, twin_of=0)]
     plan = build_plan(tied, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0, 0.0],
-                      bandwidth=480.0, backward_time=0.55)
+                      bandwidth=480.0)
     assert plan.allreduce == (), [b.params for b in plan.buckets]
