@@ -39,7 +39,7 @@ VARIANTS = {
 """Configured variants: ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
 (issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9);
 ``dear-paper`` is DeAR as in the paper (every bucket reduce-scattered and gathered in the next forward), where
-``dear`` all-reduces in backward the buckets whose all-reduce a profile of step 1 says ends within backward."""
+``dear`` all-reduces in backward as many buckets as fit in the link's idle time there (``allreduce="auto"``)."""
 
 SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
 """Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.schedules.names()``)
