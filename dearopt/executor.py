@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import math
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 import torch
 
@@ -134,6 +134,7 @@ class Executor:
         self.options = options
         self.buffer_size = buffer_size
         self.partition_size = partition_size
+        self.allreduce = options.allreduce  # dear's rule for all-reduced buckets; a measured choice may change it
         self.comm_hook = comm_hook
         self.rank, self.world = backend.rank, backend.size
         # Data collectives follow the plan's order on `backend`; the few control
@@ -148,7 +149,7 @@ class Executor:
         self.updater = BucketUpdater(optimizer)
         self.recorder = ForwardOrderRecorder()
         self.profile = ReadyProfile(options.priority or (get_schedule(options.schedule).mixes_allreduce
-                                                         and options.allreduce == "auto"))
+                                                         and options.allreduce in ("auto", "predicted")))
         self.window = CreditWindow(credit)
         self.on_step_landed = on_step_landed
         self.launch_log = None  # the issuer's (step, kind, bucket, piece) log, kept across re-plans
@@ -295,7 +296,7 @@ class Executor:
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, credit=self.window.credit, comm_hook=hook_name,
-                          first_bucket_size=self.options.first_bucket_size, allreduce=self.options.allreduce)
+                          first_bucket_size=self.options.first_bucket_size, allreduce=self.allreduce)
         self.checks.plan_agreement(plan, self.step_count)
         group_of_param = {}
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -423,12 +424,30 @@ class Executor:
         if self.options.priority or self.plan is None:
             return True
         ready, bandwidth, _ = self.profile.result
-        chosen = allreduce_buckets(self.plan.buckets, self.options.allreduce, ready, bandwidth) \
+        chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth) \
             if get_schedule(self.options.schedule).mixes_allreduce else frozenset()
         return tuple(sorted(chosen)) != tuple(self.plan.allreduce)
 
+    def allreduce_choices(self) -> List[Tuple[Union[float, str], FrozenSet[int]]]:
+        """The rules for ``dear``'s all-reduced buckets worth measuring against each other, with the buckets
+        each picks from the shared profile: the profile's rule (``"predicted"``), DeAR's (none: ``0.0``) and
+        DDP's (every bucket: ``1.0``), those that pick the same buckets counted once.  Empty without a profile
+        or where nothing is to choose (one rank, another schedule, a fixed fraction)."""
+        if (self.options.allreduce != "auto" or self.world == 1 or self.plan is None or self.profile.result is None
+                or not get_schedule(self.options.schedule).mixes_allreduce):
+            return []
+        ready, bandwidth, _ = self.profile.result
+        choices, seen = [], set()
+        for rule in ("predicted", 0.0, 1.0):
+            chosen = allreduce_buckets(self.plan.buckets, rule, ready, bandwidth)
+            if chosen not in seen:
+                seen.add(chosen)
+                choices.append((rule, chosen))
+        return choices if len(choices) > 1 else []
+
     def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
-               credit: Optional[int] = None, _inside_backward: bool = False) -> None:
+               credit: Optional[int] = None, allreduce: Union[float, str, None] = None,
+               _inside_backward: bool = False) -> None:
         """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly."""
         self.synchronize()
         if self.state is TrainingState.REDUCING or (self.state is TrainingState.BACKWARD and not _inside_backward):
@@ -439,6 +458,8 @@ class Executor:
             self.partition_size = partition_size
         if credit is not None:
             self.window = CreditWindow(credit)
+        if allreduce is not None:
+            self.allreduce = allreduce
         if self.plan is None:  # nothing recorded yet: the first plan will use the new knobs
             return
         saved = {id(p): (view.clone(), b.used[j], b.has_grad[j], b.stamp[j])

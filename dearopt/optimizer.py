@@ -28,7 +28,10 @@ from .executor import Executor
 from .options import Options
 from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE
 
-__all__ = ["DistOptim"]
+__all__ = ["DistOptim", "PLAN_CHOICE_STEPS"]
+
+PLAN_CHOICE_STEPS = 3
+"""Steps measured per candidate plan of ``allreduce="auto"`` (after one discarded step that re-plans)."""
 
 _WRAPPED = weakref.WeakSet()
 
@@ -86,9 +89,12 @@ class DistOptim(torch.optim.Optimizer):
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
         first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
         allreduce: under ``dear``, which buckets are all-reduced in backward instead of reduce-scattered and
-            gathered in the next forward: ``"auto"`` (default; from a profile of step 1, as many as fit in the
-            link's idle time in backward, see :func:`dearopt.plan.allreduce_buckets`) or a fraction of the bytes
-            from the output side (0: DeAR as in the paper).
+            gathered in the next forward.  ``"predicted"``: from a profile of step 1, as many as fit in the
+            link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
+            prediction, then measured against none (DeAR's plan) and all (DDP's) for
+            :data:`PLAN_CHOICE_STEPS` steps each, and the fastest is kept (``optimizer.plan_choice``): on
+            machines where communication takes cycles from the computation the link model alone misjudges it.
+            A fraction of the bytes from the output side (0: DeAR as in the paper) fixes the plan.
         embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
             such a weight as a gradient of its own (default True; exact either way, see :mod:`dearopt.tied`).
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
@@ -162,6 +168,12 @@ class DistOptim(torch.optim.Optimizer):
                                   on_step_landed=self._step_landed)
         self._profile = profile
         self.tuning = self._make_tuning(tuner, tuning_steps)
+        self.plan_choice = None
+        """The measured choice of ``dear``'s all-reduced buckets (``allreduce="auto"``): a
+        :class:`dearopt.tuner.TuningController` over a :class:`dearopt.tuner.ChoiceTuner` whose ``history``
+        holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is nothing
+        to choose."""
+        self._choice_considered = False
         _WRAPPED.add(optimizer)
 
     def _make_tuning(self, tuner, tuning_steps):
@@ -265,7 +277,43 @@ class DistOptim(torch.optim.Optimizer):
             knobs = self.tuning.on_step_end()
             if knobs:
                 self._apply_knobs(knobs)  # every rank, at the same step boundary
+        elif not self._choice_considered:
+            self._consider_plan_choice()
+        elif self.plan_choice is not None and not self.plan_choice.finished:
+            knobs = self.plan_choice.on_step_end()
+            if knobs:
+                self._executor.replan(allreduce=knobs["allreduce"])  # every rank, at the same step boundary
         return None
+
+    def _consider_plan_choice(self) -> None:
+        """Once rank 0's profile is shared (and tuning is over), start measuring the plans worth comparing."""
+        executor = self._executor
+        if executor.profile.enabled and executor.profile.result is None:
+            return  # the profile is still to come: the same answer on every rank (it is broadcast)
+        self._choice_considered = True
+        choices = executor.allreduce_choices()
+        if not choices:
+            return
+        from . import tuner as tuning
+
+        control = executor.control
+        executor.allreduce = choices[0][0]  # the prediction: what runs first
+        self.plan_choice = tuning.TuningController(
+            tuning.ChoiceTuner([{"allreduce": rule} for rule, _ in choices]), warmup_steps=1,
+            measure_steps=PLAN_CHOICE_STEPS, is_root=control.rank == 0,
+            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
+
+    @property
+    def settled(self) -> bool:
+        """Whether the plan has stopped changing by itself: the profile is applied, tuning (``"auto"`` knobs)
+        and the measured choice of ``allreduce="auto"`` are over.  The same on every rank."""
+        executor = self._executor
+        if executor.plan is None or (executor.profile.enabled and (executor.profile.result is None
+                                                                  or executor.profile.fresh)):
+            return False
+        if self.tuning is not None and not self.tuning.finished:
+            return False
+        return self._choice_considered and (self.plan_choice is None or self.plan_choice.finished)
 
     step.hooked = True  # torch must not wrap it: the post hooks fire when the step's updates have landed
 

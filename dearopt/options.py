@@ -33,10 +33,13 @@ class Options:
     allreduce: Union[float, str] = "auto"
     """``dear``: which buckets are all-reduced in backward (as ``wfbp``: one collective, less CPU than a
     reduce-scatter plus an all-gather, nothing to gather in the next forward) instead of DeAR's
-    reduce-scatter in backward and all-gather in the next forward.  ``"auto"`` (default): from a profile of
-    step 1 taken on rank 0 and shared once, the buckets (output side first) whose all-reduce still ends
-    within backward (:func:`dearopt.plan.allreduce_buckets`); a fraction in [0, 1]: the buckets from the
-    output side holding that fraction of the bytes (0: DeAR as in the paper)."""
+    reduce-scatter in backward and all-gather in the next forward.  ``"predicted"``: from a profile of
+    step 1 taken on rank 0 and shared once, the buckets (output side first) whose all-reduce still fits in
+    the link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
+    prediction, then measured: the predicted choice, none (DeAR's) and all (DDP's) run a few steps each
+    (those that pick the same buckets once) and the fastest on rank 0's clock is kept by every rank, because
+    the link model cannot see what communication costs the computation on the same cores.  A fraction in
+    [0, 1]: the buckets from the output side holding that fraction of the bytes (0: DeAR as in the paper)."""
 
     embedding_rows: bool = True
     """Reduce each ``nn.Embedding`` weight as the rows its lookups touched (all ranks' rows all-gathered,
@@ -92,9 +95,9 @@ class Options:
             raise ValueError("buffer_size must be a size or 'auto', not None")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        if self.allreduce != "auto" and (isinstance(self.allreduce, bool) or not isinstance(self.allreduce, (int, float))
+        if self.allreduce not in ("auto", "predicted") and (isinstance(self.allreduce, bool) or not isinstance(self.allreduce, (int, float))
                                          or not 0.0 <= float(self.allreduce) <= 1.0):
-            raise ValueError(f"allreduce must be a fraction in [0, 1] or 'auto', got {self.allreduce!r}")
+            raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {self.allreduce!r}")
         policy.check_options(self)
         bpps = self.backward_passes_per_step
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:

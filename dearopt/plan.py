@@ -430,7 +430,8 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
     next forward; it pays where the link has room during backward.
 
     * a fraction: the buckets from the output side holding that fraction of the bytes;
-    * ``"auto"``: from a profile (each parameter's ``ready_times`` after backward
+    * ``"auto"`` or ``"predicted"`` (the same here; the executor measures ``"auto"``'s choice against
+      others, see :meth:`dearopt.executor.Executor.allreduce_choices`): from a profile (each parameter's ``ready_times`` after backward
       starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter): walking the buckets in the order backward completes
       them, a bucket is all-reduced (twice a reduce-scatter's time) while the
       link, which carries one op at a time, still finishes *every* reduction
@@ -442,7 +443,7 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
       bucket is DeAR's.  Without a profile, none.
     """
     plain = [b for b in buckets if not b.row_numel and b.twin_of is None]
-    if rule == "auto":
+    if rule in ("auto", "predicted"):
         if not ready_times or not bandwidth:
             return frozenset()
         # the link in backward also carries each twin's reduce-scatter and its all-gather right after it (a tied

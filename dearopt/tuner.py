@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["Knob", "BayesianTuner", "TuningController", "buffer_size_knob"]
+__all__ = ["Knob", "BayesianTuner", "ChoiceTuner", "TuningController", "buffer_size_knob"]
 
 logger = logging.getLogger("dearopt.tuner")
 
@@ -442,6 +442,66 @@ class BayesianTuner:
             self._pending = None
 
 
+class ChoiceTuner:
+    """Ask/tell over a few discrete candidates: each is tried once, in the given order; the best is kept.
+
+    The same protocol as :class:`BayesianTuner` (``initial``, ``suggest``,
+    ``observe``, ``done``, ``best``, ``history``, ``describe``), so that a
+    :class:`TuningController` drives it.  For choices a model cannot settle,
+    such as which of a few equivalent plans runs fastest on this machine
+    (:class:`dearopt.DistOptim`'s ``allreduce="auto"``).  Candidates are dicts
+    of picklable values; ties keep the earlier candidate.
+    """
+
+    def __init__(self, candidates: Sequence[Mapping[str, object]]):
+        candidates = [dict(c) for c in candidates]
+        if not candidates:
+            raise ValueError("ChoiceTuner needs at least one candidate")
+        for c in candidates:
+            if candidates.count(c) > 1:
+                raise ValueError(f"candidate {c!r} appears more than once")
+        self.candidates: Tuple[Knobs, ...] = tuple(candidates)
+        self._history: List[Tuple[Knobs, float]] = []
+
+    @property
+    def initial(self) -> Knobs:
+        return dict(self.candidates[0])
+
+    @property
+    def done(self) -> bool:
+        return len(self._history) >= len(self.candidates)
+
+    @property
+    def best(self) -> Optional[Tuple[Knobs, float]]:
+        if not self._history:
+            return None
+        i = max(range(len(self._history)), key=lambda j: (self._history[j][1], -j))
+        return dict(self._history[i][0]), self._history[i][1]
+
+    @property
+    def history(self) -> List[Tuple[Knobs, float]]:
+        return [(dict(k), t) for k, t in self._history]
+
+    def suggest(self) -> Knobs:
+        if self.done:
+            raise RuntimeError("the tuner is done; use .best")
+        return dict(self.candidates[len(self._history)])
+
+    def observe(self, knobs: Mapping[str, object], throughput: float) -> None:
+        if self.done:
+            raise RuntimeError("the tuner is done; no more observations")
+        if dict(knobs) != self.candidates[len(self._history)]:
+            raise ValueError(f"observed {dict(knobs)!r}, but the candidate on trial is "
+                             f"{self.candidates[len(self._history)]!r}")
+        if (isinstance(throughput, bool) or not isinstance(throughput, (int, float, np.floating))
+                or not math.isfinite(throughput) or throughput <= 0):
+            raise ValueError(f"throughput must be a finite number > 0, got {throughput!r}")
+        self._history.append((dict(knobs), float(throughput)))
+
+    def describe(self, knobs: Mapping[str, object]) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in knobs.items())
+
+
 class TuningController:
     """Runs tuner trials inside a training loop, one trial = ``warmup_steps + measure_steps`` steps.
 
@@ -474,8 +534,8 @@ class TuningController:
                  is_root: bool, broadcast: Callable[[Optional[dict]], dict],
                  clock: Callable[[], float] = time.perf_counter,
                  samples_per_step: Optional[float] = None):
-        if not isinstance(tuner, BayesianTuner):
-            raise ValueError(f"tuner must be a BayesianTuner, got {tuner!r}")
+        if not isinstance(tuner, (BayesianTuner, ChoiceTuner)):
+            raise ValueError(f"tuner must be a BayesianTuner or a ChoiceTuner, got {tuner!r}")
         _check_number("warmup_steps", warmup_steps, minimum=0, integer=True)
         _check_number("measure_steps", measure_steps, minimum=1, integer=True)
         if samples_per_step is not None:

@@ -62,3 +62,69 @@ def test_auto_builds_the_papers_tuner():
         opt.close()
     finally:
         dearopt.shutdown()
+
+
+def _train_with_plan_choice(opt_name, steps):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, buffer_size=512)  # dear, allreduce="auto"
+    plans, settled = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+        plans.append(opt.plan.allreduce)
+        settled.append(opt.settled)
+    opt.synchronize()
+    choice = opt.plan_choice
+    choices = [(rule, tuple(sorted(chosen))) for rule, chosen in opt._executor.allreduce_choices()]
+    return ([p.detach().clone() for p in model.parameters()], plans, settled, choice.history, choice.finished,
+            choice.current, choices, len(opt.plan.buckets))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
+    """dear's allreduce="auto" runs each distinct rule (predicted, none, all) for a few steps after the
+    profile, keeps the fastest on rank 0's clock on every rank, and trains as one process would throughout."""
+    from dearopt.optimizer import PLAN_CHOICE_STEPS
+
+    steps = 2 + 3 * (1 + PLAN_CHOICE_STEPS) + 2
+    outcomes = run_workers(_train_with_plan_choice, world, "adamw", steps, timeout=150)
+    want, _ = reference("mlp", "adamw", world, steps=steps)
+    first = outcomes[0].value
+    for o in outcomes:
+        params, plans, settled, history, finished, current, choices, n_buckets = o.value
+        assert_params_match(params, want)
+        assert (plans, settled, history, current) == first[1:4] + (first[5],), "every rank made the same choice"
+        assert finished and len(history) == len(choices) >= 2
+        assert [k["allreduce"] for k, _ in history] == [rule for rule, _ in choices]
+        by_rule = dict(choices)
+        assert choices[0][0] == "predicted" and len(set(by_rule.values())) == len(choices)
+        assert {(), tuple(range(n_buckets))} <= set(by_rule.values()), "DeAR's and DDP's plans are candidates"
+        best = max(range(len(history)), key=lambda i: (history[i][1], -i))
+        assert current["allreduce"] == history[best][0]["allreduce"], "the fastest measured rule is kept"
+        assert plans[-1] == by_rule[current["allreduce"]], "and the plan runs it"
+        for rule, chosen in choices:  # each candidate really ran
+            assert chosen in plans
+        settle = settled.index(True)
+        assert all(settled[settle:]) and len(set(plans[settle:])) == 1, "settled: the plan no longer changes"
+        assert settle == 1 + len(choices) * (1 + PLAN_CHOICE_STEPS)  # profile at step 1, then the trials
+
+
+def test_choice_tuner_under_the_controller_tries_each_candidate_once_and_keeps_the_best():
+    from dearopt.tuner import ChoiceTuner, TuningController
+
+    clock = iter([0.0, 1.0, 3.0, 3.5, 4.0, 4.5, 4.6, 5.6, 8.6])  # step ends; after each switch one step is discarded
+    tuner = ChoiceTuner([{"r": "a"}, {"r": "b"}, {"r": "c"}])
+    ctl = TuningController(tuner, warmup_steps=1, measure_steps=2, is_root=True, broadcast=lambda d: d,
+                           clock=lambda: next(clock))
+    switches = [ctl.on_step_end() for _ in range(9)]
+    assert switches == [None, None, {"r": "b"}, None, None, {"r": "c"}, None, None, {"r": "b"}]
+    assert [k["r"] for k, _ in ctl.history] == ["a", "b", "c"] and ctl.finished
+    assert [round(t, 6) for _, t in ctl.history] == [round(2 / 3.0, 6), 2.0, 0.5]  # 2 steps over 3, 1 and 4 s
+    with pytest.raises(ValueError, match="more than once"):
+        ChoiceTuner([{"r": 1}, {"r": 1}])
+    with pytest.raises(ValueError, match="candidate on trial"):
+        ChoiceTuner([{"r": 1}, {"r": 2}]).observe({"r": 2}, 1.0)

@@ -108,6 +108,11 @@ class _Runner:
         self.iteration += 1
         return {"iter": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2}
 
+    @property
+    def settled(self) -> bool:
+        """Whether the optimizer's plan stopped changing by itself (profile, tuning, measured choice)."""
+        return self.schedule == "ddp" or self.opt.settled
+
     def settle(self) -> None:
         """Finish every pending update (untimed, between blocks)."""
         if self.schedule != "ddp":
@@ -281,12 +286,22 @@ def run_rank(cfg: dict) -> dict:
             runner = runner_for(s, r)
             warm = cfg["warmup"] if r == 0 or rebuild else 1
             _barrier(backend)
-            for i in range(warm + per_round[r]):
+            i = 0
+            while i < warm or not runner.settled:  # untimed: a plan that still changes is not the steady state
                 x, y = batches[i % len(batches)]
-                times = runner.step(x, y)
-                if i >= warm:
-                    for k, v in times.items():
-                        samples[s][k].append(v)
+                runner.step(x, y)
+                i += 1
+            if i > warm:
+                _log(rank, f"  {s:>5}: {i} untimed iterations (the plan settled after {i - warm} beyond --warmup)")
+            for j in range(per_round[r]):
+                x, y = batches[(i + j) % len(batches)]
+                for k, v in runner.step(x, y).items():
+                    samples[s][k].append(v)
+            choice = getattr(runner.opt, "plan_choice", None)
+            if choice is not None and choice.history:
+                _log(rank, f"  {s:>5}: measured plans (steps/s): "
+                           + ", ".join(f"allreduce={k['allreduce']!r} {t:.3f}" for k, t in choice.history)
+                           + f"; kept allreduce={choice.current['allreduce']!r}")
             runner.settle()
             plan = getattr(runner.opt, "plan", None)
             if plan is not None and plan.allreduce:
