@@ -421,7 +421,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                 first_bucket_size=first_bucket_size, allreduce=tuple(sorted(chosen)))
 
 
-def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_times: Optional[Sequence[float]],
+def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequence[int]], ready_times: Optional[Sequence[float]],
                       bandwidth: Optional[float]) -> FrozenSet[int]:
     """Which buckets ``dear`` all-reduces in backward instead of reduce-scattering them (twins and rows aside).
 
@@ -430,6 +430,7 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
     next forward; it pays where the link has room during backward.
 
     * a fraction: the buckets from the output side holding that fraction of the bytes;
+    * bucket indices (a tuple or set, e.g. a plan's ``allreduce`` that ran): those buckets;
     * ``"auto"`` or ``"predicted"`` (the same here; the executor measures ``"auto"``'s choice against
       others, see :meth:`dearopt.executor.Executor.allreduce_choices`): from a profile (each parameter's ``ready_times`` after backward
       starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter): walking the buckets in the order backward completes
@@ -443,6 +444,12 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str], ready_
       bucket is DeAR's.  Without a profile, none.
     """
     plain = [b for b in buckets if not b.row_numel and b.twin_of is None]
+    if isinstance(rule, (tuple, list, set, frozenset)):  # the buckets themselves (a plan that ran, replayed)
+        wrong = sorted(set(rule) - {b.index for b in plain})
+        if wrong:
+            raise ValueError(f"allreduce names buckets {wrong}, which are not plain buckets of this layout "
+                             f"({len(buckets)} buckets)")
+        return frozenset(rule)
     if rule in ("auto", "predicted"):
         if not ready_times or not bandwidth:
             return frozenset()

@@ -78,8 +78,14 @@ def test_bench_end_to_end_tiny(tmp_path):
     rows = doc["schedules"]
     assert int(row[2]) == doc["ranks"] and float(row[3]) == round(doc["cr"], 2)
     assert [float(c) for c in row[4:4 + len(rows)]] == [round(r["iter_time"], 3) for r in rows.values()]
-    assert row[-2].strip() == f"{rows['ddp']['iter_time'] / rows['dear']['iter_time']:.3f}x"
-    assert float(row[-1]) == round(rows["dear"]["bound"] / rows["dear"]["iter_time"], 3)
+    assert row[-3].strip() == f"{rows['ddp']['iter_time'] / rows['dear']['iter_time']:.3f}x"
+    assert float(row[-2]) == round(rows["dear"]["bound"] / rows["dear"]["iter_time"], 3)
+    # the plan dear ran in each round (after its measured choice), recorded and shown
+    ran = doc["plans"]["dear"]
+    assert len(ran) == 2 and all(r["buckets"] == len(doc["buckets_bytes"]) for r in ran)
+    assert all(r["kept"] in [rule for rule, _ in r["measured"]] for r in ran)
+    assert row[-1].strip() in {f"{len(r['allreduce'])}/{r['buckets']}" for r in ran} | {
+        ", ".join(f"{len(r['allreduce'])}/{r['buckets']}" for r in ran)}
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
 
 

@@ -213,6 +213,10 @@ def test_dear_all_reduces_the_output_side_in_backward_when_asked():
     assert build_plan(specs(10, 10), 40, 2, "dear", allreduce=0.0).fingerprint() != \
         build_plan(specs(10, 10), 40, 2, "dear", allreduce=1.0).fingerprint()
     assert build_plan(specs(10, 10), 40, 2, "wfbp", allreduce=1.0).allreduce == ()  # dear's choice only
+    # the buckets themselves (a plan that ran, replayed by the simulator): exactly those
+    assert build_plan(specs(10, 10, 10, 10), 20, 2, "dear", allreduce=(0, 3)).allreduce == (0, 3)
+    with pytest.raises(ValueError, match=r"names buckets \[7\]"):
+        build_plan(specs(10, 10), 20, 2, "dear", allreduce=(7,))
 
 
 def test_auto_all_reduces_only_into_the_links_idle_time_in_backward():

@@ -92,6 +92,8 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
     }
     if first.get("profile"):
         doc["profile"] = first["profile"]
+    if first.get("plans"):
+        doc["plans"] = first["plans"]  # per dearopt schedule and round: the all-reduced buckets, the measured choice
     return derive(doc)
 
 
@@ -99,7 +101,7 @@ def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
     ``ddp`` is predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++ reducer are not
-    modelled)."""
+    modelled); ``dear`` with the buckets it all-reduced in the run (recorded per round), where recorded."""
     from dearopt.sim import Profile, predict
 
     from .runner import VARIANTS
@@ -112,6 +114,9 @@ def predictions(doc: dict) -> Dict[str, dict]:
         knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
         if isinstance(extra.get("allreduce"), (int, float)):
             knobs["allreduce"] = extra["allreduce"]
+        ran = [r["allreduce"] for r in doc.get("plans", {}).get(name, [])]
+        if schedule == "dear" and ran:  # the plan that ran (the most frequent over the rounds), not a re-derived one
+            knobs["allreduce"] = tuple(max(ran, key=ran.count))
         p = predict(profile, schedule, **knobs)
         out[name] = {"iter": p.iteration, "forward": p.forward, "backward": p.backward, "step": p.step}
     return out
@@ -248,7 +253,23 @@ def markdown(doc: dict) -> str:
                    f"{vs_ddp_min} | {r.get('fraction_of_bound_min', math.nan):.3f} | "
                    f"{ph.get('forward', math.nan):.2f} / {ph.get('backward', math.nan):.2f} / "
                    f"{ph.get('step', math.nan):.2f} |")
+    for s, rounds in (doc.get("plans") or {}).items():
+        if any(r["measured"] for r in rounds):
+            out += ["", f"`{s}`'s measured choice per round (steps/s of each rule; kept): " + "; ".join(
+                ", ".join(f"{rule!r} {t:.3f}" for rule, t in r["measured"]) + f" -> {r['kept']!r} "
+                f"({len(r['allreduce'])}/{r['buckets']} buckets all-reduced)" for r in rounds)]
     return "\n".join(out)
+
+
+def plans_ran(doc: dict, schedule: str = "dear") -> str:
+    """The buckets ``schedule`` all-reduced in backward, per round where they differ: ``"2/5"``, ``"0/5, 5/5"``."""
+    rounds = (doc.get("plans") or {}).get(schedule) or []
+    seen = []
+    for r in rounds:
+        text = f"{len(r['allreduce'])}/{r['buckets']}"
+        if text not in seen:
+            seen.append(text)
+    return ", ".join(seen) if seen else "-"
 
 
 def write(doc: dict, out_dir: str) -> None:
@@ -403,8 +424,8 @@ def summary(docs: List[dict]) -> str:
     for doc in docs:
         names += [n for n in doc["schedules"] if n not in names]
     head = ("| model | link | ranks | CR | " + " | ".join(f"{n} [s]" for n in names)
-            + " | dear vs DDP | dear of Eq. 7 bound |")
-    lines = [head, "|---|---|---:|---:|" + "---:|" * (len(names) + 2)]
+            + " | dear vs DDP | dear of Eq. 7 bound | dear's all-reduced buckets |")
+    lines = [head, "|---|---|---:|---:|" + "---:|" * (len(names) + 3)]
     for doc in docs:
         rows = doc["schedules"]
         cells = [f"{rows[n]['iter_time']:.3f}" if n in rows else "-" for n in names]
@@ -413,7 +434,7 @@ def summary(docs: List[dict]) -> str:
         frac = f"{dear['fraction_of_bound']:.3f}" if dear else "-"
         cr = f"{doc['cr']:.2f}" if doc.get("cr") is not None else "-"
         lines.append(f"| {_cell(doc)} | {doc['link']} | {doc['ranks']} | {cr} | " + " | ".join(cells)
-                     + f" | {vs} | {frac} |")
+                     + f" | {vs} | {frac} | {plans_ran(doc)} |")
     if any("predicted" in r for doc in docs for r in doc["schedules"].values()):
         lines += ["", "dearopt.sim's prediction from the profile recorded in the same run, against the measured "
                       "median (error = predicted / measured - 1):", "",

@@ -272,6 +272,7 @@ def run_rank(cfg: dict) -> dict:
         for s in schedules:
             runner_for(s, 0)
     samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
+    plans = {}  # dearopt schedule -> per round: the buckets all-reduced in backward, the measured choice
     rounds, iters = cfg["rounds"], cfg["iterations"]
     per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
     for r in range(rounds):
@@ -304,6 +305,11 @@ def run_rank(cfg: dict) -> dict:
                            + f"; kept allreduce={choice.current['allreduce']!r}")
             runner.settle()
             plan = getattr(runner.opt, "plan", None)
+            if plan is not None:
+                plans.setdefault(s, []).append({
+                    "allreduce": list(plan.allreduce), "buckets": len(plan.buckets),
+                    "measured": [[k["allreduce"], t] for k, t in choice.history] if choice is not None else [],
+                    "kept": choice.current["allreduce"] if choice is not None else None})
             if plan is not None and plan.allreduce:
                 _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
             if rebuild:
@@ -328,6 +334,7 @@ def run_rank(cfg: dict) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "pid": os.getpid(),
         "profile": profile,
+        "plans": plans,
     }
 
 
