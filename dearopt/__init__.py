@@ -30,4 +30,4 @@ from .comm_hooks import CommHook, bf16_compress, fp16_compress
 from .optimizer import DistOptim
 from .options import Options
 from .plan import Plan, build_plan, parse_size
-from .tuner import BayesianTuner, Knob, TuningController
+from .tuner import BayesianTuner, ChoiceTuner, Knob, TuningController

@@ -1,6 +1,6 @@
 """Online Bayesian optimization of DistOptim's knobs (DeAR paper, section IV.B).
 
-Two pieces, both independent of ``torch.distributed``:
+Three pieces, all independent of ``torch.distributed``:
 
 * :class:`BayesianTuner` -- an ask/tell loop over one or more :class:`Knob`
   objects, built on the ``bayes_opt`` package: a Gaussian process (Matern 5/2)
@@ -10,6 +10,9 @@ Two pieces, both independent of ``torch.distributed``:
   for log-scale knobs (1 MB .. 100 MB for the buffer), and it stops after
   ``budget`` trials or earlier once no point of the space is expected to
   improve on the best throughput by more than ``min_improvement`` (relative).
+
+* :class:`ChoiceTuner` -- the same ask/tell protocol over a few discrete
+  candidates, each tried once (``dear``'s measured choice of plan).
 
 * :class:`TuningController` -- drives the trials from inside a training loop:
   call :meth:`TuningController.on_step_end` once per optimizer step on every

@@ -292,8 +292,11 @@ def run_rank(cfg: dict) -> dict:
                 x, y = batches[i % len(batches)]
                 runner.step(x, y)
                 i += 1
-            if i > warm:
-                _log(rank, f"  {s:>5}: {i} untimed iterations (the plan settled after {i - warm} beyond --warmup)")
+            if i > warm:  # and one more: the last re-plan applied every pending update, so the next iteration
+                x, y = batches[i % len(batches)]  # would start with no all-gather to wait for (not steady state)
+                runner.step(x, y)
+                i += 1
+                _log(rank, f"  {s:>5}: {i} untimed iterations (the plan settled after {i - 1 - warm} beyond --warmup)")
             for j in range(per_round[r]):
                 x, y = batches[(i + j) % len(batches)]
                 for k, v in runner.step(x, y).items():
