@@ -297,7 +297,6 @@ class DistOptim(torch.optim.Optimizer):
         from . import tuner as tuning
 
         control = executor.control
-        executor.allreduce = choices[0][0]  # the prediction: what runs first
         self.plan_choice = tuning.TuningController(
             tuning.ChoiceTuner([{"allreduce": rule} for rule, _ in choices]), warmup_steps=1,
             measure_steps=PLAN_CHOICE_STEPS, is_root=control.rank == 0,

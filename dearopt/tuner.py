@@ -152,7 +152,27 @@ def _check_number(name: str, value, *, minimum=None, integer=False) -> None:
         raise ValueError(f"{name} must be {kind}{lim}, got {value!r}")
 
 
-class BayesianTuner:
+class _Trials:
+    """What every tuner keeps: its observations in order, and the best of them.  The protocol a
+    :class:`TuningController` drives is this plus ``initial``, ``suggest``, ``observe``, ``done`` and ``describe``."""
+
+    _history: List[Tuple[Knobs, float]]
+
+    @property
+    def best(self) -> Optional[Tuple[Knobs, float]]:
+        """The observed ``(knobs, throughput)`` with the highest throughput (first on ties), or None."""
+        if not self._history:
+            return None
+        knobs, throughput = max(self._history, key=lambda entry: entry[1])  # max keeps the first of equals
+        return dict(knobs), throughput
+
+    @property
+    def history(self) -> List[Tuple[Knobs, float]]:
+        """Every observation ``(knobs, throughput)`` in order."""
+        return [(dict(k), t) for k, t in self._history]
+
+
+class BayesianTuner(_Trials):
     """Ask/tell Bayesian optimization (GP + expected improvement) of throughput over ``knobs``.
 
     Usage::
@@ -275,20 +295,6 @@ class BayesianTuner:
     def done(self) -> bool:
         """True once ``budget`` trials are observed or no trial is expected to gain ``min_improvement``."""
         return len(self._history) >= self.budget or self._converged
-
-    @property
-    def best(self) -> Optional[Tuple[Knobs, float]]:
-        """The observed ``(knobs, throughput)`` with the highest throughput (first on ties), or None."""
-        if not self._history:
-            return None
-        i = max(range(len(self._history)), key=lambda j: (self._history[j][1], -j))
-        knobs, thr = self._history[i]
-        return dict(knobs), thr
-
-    @property
-    def history(self) -> List[Tuple[Knobs, float]]:
-        """Every observation ``(knobs, throughput)`` in order."""
-        return [(dict(k), t) for k, t in self._history]
 
     def suggest(self) -> Knobs:
         """The knobs to try next (the same dict again until :meth:`observe` is called).
@@ -445,7 +451,7 @@ class BayesianTuner:
             self._pending = None
 
 
-class ChoiceTuner:
+class ChoiceTuner(_Trials):
     """Ask/tell over a few discrete candidates: each is tried once, in the given order; the best is kept.
 
     The same protocol as :class:`BayesianTuner` (``initial``, ``suggest``,
@@ -473,17 +479,6 @@ class ChoiceTuner:
     @property
     def done(self) -> bool:
         return len(self._history) >= len(self.candidates)
-
-    @property
-    def best(self) -> Optional[Tuple[Knobs, float]]:
-        if not self._history:
-            return None
-        i = max(range(len(self._history)), key=lambda j: (self._history[j][1], -j))
-        return dict(self._history[i][0]), self._history[i][1]
-
-    @property
-    def history(self) -> List[Tuple[Knobs, float]]:
-        return [(dict(k), t) for k, t in self._history]
 
     def suggest(self) -> Knobs:
         if self.done:
@@ -537,7 +532,7 @@ class TuningController:
                  is_root: bool, broadcast: Callable[[Optional[dict]], dict],
                  clock: Callable[[], float] = time.perf_counter,
                  samples_per_step: Optional[float] = None):
-        if not isinstance(tuner, (BayesianTuner, ChoiceTuner)):
+        if not isinstance(tuner, _Trials):
             raise ValueError(f"tuner must be a BayesianTuner or a ChoiceTuner, got {tuner!r}")
         _check_number("warmup_steps", warmup_steps, minimum=0, integer=True)
         _check_number("measure_steps", measure_steps, minimum=1, integer=True)

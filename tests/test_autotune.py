@@ -124,6 +124,10 @@ def test_choice_tuner_under_the_controller_tries_each_candidate_once_and_keeps_t
     assert switches == [None, None, {"r": "b"}, None, None, {"r": "c"}, None, None, {"r": "b"}]
     assert [k["r"] for k, _ in ctl.history] == ["a", "b", "c"] and ctl.finished
     assert [round(t, 6) for _, t in ctl.history] == [round(2 / 3.0, 6), 2.0, 0.5]  # 2 steps over 3, 1 and 4 s
+    tie = ChoiceTuner([{"r": 1}, {"r": 2}])
+    tie.observe({"r": 1}, 5.0)
+    tie.observe({"r": 2}, 5.0)
+    assert tie.best == ({"r": 1}, 5.0) and tie.done, "a tie keeps the earlier candidate (the prediction)"
     with pytest.raises(ValueError, match="more than once"):
         ChoiceTuner([{"r": 1}, {"r": 1}])
     with pytest.raises(ValueError, match="candidate on trial"):
