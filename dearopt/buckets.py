@@ -72,6 +72,9 @@ class BucketState:
         self.position = {id(p): j for j, p in enumerate(params)}
         self.used = [False] * len(params)  # got a gradient since the last zero_grad (sent as flags)
         self.has_grad = [False] * len(params)  # what `p.grad is not None` would be without buckets
+        # The view still holds an old gradient that zero_grad(set_to_none=True) cleared lazily: p.grad is None,
+        # and the view is zeroed only if no gradient was written into it before the bucket is sent.
+        self.stale = [False] * len(params)
         self.stamp = [-1] * len(params)  # the backward pass that last counted this gradient as ready
         self.ready = 0  # gradients counted ready in the communicating backward pass
         self.meta_written = False  # flags and step tag written into the buffer for this round
@@ -112,7 +115,7 @@ class BucketState:
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
         grad = p.grad
-        if grad is None or grad.data_ptr() != self.ptrs[j]:
+        if grad is None or grad.is_sparse or grad.data_ptr() != self.ptrs[j]:
             view = self.views[j]
             if grad is None:
                 view.zero_()
@@ -120,6 +123,7 @@ class BucketState:
                 view.copy_(grad.to_dense() if grad.is_sparse else grad)
             p.grad = view
         self.used[j] = True
+        self.stale[j] = False
         self.mark_seen()
 
     def sparse_gradients(self):
@@ -145,8 +149,29 @@ class BucketState:
         self.meta_written = False
 
     def zero(self, set_to_none: bool) -> None:
-        self.buffer.zero_()
-        self.mark_seen()
-        self.used = [False] * len(self.params)
+        """``zero_grad()``: with ``set_to_none`` every ``p.grad`` becomes None, as in torch, and the buffer is
+        not written (autograd's next gradient is copied into the view instead of added to zeros, which saves a
+        pass over the buffer: 0.44 GB for BERT-Base); without it, the views are zeroed and stay ``p.grad``."""
+        n = len(self.params)
         if set_to_none:
-            self.has_grad = [False] * len(self.params)
+            for p in self.params:
+                p.grad = None
+            self.stale = [True] * n
+            self.has_grad = [False] * n
+        else:
+            self.buffer.zero_()
+            self.stale = [False] * n
+            self.restore_views()
+        self.used = [False] * n
+        self.mark_seen()
+
+    def clear_stale(self) -> None:
+        """Before the bucket is sent: the views that got no gradient since ``zero_grad()`` become zero ``p.grad``."""
+        if any(self.stale):
+            for j, (p, view) in enumerate(zip(self.params, self.views)):
+                if self.stale[j]:
+                    view.zero_()
+                    if p.grad is None:
+                        p.grad = view
+            self.stale = [False] * len(self.params)
+            self.mark_seen()

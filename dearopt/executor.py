@@ -445,6 +445,16 @@ class Executor:
                 choices.append((rule, chosen))
         return choices if len(choices) > 1 else []
 
+    @staticmethod
+    def _gradient_of(bucket: BucketState, j: int) -> Optional[torch.Tensor]:
+        """A copy of parameter ``j``'s gradient as the bucket holds it; None if it has none since zero_grad()."""
+        if not bucket.stale[j]:
+            return bucket.views[j].clone()
+        grad = bucket.params[j].grad  # stale view: autograd may already have handed p a fresh gradient
+        if grad is None:
+            return None
+        return (grad.to_dense() if grad.is_sparse else grad).detach().clone()
+
     def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
                credit: Optional[int] = None, allreduce: Union[float, str, None] = None,
                _inside_backward: bool = False) -> None:
@@ -462,8 +472,8 @@ class Executor:
             self.allreduce = allreduce
         if self.plan is None:  # nothing recorded yet: the first plan will use the new knobs
             return
-        saved = {id(p): (view.clone(), b.used[j], b.has_grad[j], b.stamp[j])
-                 for b in self.buckets for j, (p, view) in enumerate(zip(b.params, b.views))}
+        saved = {id(p): (self._gradient_of(b, j), b.used[j], b.has_grad[j], b.stamp[j])
+                 for b in self.buckets for j, p in enumerate(b.params)}
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
@@ -473,7 +483,12 @@ class Executor:
                 if id(p) not in saved:  # newly trainable: _build_plan took its .grad, if any
                     continue
                 grad, b.used[j], b.has_grad[j], b.stamp[j] = saved[id(p)]
+                if grad is None:  # cleared by zero_grad(set_to_none=True), no gradient since
+                    p.grad = None
+                    b.stale[j] = True
+                    continue
                 view.copy_(grad)
+                p.grad = view
                 # gradients already counted in the backward pass now running (a re-plan inside backward);
                 # at a step boundary the stamps belong to the finished pass and nothing is ready yet
                 b.ready += self.state is TrainingState.BACKWARD and b.stamp[j] == self.pass_id
@@ -543,6 +558,8 @@ class Executor:
             return
         self.accumulated = 0
         self.state = TrainingState.REDUCING
+        for b in self.buckets:  # unused since zero_grad(): a zero gradient (or the bucket would send a stale one)
+            b.clear_stale()
         if self.profile.recording:
             self.profile.end_backward()
             self.issuer.observe()
@@ -677,6 +694,7 @@ class Executor:
         bucket.has_grad = include
         t0 = self.timeline.now()
         if bucket.has_members:
+            bucket.restore_views()  # zero_grad(set_to_none=True) may have come first and set p.grad to None
             self.updater.apply(bucket, include)
         bucket.pending = False
         if bucket.zero_after_update is not None:
@@ -828,9 +846,11 @@ class Executor:
         for bucket in self.buckets:
             if bucket.pending:
                 bucket.zero_after_update = bool(set_to_none)  # zeroed right after its update
+                if set_to_none:  # p.grad is None, as in torch; the update still reads the reduced gradient
+                    for p in bucket.params:
+                        p.grad = None
             else:
                 bucket.zero(bool(set_to_none))
-            bucket.restore_views()
         planned = {id(p) for b in self.buckets for p in b.params}
         for group in self.optimizer.param_groups:
             for p in group["params"]:

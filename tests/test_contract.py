@@ -198,13 +198,15 @@ def _branchy_reference(world):
     torch.manual_seed(0)
     model = Branchy()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cleared = []
     for step in range(STEPS):
         opt.zero_grad()
+        cleared.append([p.grad is None for p in model.parameters()])
         x, y = global_batch(step, "mlp")
         outs = [model(shard(x, r, world), r == 1) for r in range(world)]  # only rank 1's samples take the branch
         loss_fn("mlp", torch.cat(outs), y).backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], cleared
 
 
 def _branchy(schedule):
@@ -212,15 +214,17 @@ def _branchy(schedule):
     torch.manual_seed(0)
     model = Branchy()
     opt = dearopt.DistOptim(torch.optim.Adam(model.parameters(), lr=0.01), model, schedule=schedule, buffer_size=64)
+    cleared = []
     for step in range(STEPS):
         opt.zero_grad()
+        cleared.append([p.grad is None for p in model.parameters()])  # even where dear's update is pending
         x, y = global_batch(step, "mlp")
         loss_fn("mlp", model(shard(x, rank, world), rank == 1), shard(y, rank, world)).backward()
         opt.step()
     opt.synchronize()
     params = [p.detach().clone() for p in model.parameters()]
     opt.close()
-    return params
+    return params, cleared
 
 
 SPARSE_TOKENS = torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9], [1, 3, 4, 0], [4, 7, 9, 8], [6, 6, 2, 0], [5, 1, 1, 3]])
@@ -258,10 +262,14 @@ def _branchy_all():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_parameter_used_on_one_rank_only_gets_the_global_batch_gradient(world):
-    """Also: sparse embedding gradients reach SparseAdam sparse, reduced as the global batch's."""
-    want = _branchy_reference(world)
+    """Also: sparse embedding gradients reach SparseAdam sparse, reduced as the global batch's; every p.grad
+    is None after zero_grad(), as in torch (the buffers are not zeroed: the next gradient is copied in)."""
+    want, want_cleared = _branchy_reference(world)
+    assert all(all(step) for step in want_cleared)
     want_sparse = _sparse_embedding()
     for o in run_workers(_branchy_all, world, timeout=100):
         for schedule in SCHEDULES:
-            assert_params_match(o.value[schedule], want)
+            params, cleared = o.value[schedule]
+            assert_params_match(params, want)
+            assert cleared == want_cleared, schedule
             assert_params_match(o.value[("sparse", schedule)], want_sparse)
