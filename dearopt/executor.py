@@ -148,8 +148,9 @@ class Executor:
         self.checks = Checks(options, self.control, self.rank, self.world)
         self.updater = BucketUpdater(optimizer)
         self.recorder = ForwardOrderRecorder()
-        self.profile = ReadyProfile(options.priority or (get_schedule(options.schedule).mixes_allreduce
-                                                         and options.allreduce in ("auto", "predicted")))
+        policy = get_schedule(options.schedule)
+        self.profile = ReadyProfile(options.priority or policy.needs_profile
+                                    or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")))
         self.window = CreditWindow(credit)
         self.on_step_landed = on_step_landed
         self.launch_log = None  # the issuer's (step, kind, bucket, piece) log, kept across re-plans
@@ -424,6 +425,11 @@ class Executor:
         if self.options.priority or self.plan is None:
             return True
         ready, bandwidth, _ = self.profile.result
+        policy = get_schedule(self.options.schedule)
+        groups = policy.bucket_groups(self.plan.params, buffer_size=self.buffer_size, ready_times=ready,
+                                      bandwidth=bandwidth)
+        if groups is not None:  # the schedule forms its buckets from the profile (Prophet's blocks)
+            return [list(b.params) for b in self.plan.buckets] != groups
         chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth) \
             if get_schedule(self.options.schedule).mixes_allreduce else frozenset()
         return tuple(sorted(chosen)) != tuple(self.plan.allreduce)

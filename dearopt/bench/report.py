@@ -5,7 +5,8 @@ sample (ranks are coupled by the collectives; the slowest rank sets the pace).
 
 Bounds (the DeAR paper):
 
-* Eq. 7, ``dear``: ``max(t_ff, t_ag) + max(t_bp, t_rs)``;
+* Eq. 7, ``dear`` and ``prophet`` (reduce-scatter in backward, all-gather in the next forward):
+  ``max(t_ff, t_ag) + max(t_bp, t_rs)``;
 * Eq. 8, all-reduce schedules (``ddp``, ``wfbp``): ``t_ff + max(t_bp, t_ar)``;
 * ``rsag`` (reduce-scatter then all-gather, both in backward) is Eq. 8 with
   its own communication: ``t_ff + max(t_bp, t_rs + t_ag)``.
@@ -28,6 +29,7 @@ from .runner import base_schedule
 
 BOUND_FORMULAS = {
     "dear": "max(t_ff, t_ag) + max(t_bp, t_rs)",
+    "prophet": "max(t_ff, t_ag) + max(t_bp, t_rs)",
     "ddp": "t_ff + max(t_bp, t_ar)",
     "wfbp": "t_ff + max(t_bp, t_ar)",
     "rsag": "t_ff + max(t_bp, t_rs + t_ag)",
@@ -41,7 +43,7 @@ TARGET_MODELS = ("resnet50", "bert")
 def bound(schedule: str, p: Dict[str, float]) -> float:
     """The Eq. 7 / Eq. 8 bound of ``schedule`` from the parts ``p`` (seconds)."""
     schedule = base_schedule(schedule)
-    if schedule == "dear":
+    if schedule in ("dear", "prophet"):
         return max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"])
     if schedule == "rsag":
         return p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"])

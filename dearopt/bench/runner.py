@@ -315,6 +315,9 @@ def run_rank(cfg: dict) -> dict:
                     "kept": choice.current["allreduce"] if choice is not None else None})
             if plan is not None and plan.allreduce:
                 _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
+            if plan is not None and base_schedule(s).startswith("prophet"):
+                sizes = [b.grad_numel * b.element_size / 2**20 for b in plan.buckets]
+                _log(rank, f"  {s:>5}: {len(sizes)} blocks from the profile, {min(sizes):.2f}-{max(sizes):.2f} MiB")
             if rebuild:
                 runners.pop(s).close()
                 del runner

@@ -6,7 +6,7 @@ import abc
 import dataclasses
 from typing import Callable, ClassVar, List, Optional, Sequence
 
-from ..plan import CommOp, Layout, Point
+from ..plan import CommOp, Layout, ParamSpec, Point
 
 __all__ = ["Schedule", "mark_updates"]
 
@@ -30,6 +30,15 @@ class Schedule(abc.ABC):
     """Whether the schedule all-reduces the buckets in ``Layout.allreduce`` (the ``allreduce`` option)."""
     updates_in_forward: ClassVar[bool] = False
     """Whether updates are applied during the next forward (the model's forward hooks must run)."""
+    needs_profile: ClassVar[bool] = False
+    """Whether the plan is made from rank 0's step-1 profile (gradient ready times, the link's bandwidth)."""
+
+    def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
+                      ready_times: Optional[Sequence[float]],
+                      bandwidth: Optional[float]) -> Optional[List[List[int]]]:
+        """Which parameters share a bucket (contiguous runs of positions in forward order), or None to fuse them
+        by ``buffer_size`` (every schedule but Prophet's)."""
+        return None
 
     def check_options(self, options) -> None:
         """Refuse option combinations this schedule cannot carry out (``ValueError`` naming them)."""

@@ -29,9 +29,11 @@ def plan_for(profile: Profile, schedule: str, ranks: Optional[int] = None, *, bu
     world = ranks or profile.world
     if knobs.get("allreduce", "auto") == "auto" and profile.comm:
         from ..plan import layout_buckets
+        from ..schedules import get_schedule
 
         buckets = layout_buckets(profile.params, buffer_size, world, None, first_bucket_size)
-        rs = profile.comm["reduce_scatter"]
+        # the bandwidth the executor's step-1 profile measures: of the schedule's own reduction
+        rs = profile.comm.get(get_schedule(schedule).reduction, profile.comm["reduce_scatter"])
         nbytes = sum(b.padded_numel * b.element_size for b in buckets)
         seconds = sum(rs.time(b.padded_numel * b.element_size, world) for b in buckets)
         knobs = dict(knobs, allreduce="auto", ready_times=profile.ready,

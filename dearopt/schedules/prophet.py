@@ -1,0 +1,138 @@
+"""``prophet``: buckets formed from when gradients appear (Prophet's gradient blocks, Algorithm 1).
+
+Every other schedule closes a bucket when it holds ``buffer_size`` bytes, one
+number for the whole model.  Prophet (Zhang et al., "Prophet: predictable
+communication scheduling") forms *blocks* from the profile instead: with
+``c(i)`` the time gradient ``i`` becomes ready after backward starts, ``s(i)``
+its size and ``B`` the link's bandwidth, ``E(i) = s(i) / B``; when the link is
+free, the gradients that already exist are assembled into one block as long as
+the block is sent before the next gradient is generated (the block interval
+``A``), so the link is never idle while a gradient waits and a block never
+waits to fill.  :func:`prophet_blocks` is that rule on dearopt's engine, where
+a bucket is a contiguous run of parameters in forward order and the ranks
+start their collectives in one fixed order:
+
+* walking from the output side (the order backward produces gradients), a
+  block starts at ``max(c(first), link free)``;
+* the next parameter joins while it is already ready at the block's start,
+  the block stays within ``max_bytes`` (the ``buffer_size`` knob), no required
+  boundary (dtype, a tied twin, a row-sparse embedding) lies between, and the
+  block, with it, is sent (``latency + bytes / B``) before the next gradient
+  not yet ready is generated (Prophet's constraint (11));
+* the block occupies the link until ``start + latency + bytes / B``.
+
+Equal ready times make one block (up to ``max_bytes``); a gap longer than
+every transfer makes one block per burst of gradients; a gradient too large
+for any window is a block of its own.
+
+Two schedules use the blocks.  ``prophet`` reduce-scatters each block in
+backward and all-gathers it in the next forward just before its layers run,
+as DeAR's FeedPipe does (Prophet's "forward phase": the remaining transfers
+in the order the next forward needs them); ``prophet-allreduce`` all-reduces
+each block as soon as it is complete and waits for it just before its layers
+in the next forward (ByteScheduler's op placement, Prophet's own, push/pull
+being an all-reduce).  The plan is made from rank 0's step-1 profile (the
+bandwidth measured on the job's own reductions), shared once, so every rank
+builds the same blocks; before the profile exists (steps 0 and 1) the buckets
+are fused by ``buffer_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+from ..plan import ALL_REDUCE, REDUCE_SCATTER, Layout, ParamSpec, must_split
+from .base import Schedule
+from .bytescheduler import ByteScheduler
+from .dear import DeAR
+
+__all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks"]
+
+DEFAULT_LATENCY = 1e-3
+"""Seconds of fixed cost per collective assumed when the blocks are formed (``E = latency + s / B``): the
+paper's throughput loss of small blocks (its Eq. 10).  A gloo collective on this project's 2-core test machine
+costs about a millisecond before its bytes; see docs/architecture.md."""
+
+
+def prophet_blocks(ready: Sequence[float], nbytes: Sequence[int], bandwidth: float, *, latency: float = 0.0,
+                   max_bytes: Optional[int] = None, split_after: Sequence[int] = ()) -> List[List[int]]:
+    """Prophet's gradient blocks (see the module doc) as runs of parameter positions in forward order.
+
+    ``ready[i]``: seconds after backward starts at which parameter ``i``'s
+    gradient exists; ``nbytes[i]``: its bytes; ``bandwidth``: bytes/s of the
+    reduction on the link; ``latency``: fixed seconds per collective;
+    ``max_bytes``: no block larger (a single parameter may be); ``split_after``:
+    positions ``i`` with a required boundary between ``i`` and ``i + 1``.
+    """
+    n = len(ready)
+    if len(nbytes) != n:
+        raise ValueError(f"ready has {n} entries but nbytes has {len(nbytes)}")
+    if n == 0:
+        raise ValueError("no parameters to form blocks from")
+    if not bandwidth > 0 or not math.isfinite(bandwidth):
+        raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+    if latency < 0:
+        raise ValueError(f"latency must be >= 0, got {latency!r}")
+    if any(not math.isfinite(t) for t in ready):
+        raise ValueError("ready times must be finite")
+    cut = set(split_after)
+    later = _next_generation(ready)
+    blocks: List[List[int]] = []
+    link_free = 0.0
+    i = n - 1
+    while i >= 0:
+        start = max(ready[i], link_free)  # the first gradient exists and the link is free
+        size, j = nbytes[i], i - 1
+        while j >= 0 and j not in cut:
+            if ready[j] > start:
+                break  # not generated yet: a block never waits to fill
+            if max_bytes is not None and size + nbytes[j] > max_bytes:
+                break
+            if start + latency + (size + nbytes[j]) / bandwidth > later(j, start):
+                break  # sent only after the next gradient exists: that one would wait behind it
+            size += nbytes[j]
+            j -= 1
+        blocks.append(list(range(j + 1, i + 1)))
+        link_free = start + latency + size / bandwidth
+        i = j
+    blocks.reverse()
+    return blocks
+
+
+def _next_generation(ready: Sequence[float]):
+    """``later(j, t)``: the earliest ready time after ``t`` among positions ``< j`` (the gradients still to come
+    on the input side), or infinity: the end of the block interval ``A``."""
+    def later(j: int, t: float) -> float:
+        upcoming = [r for r in ready[:j] if r > t]
+        return min(upcoming) if upcoming else math.inf
+    return later
+
+
+class Prophet(Schedule):
+    name = "prophet"
+    reduction = REDUCE_SCATTER
+    updates_in_forward = True
+    needs_profile = True
+    latency = DEFAULT_LATENCY
+    _ops = DeAR()
+
+    def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
+                      ready_times: Optional[Sequence[float]], bandwidth: Optional[float]):
+        if ready_times is None or not bandwidth:
+            return None
+        if len(ready_times) != len(params):
+            raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
+        split = [i for i in range(len(params) - 1) if must_split(params, i)]
+        return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth, latency=self.latency,
+                              max_bytes=buffer_size, split_after=split)
+
+    def ops(self, layout: Layout):
+        return self._ops.ops(Layout(layout.buckets, layout.reduction_order, layout.credit, frozenset()))
+
+
+class ProphetAllReduce(Prophet):
+    name = "prophet-allreduce"
+    reduction = ALL_REDUCE
+    reduces_before_step = False
+    _ops = ByteScheduler()

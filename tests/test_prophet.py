@@ -1,0 +1,127 @@
+"""Prophet's gradient blocks (issue 17): Algorithm 1 against hand-worked profiles, and training with
+``prophet`` / ``prophet-allreduce`` against single-process training on the global batch."""
+
+import math
+
+import pytest
+import torch
+
+import dearopt
+from dearopt.plan import ParamSpec, build_plan
+from dearopt.schedules import get_schedule
+from dearopt.schedules.prophet import prophet_blocks
+from harness import run_workers
+from models import global_batch, loss_fn, make_model, make_optimizer, shard
+from test_distoptim import assert_params_match, reference
+
+
+def test_equal_ready_times_make_one_block_up_to_the_size_cap():
+    # everything exists at once: nothing is generated later, so no window closes a block
+    assert prophet_blocks([0.0] * 5, [100] * 5, 1000.0) == [[0, 1, 2, 3, 4]]
+    # the cap is filled from the output side, as backward produces them
+    assert prophet_blocks([0.0] * 5, [100] * 5, 1000.0, max_bytes=200) == [[0], [1, 2], [3, 4]]
+
+
+def test_a_gap_longer_than_every_transfer_makes_one_block_per_burst():
+    # bursts of two gradients 0.3 s apart; each burst takes 0.02 s on the link
+    ready = [0.9, 0.9, 0.6, 0.6, 0.3, 0.3, 0.0, 0.0]
+    assert prophet_blocks(ready, [10] * 8, 1000.0) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_busy_link_splits_at_the_window_and_merges_what_waited():
+    # E = 0.1 s per gradient, one generated every 0.05 s (hand-worked):
+    # p3 at 0.00: alone (p2 is not generated yet); link busy until 0.10.
+    # p2 at 0.10 (link free): p1 is ready (0.10), but p2+p1 would be sent at 0.30, after p0 appears (0.15): close.
+    # p1 at 0.20: p0 (0.15) is ready and nothing comes after it: one block.
+    assert prophet_blocks([0.15, 0.10, 0.05, 0.0], [100] * 4, 1000.0) == [[0, 1], [2], [3]]
+
+
+def test_one_huge_tensor_is_a_block_of_its_own():
+    # p2 (10 kB, 10 s on the link) is ready at 0.1 s; its neighbours are small and come 0.1 s apart
+    ready, nbytes = [0.3, 0.2, 0.1, 0.0], [10, 10, 10000, 10]
+    # p3 alone (p2 not yet there); p2 alone until 10.11; then p1 and p0 have both waited: one block
+    assert prophet_blocks(ready, nbytes, 1000.0) == [[0, 1], [2], [3]]
+
+
+def test_latency_and_required_boundaries():
+    ready, nbytes = [0.2, 0.1, 0.0], [100, 100, 100]
+    # without latency p2 is sent by 0.1, when p1 appears: separate blocks
+    assert prophet_blocks(ready, nbytes, 1000.0) == [[0], [1], [2]]
+    # a 0.15 s fixed cost per collective: p2 occupies the link until 0.25 and p1, p0 wait for it together
+    assert prophet_blocks(ready, nbytes, 1000.0, latency=0.15) == [[0, 1], [2]]
+    assert prophet_blocks(ready, nbytes, 1000.0, latency=0.15, split_after=[0]) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("bad", [dict(bandwidth=0.0), dict(bandwidth=math.nan), dict(latency=-1.0),
+                                 dict(ready=[0.0, math.inf])])
+def test_bad_profiles_are_refused_by_name(bad):
+    args = dict(ready=[0.0, 0.0], nbytes=[4, 4], bandwidth=1.0)
+    args.update(bad)
+    with pytest.raises(ValueError):
+        prophet_blocks(args.pop("ready"), args.pop("nbytes"), args.pop("bandwidth"), **args)
+
+
+def test_the_plan_takes_the_blocks_with_a_profile_and_fuses_by_size_without():
+    params = [ParamSpec("embed.weight", 40, "float32", 4, row_numel=4)] + [
+        ParamSpec(f"p{i}", 25, "float32", 4) for i in range(4)] + [ParamSpec("head (tied use)", 40, "float32", 4,
+                                                                              twin_of=0)]
+    ready = [0.5, 0.3, 0.3, 0.1, 0.1, 0.0]
+    for name in ("prophet", "prophet-allreduce"):
+        assert [b.params for b in build_plan(params, 10**6, 2, name).buckets] == [(0,), (1, 2, 3, 4), (5,)]
+        plan = build_plan(params, 10**6, 2, name, ready_times=ready, bandwidth=1e4)
+        assert [b.params for b in plan.buckets] == [(0,), (1, 2), (3, 4), (5,)]  # bursts; twin and rows alone
+        expected = {"prophet": {"reduce_scatter", "all_gather", "all_reduce", "all_gather_rows"},
+                    "prophet-allreduce": {"all_reduce", "all_gather_rows"}}[name]
+        assert {op.kind for op in plan.ops} == expected
+    with pytest.raises(ValueError, match="ready_times"):
+        build_plan(params, 10**6, 2, "prophet", ready_times=ready[:-1], bandwidth=1e4)
+
+
+STEPS = 6
+
+
+def _prophet_training(opt_names, schedules):
+    """Each optimizer under each Prophet schedule; a forced re-plan (a smaller block cap) after step 3."""
+    rank, world = dearopt.rank(), dearopt.size()
+    out = {}
+    for schedule in schedules:
+        for opt_name in opt_names:
+            model = make_model("mlp")
+            opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, buffer_size=4096)
+            plans = []
+            for step in range(STEPS):
+                opt.zero_grad()
+                x, y = global_batch(step, "mlp")
+                loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+                opt.step()
+                plans.append([b.params for b in opt.plan.buckets])
+                if step == 3:
+                    opt._executor.replan(buffer_size=400)  # the re-plan path the tuner takes
+            ready, bandwidth, _ = opt._executor.profile.result  # rank 0's step-1 profile, shared
+            blocks = get_schedule(schedule).bucket_groups(opt.plan.params, buffer_size=400, ready_times=ready,
+                                                          bandwidth=bandwidth)
+            opt.synchronize()
+            out[(schedule, opt_name)] = ([p.detach().clone() for p in model.parameters()], plans, blocks,
+                                         opt.plan.fingerprint())
+            opt.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_prophet_training_equals_single_process_with_a_replan_in_the_middle(world):
+    opt_names = ["adamw", "sgd"]
+    schedules = ["prophet", "prophet-allreduce"]
+    outcomes = run_workers(_prophet_training, world, opt_names, schedules, timeout=150)
+    for opt_name in opt_names:
+        want, _ = reference("mlp", opt_name, world, steps=STEPS)
+        for schedule in schedules:
+            fingerprints = set()
+            for o in outcomes:
+                params, plans, blocks, fingerprint = o.value[(schedule, opt_name)]
+                assert_params_match(params, want)
+                # steps 0-1 fuse by size (one bucket: 620 bytes < 4096); from step 2 the plan is made of the blocks
+                # of rank 0's step-1 profile; after the re-plan, of blocks of at most 400 bytes: several
+                assert len(plans[0]) == 1 and [list(b) for b in plans[-1]] == blocks and len(blocks) > 1
+                fingerprints.add(fingerprint)
+            assert len(fingerprints) == 1
