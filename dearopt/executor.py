@@ -43,7 +43,7 @@ from .options import Options
 from .pending import PendingUpdateGuard
 from .plan import (BACKWARD_END, STEP, ParamSpec, Plan, Point, When, allreduce_buckets, build_plan, forward_of,
                    moment_key)
-from .profiling import ReadyProfile
+from .profiling import LinkMonitor, ReadyProfile
 from .schedules import get_schedule
 from .tied import TiedEmbeddings
 from .timeline import Timeline
@@ -150,7 +150,9 @@ class Executor:
         self.recorder = ForwardOrderRecorder()
         policy = get_schedule(options.schedule)
         self.profile = ReadyProfile(options.priority or policy.needs_profile
-                                    or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")))
+                                    or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")),
+                                    every=options.link_check_every)
+        self.link_monitor = LinkMonitor(options.link_check_every) if options.link_check_every else None
         self.window = CreditWindow(credit)
         self.on_step_landed = on_step_landed
         self.launch_log = None  # the issuer's (step, kind, bucket, piece) log, kept across re-plans
@@ -518,6 +520,11 @@ class Executor:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._hook_new_params()
         self.state = TrainingState.BACKWARD
+        if self.profile.remeasured:  # the link monitor's measurement, shared by rank 0 at the last step()
+            self.profile.remeasured = False
+            if self.link_monitor is not None and self.link_monitor.observe(
+                    self.step_count, self.profile.result[1], self.profile.latest[1]):
+                self.profile.result, self.profile.fresh = self.profile.latest, True
         if any(id(p) not in self._where for p in self._trainable()) or self._profile_changes_plan():
             # a parameter was unfrozen, or rank 0's profile changes the plan: re-plan (the same on every rank)
             self.replan(_inside_backward=True)

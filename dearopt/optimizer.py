@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import warnings
 import weakref
-from typing import Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
@@ -84,7 +84,8 @@ class DistOptim(torch.optim.Optimizer):
             a bucket at a time: use ``schedule="wfbp"`` and a ``buffer_size``
             larger than the model for those (one bucket, one call).
         model: the module whose forward and backward are scheduled.
-        schedule: ``"dear"`` (default), ``"wfbp"``, ``"rsag"``, ``"bytescheduler"`` or any schedule registered
+        schedule: ``"dear"`` (default), ``"wfbp"``, ``"rsag"``, ``"bytescheduler"``, ``"prophet"``,
+            ``"prophet-allreduce"`` or any schedule registered
             with :func:`dearopt.schedules.register`; see :class:`dearopt.options.Options`.
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
         first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
@@ -98,6 +99,9 @@ class DistOptim(torch.optim.Optimizer):
         embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
             such a weight as a gradient of its own (default True; exact either way, see :mod:`dearopt.tied`).
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
+        link_check_every: for schedules whose buckets come from the profile (``"prophet"``), re-measure the
+            link every this many steps and re-plan when its bandwidth moved by more than 25 % twice in a row
+            (``"auto"``: 20; ``None``: never); the re-plans: ``optimizer.link_changes``.
         backward_passes_per_step: local accumulation before communicating.
         broadcast_parameters: copy rank 0's parameters and buffers at construction.
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
@@ -130,7 +134,8 @@ class DistOptim(torch.optim.Optimizer):
                  first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE, embedding_rows: bool = True,
                  allreduce: Union[float, str] = "auto",
                  partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
-                 priority: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
+                 priority: bool = False, link_check_every: Union[int, str, None] = "auto",
+                 backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
                  tuning_steps: int = 10, profile=None, backend=None):
@@ -138,7 +143,7 @@ class DistOptim(torch.optim.Optimizer):
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
                           embedding_rows=embedding_rows, allreduce=allreduce,
                           partition_size=partition_size,
-                          credit=credit, priority=priority,
+                          credit=credit, priority=priority, link_check_every=link_check_every,
                           backward_passes_per_step=backward_passes_per_step,
                           broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
                           nonfinite=nonfinite, check_agreement=check_agreement, timeline=timeline, debug=debug)
@@ -301,6 +306,13 @@ class DistOptim(torch.optim.Optimizer):
             tuning.ChoiceTuner([{"allreduce": rule} for rule, _ in choices]), warmup_steps=1,
             measure_steps=PLAN_CHOICE_STEPS, is_root=control.rank == 0,
             broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
+
+    @property
+    def link_changes(self) -> List[Tuple[int, float, float]]:
+        """Re-plans after the link's bandwidth changed (``link_check_every``): ``(step, planned bytes/s,
+        measured bytes/s)`` each, the same on every rank."""
+        monitor = self._executor.link_monitor
+        return list(monitor.changes) if monitor is not None else []
 
     @property
     def settled(self) -> bool:

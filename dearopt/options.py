@@ -20,7 +20,10 @@ class Options:
     all-gather + update during the next forward (the DeAR paper).  ``"wfbp"``: all-reduce during
     backward, update at ``step()`` (Horovod/DDP).  ``"rsag"``: reduce-scatter then all-gather, both
     during backward (the paper's baseline).  ``"bytescheduler"``: all-reduce per partition, each bucket
-    finished and updated just before its layers run in the next forward."""
+    finished and updated just before its layers run in the next forward.  ``"prophet"`` /
+    ``"prophet-allreduce"``: buckets are Prophet's gradient blocks, formed from a profile of step 1
+    (:mod:`dearopt.schedules.prophet`), reduce-scattered (all-reduced) in backward and gathered (waited for)
+    just before their layers in the next forward."""
 
     buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE
     """Bytes per fusion bucket (or ``"25MB"``).  25 MB is DDP's default and the
@@ -58,6 +61,13 @@ class Options:
     """Order reductions by priority (layers near the input first) where the data
     allows, from a profile of step 1 taken on rank 0 and shared once; the order
     is part of the plan, identical on every rank."""
+
+    link_check_every: Union[int, str, None] = "auto"
+    """Schedules whose buckets are made from the profile (``prophet``): every this many steps rank 0
+    re-measures the gradients' ready times and the link's bandwidth on the job's own reductions and shares
+    them; when the bandwidth moved by more than 25 % in two measurements in a row, every rank re-plans at the
+    same step (:class:`dearopt.profiling.LinkMonitor`).  ``"auto"``: every 20 steps for those schedules;
+    ``None``: never."""
 
     backward_passes_per_step: int = 1
     """Backward passes accumulated locally before gradients are communicated."""
@@ -99,6 +109,15 @@ class Options:
                                          or not 0.0 <= float(self.allreduce) <= 1.0):
             raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {self.allreduce!r}")
         policy.check_options(self)
+        every = self.link_check_every
+        if every == "auto":
+            object.__setattr__(self, "link_check_every", 20 if policy.needs_profile else None)
+        elif every is not None:
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise ValueError(f"link_check_every must be an integer >= 1, 'auto' or None, got {every!r}")
+            if not policy.needs_profile:
+                raise ValueError(f"link_check_every re-plans schedules whose buckets are made from the profile "
+                                 f"(prophet); schedule={self.schedule!r} has none")
         bpps = self.backward_passes_per_step
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {bpps!r}")

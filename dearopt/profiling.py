@@ -18,18 +18,21 @@ import torch
 
 from .collectives import CollectiveBackend
 
-__all__ = ["ReadyProfile"]
+__all__ = ["ReadyProfile", "LinkMonitor"]
 
 
 class ReadyProfile:
     STEP = 1
     """The step that is profiled (step 0 builds the plan and is not typical)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, every: Optional[int] = None):
         self.enabled = enabled
-        # (ready times per parameter, bytes/s of a reduction on the link, backward seconds)
+        self.every = every  # re-measure every this many steps after STEP (the link monitor), or never
+        # (ready times per parameter, bytes/s of a reduction on the link, backward seconds): what the plan uses
         self.result: Optional[Tuple[List[float], float, float]] = None
         self.fresh = False  # a result arrived that the plan does not use yet
+        self.latest: Optional[Tuple[List[float], float, float]] = None  # the newest measurement shared
+        self.remeasured = False  # a measurement after the first arrived, not yet looked at
         self._times: Optional[List[float]] = None
         self._t0 = 0.0
         self._backward = 0.0
@@ -39,7 +42,9 @@ class ReadyProfile:
         return self._times is not None
 
     def begin_backward(self, step: int, n_params: int) -> None:
-        if self.enabled and self.result is None and step == self.STEP:
+        again = (self.every is not None and self.result is not None and step > self.STEP
+                 and (step - self.STEP) % self.every == 0)
+        if self.enabled and (self.result is None and step == self.STEP or again):
             self._times = [math.inf] * n_params
             self._t0 = time.perf_counter()
 
@@ -64,6 +69,48 @@ class ReadyProfile:
         profile = torch.tensor(ready + [bandwidth, self._backward], dtype=torch.float64, device=control.device)
         control.broadcast(profile, 0, step=step).wait()
         values = profile.tolist()
-        self.result = (values[:-2], values[-2], values[-1])
+        self.latest = (values[:-2], values[-2], values[-1])
         self._times = None
-        self.fresh = True
+        if self.result is None:
+            self.result = self.latest
+            self.fresh = True
+        else:
+            self.remeasured = True
+
+
+class LinkMonitor:
+    """When the link's bandwidth has changed: Prophet's network bandwidth monitor, on the job's own reductions.
+
+    Every ``every`` steps rank 0 re-measures (:class:`ReadyProfile`) and shares the numbers, so every rank
+    calls :meth:`observe` with the same values and takes the same decision.  The bandwidth counts as changed
+    when it differs from the one the plan was made with by more than ``threshold`` (relative) in ``patience``
+    measurements in a row, all on the same side; one slow or fast step does not re-plan.
+    """
+
+    def __init__(self, every: int = 20, threshold: float = 0.25, patience: int = 2):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"the link monitor's interval must be an integer >= 1 step, got {every!r}")
+        if not threshold > 0:
+            raise ValueError(f"threshold must be > 0, got {threshold!r}")
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1, got {patience!r}")
+        self.every, self.threshold, self.patience = every, threshold, patience
+        self._streak = 0
+        self._side = 0
+        self.changes: List[Tuple[int, float, float]] = []  # (step, planned bytes/s, new bytes/s) adopted
+
+    def observe(self, step: int, planned: float, measured: float) -> bool:
+        """Whether the plan should now be re-made with ``measured`` bytes/s (it was made with ``planned``)."""
+        ratio = measured / planned if planned > 0 else math.inf
+        side = 1 if ratio > 1 + self.threshold else -1 if ratio < 1 / (1 + self.threshold) else 0
+        if side == 0 or side != self._side:
+            self._streak = 0
+        self._side = side
+        if side == 0:
+            return False
+        self._streak += 1
+        if self._streak < self.patience:
+            return False
+        self._streak, self._side = 0, 0
+        self.changes.append((step, planned, measured))
+        return True

@@ -125,3 +125,101 @@ def test_prophet_training_equals_single_process_with_a_replan_in_the_middle(worl
                 assert len(plans[0]) == 1 and [list(b) for b in plans[-1]] == blocks and len(blocks) > 1
                 fingerprints.add(fingerprint)
             assert len(fingerprints) == 1
+
+
+def test_the_link_monitor_needs_a_change_beyond_the_threshold_twice_in_a_row():
+    from dearopt.profiling import LinkMonitor
+
+    m = LinkMonitor(every=5, threshold=0.25, patience=2)
+    # within 25 %: never; one slow measurement, then a fast one: the streak restarts; two fast ones: re-plan
+    assert [m.observe(s, 100.0, bw) for s, bw in enumerate([120, 79, 126, 130])] == [False, False, False, True]
+    assert m.changes == [(3, 100.0, 130)]
+    assert [m.observe(s, 130.0, bw) for s, bw in enumerate([110, 60, 50], start=4)] == [False, False, True]
+    with pytest.raises(ValueError, match="interval"):
+        LinkMonitor(every=0)
+
+
+class _SlowLink(dearopt.collectives.CollectiveBackend):
+    """The job's backend, with every data collective taking ``delay[0]`` seconds longer once it is set: an
+    emulated link whose bandwidth drops in the middle of a run."""
+
+    def __init__(self, inner, delay):
+        super().__init__(inner.rank, inner.size, inner.timeout)
+        self.inner, self.delay, self.name, self.device = inner, delay, inner.name, inner.device
+
+    def _slow(self, handle):
+        return _Late(handle, self.delay[0])
+
+    def reduce_scatter(self, out_shard, in_full, **where):
+        return self._slow(self.inner.reduce_scatter(out_shard, in_full, **where))
+
+    def all_gather(self, out_full, in_shard, **where):
+        return self._slow(self.inner.all_gather(out_full, in_shard, **where))
+
+    def all_reduce(self, tensor, op="sum", **where):
+        return self._slow(self.inner.all_reduce(tensor, op, **where))
+
+    def broadcast(self, tensor, root=0, **where):
+        return self.inner.broadcast(tensor, root, **where)
+
+    def fork(self):
+        return self._track_fork(_SlowLink(self.inner.fork(), self.delay))
+
+    def close(self):
+        super().close()
+        self.inner.close()
+
+
+class _Late(dearopt.collectives.Handle):
+    def __init__(self, handle, delay):
+        import time
+
+        self.handle, self.op, self.until = handle, handle.op, time.perf_counter() + delay
+
+    def wait(self, timeout=None):
+        import time
+
+        time.sleep(max(0.0, self.until - time.perf_counter()))
+        self.handle.wait(timeout)
+
+    def is_completed(self):
+        import time
+
+        return time.perf_counter() >= self.until and self.handle.is_completed()
+
+
+def _link_drops_midway(steps=14, slow_from=6):
+    rank, world = dearopt.rank(), dearopt.size()
+    delay = [0.0]
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="prophet", buffer_size=4096,
+                            link_check_every=2, backend=_SlowLink(dearopt.runtime.get_backend(), delay))
+    for step in range(steps):
+        delay[0] = 0.05 if step >= slow_from else 0.0  # 50 ms more per collective: the link got much slower
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    ready, bandwidth, _ = opt._executor.profile.result
+    blocks = get_schedule("prophet").bucket_groups(opt.plan.params, buffer_size=4096, ready_times=ready,
+                                                   bandwidth=bandwidth)
+    opt.synchronize()
+    out = ([p.detach().clone() for p in model.parameters()], opt.link_changes,
+           [list(b.params) for b in opt.plan.buckets], blocks)
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_prophet_replans_when_the_link_slows_down_and_stays_exact():
+    outcomes = run_workers(_link_drops_midway, 2, timeout=100)
+    want, _ = reference("mlp", "adamw", 2, steps=14)
+    changes = outcomes[0].value[1]
+    for o in outcomes:
+        params, seen, buckets, blocks = o.value
+        assert_params_match(params, want)
+        assert seen == changes  # the same decisions on every rank
+        assert buckets == blocks  # the plan in force is made from the measurement the monitor adopted
+    # measured at steps 7 and 9 (the first two checks on the slow link), adopted at step 10's backward
+    slow = [(step, planned, now) for step, planned, now in changes if step >= 8 and now < planned / 2]
+    assert slow, changes
