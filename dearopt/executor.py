@@ -294,11 +294,13 @@ class Executor:
         ordered = self._agree_on_order(
             parameters_in_forward_order(self.model, self._module_order, planned, twins_by_module), planned)
         specs = self._specs(ordered)
-        ready, bandwidth, _ = self.profile.result if self.profile.result is not None else (None, None, None)
+        measured = self.profile.result
+        ready, bandwidth, latency = (measured.ready, measured.bandwidth, measured.latency) if measured else (None,) * 3
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
                           partition_size=self.partition_size, priority=self.options.priority,
-                          ready_times=ready, bandwidth=bandwidth, credit=self.window.credit, comm_hook=hook_name,
+                          ready_times=ready, bandwidth=bandwidth, latency=latency, credit=self.window.credit,
+                          comm_hook=hook_name,
                           first_bucket_size=self.options.first_bucket_size, allreduce=self.allreduce)
         self.checks.plan_agreement(plan, self.step_count)
         group_of_param = {}
@@ -426,10 +428,10 @@ class Executor:
         self.profile.fresh = False
         if self.options.priority or self.plan is None:
             return True
-        ready, bandwidth, _ = self.profile.result
+        ready, bandwidth = self.profile.result.ready, self.profile.result.bandwidth
         policy = get_schedule(self.options.schedule)
         groups = policy.bucket_groups(self.plan.params, buffer_size=self.buffer_size, ready_times=ready,
-                                      bandwidth=bandwidth)
+                                      bandwidth=bandwidth, latency=self.profile.result.latency)
         if groups is not None:  # the schedule forms its buckets from the profile (Prophet's blocks)
             return [list(b.params) for b in self.plan.buckets] != groups
         chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth) \
@@ -444,7 +446,7 @@ class Executor:
         if (self.options.allreduce != "auto" or self.world == 1 or self.plan is None or self.profile.result is None
                 or not get_schedule(self.options.schedule).mixes_allreduce):
             return []
-        ready, bandwidth, _ = self.profile.result
+        ready, bandwidth = self.profile.result.ready, self.profile.result.bandwidth
         choices, seen = [], set()
         for rule in ("predicted", 0.0, 1.0):
             chosen = allreduce_buckets(self.plan.buckets, rule, ready, bandwidth)
@@ -523,7 +525,7 @@ class Executor:
         if self.profile.remeasured:  # the link monitor's measurement, shared by rank 0 at the last step()
             self.profile.remeasured = False
             if self.link_monitor is not None and self.link_monitor.observe(
-                    self.step_count, self.profile.result[1], self.profile.latest[1]):
+                    self.step_count, self.profile.result.bandwidth, self.profile.latest.bandwidth):
                 self.profile.result, self.profile.fresh = self.profile.latest, True
         if any(id(p) not in self._where for p in self._trainable()) or self._profile_changes_plan():
             # a parameter was unfrozen, or rank 0's profile changes the plan: re-plan (the same on every rank)
@@ -628,8 +630,7 @@ class Executor:
             skip = self.checks.nonfinite([region for region, _ in self._checked_at_step], sharded, self.buckets,
                                          r.step, own=self._own_gradient_buckets)
         if self.profile.recording:
-            nbytes, busy = self.issuer.reduction_busy_time()
-            self.profile.share(self.control, nbytes, busy, r.step)
+            self.profile.share(self.control, self.issuer.reduction_services(), r.step)
         self.forwards = 0
         self.step_count += 1
         self.state = TrainingState.IDLE

@@ -315,14 +315,19 @@ class Issuer:
 
     def reduction_busy_time(self) -> Tuple[int, float]:
         """Bytes of the reductions and the seconds the link was busy with them (ops one after another)."""
-        spans = sorted((op.started_at, op.finished_at) for op in self.ops[:self.cursor]
+        services = self.reduction_services()
+        return sum(n for n, _ in services), sum(t for _, t in services)
+
+    def reduction_services(self) -> List[Tuple[int, float]]:
+        """``(bytes, seconds)`` of each finished reduction: from its start, or the end of the one before it
+        (the link carries one at a time), to its observed end."""
+        spans = sorted((op.started_at, op.finished_at, op.nbytes) for op in self.ops[:self.cursor]
                        if op.spec.reduces and op.finished_at is not None)
-        busy, free = 0.0, 0.0
-        for start, end in spans:
-            busy += max(end - max(start, free), 0.0)
+        services, free = [], 0.0
+        for start, end, nbytes in spans:
+            services.append((nbytes, max(end - max(start, free), 0.0)))
             free = max(free, end)
-        nbytes = sum(op.nbytes for op in self.ops[:self.cursor] if op.spec.reduces and op.finished_at is not None)
-        return nbytes, busy
+        return services
 
     def complete_started(self) -> None:
         """Complete every op started this round, and start no other (a skipped step)."""

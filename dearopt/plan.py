@@ -397,7 +397,8 @@ class Layout:
 def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
                world_size: int = 1, schedule: str = "dear", *, partition_size: Union[int, str, None] = None,
                priority: bool = False, ready_times: Optional[Sequence[float]] = None,
-               bandwidth: Optional[float] = None, credit: Union[int, str, None] = None,
+               bandwidth: Optional[float] = None, latency: Optional[float] = None,
+               credit: Union[int, str, None] = None,
                comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
                allreduce: Union[float, str] = 0.0) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
@@ -407,7 +408,9 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     (``ready_times``: seconds after backward starts at which each parameter's
     gradient is ready, and the link's ``bandwidth`` in bytes/s) the reductions
     are ordered by :func:`priority_sequence`; without a profile they go in the
-    order backward produces them.  ``credit`` (bytes in flight) is part of the
+    order backward produces them.  ``latency`` (the measured fixed seconds per
+    collective) serves schedules that form their own buckets from the profile
+    (:meth:`dearopt.schedules.Schedule.bucket_groups`).  ``credit`` (bytes in flight) is part of the
     plan because schedules may start ops earlier when a credit window bounds them.
     ``first_bucket_size`` caps the first bucket backward fills (see :func:`layout_buckets`).
     ``allreduce``: for ``dear``, which buckets are all-reduced in backward (as
@@ -431,7 +434,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     params = tuple(params)
     if not params:
         raise ValueError("the model has no trainable parameters to plan for")
-    groups = policy.bucket_groups(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth)
+    groups = policy.bucket_groups(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth,
+                                  latency=latency)
     buckets = layout_buckets(params, buffer_size, world_size, partition_size, first_bucket_size, groups=groups)
     backward = [(b.index, k) for b in reversed(buckets) for k in range(len(b.pieces))]
     if priority and ready_times is not None and bandwidth:

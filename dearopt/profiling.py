@@ -11,14 +11,32 @@ same numbers at the next backward, so the order stays identical everywhere.
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .collectives import CollectiveBackend
 
-__all__ = ["ReadyProfile", "LinkMonitor"]
+__all__ = ["ReadyProfile", "Measurement", "LinkMonitor", "fit_latency"]
+
+
+class Measurement(NamedTuple):
+    """Rank 0's measurement of one step, shared with every rank."""
+
+    ready: List[float]  # seconds after backward starts at which each parameter's gradient was ready
+    bandwidth: float  # bytes/s of the reductions while the link was busy
+    backward: float  # seconds of backward
+    latency: float  # fixed seconds per reduction (fit_latency), 0.0 where it could not be told
+
+
+def fit_latency(services: Sequence[Tuple[int, float]], bandwidth: float) -> float:
+    """The fixed cost per collective in ``seconds = latency + bytes / bandwidth``, from each reduction's
+    ``(bytes, seconds)`` on the link: the median of ``seconds - bytes / bandwidth``, at least 0."""
+    if not services or not bandwidth > 0:
+        return 0.0
+    return max(0.0, statistics.median(t - n / bandwidth for n, t in services))
 
 
 class ReadyProfile:
@@ -28,10 +46,9 @@ class ReadyProfile:
     def __init__(self, enabled: bool, every: Optional[int] = None):
         self.enabled = enabled
         self.every = every  # re-measure every this many steps after STEP (the link monitor), or never
-        # (ready times per parameter, bytes/s of a reduction on the link, backward seconds): what the plan uses
-        self.result: Optional[Tuple[List[float], float, float]] = None
+        self.result: Optional[Measurement] = None  # what the plan uses
         self.fresh = False  # a result arrived that the plan does not use yet
-        self.latest: Optional[Tuple[List[float], float, float]] = None  # the newest measurement shared
+        self.latest: Optional[Measurement] = None  # the newest measurement shared
         self.remeasured = False  # a measurement after the first arrived, not yet looked at
         self._times: Optional[List[float]] = None
         self._t0 = 0.0
@@ -56,20 +73,23 @@ class ReadyProfile:
         if self._times is not None:
             self._backward = time.perf_counter() - self._t0
 
-    def share(self, control: CollectiveBackend, nbytes: int, busy: float, step: int) -> None:
+    def share(self, control: CollectiveBackend, services: Sequence[Tuple[int, float]], step: int) -> None:
         """Broadcast rank 0's profile (called on every rank at the profiled step's ``step()``).
 
-        ``busy``: seconds the link was busy with the ``nbytes`` of reductions
-        (from each op's start, or the end of the one before it, to its observed end).
+        ``services``: ``(bytes, seconds)`` of each reduction on the link (from its start, or the end of the one
+        before it, to its observed end).
         """
         if self._times is None:
             return
         ready = [t if math.isfinite(t) else 0.0 for t in self._times]
+        nbytes, busy = sum(n for n, _ in services), sum(t for _, t in services)
         bandwidth = nbytes / busy if busy > 0 else 1e9
-        profile = torch.tensor(ready + [bandwidth, self._backward], dtype=torch.float64, device=control.device)
+        latency = fit_latency(services, bandwidth)
+        profile = torch.tensor(ready + [bandwidth, self._backward, latency], dtype=torch.float64,
+                               device=control.device)
         control.broadcast(profile, 0, step=step).wait()
         values = profile.tolist()
-        self.latest = (values[:-2], values[-2], values[-1])
+        self.latest = Measurement(values[:-3], values[-3], values[-2], values[-1])
         self._times = None
         if self.result is None:
             self.result = self.latest

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.plan import ParamSpec, build_plan
+from dearopt.plan import STEP, ParamSpec, build_plan
 from dearopt.schedules import get_schedule
 from dearopt.schedules.prophet import prophet_blocks
 from harness import run_workers
@@ -73,6 +73,10 @@ def test_the_plan_takes_the_blocks_with_a_profile_and_fuses_by_size_without():
         expected = {"prophet": {"reduce_scatter", "all_gather", "all_reduce", "all_gather_rows"},
                     "prophet-allreduce": {"all_reduce", "all_gather_rows"}}[name]
         assert {op.kind for op in plan.ops} == expected
+        gathers = [op for op in plan.ops if op.kind == "all_gather"]
+        # Prophet's forward phase: every gather starts at step(), back to back in the order forward needs them
+        assert all(op.start == STEP for op in gathers) and [op.bucket for op in gathers] == sorted(
+            op.bucket for op in gathers) and all(op.update == op.due for op in gathers)
     with pytest.raises(ValueError, match="ready_times"):
         build_plan(params, 10**6, 2, "prophet", ready_times=ready[:-1], bandwidth=1e4)
 
@@ -97,9 +101,10 @@ def _prophet_training(opt_names, schedules):
                 plans.append([b.params for b in opt.plan.buckets])
                 if step == 3:
                     opt._executor.replan(buffer_size=400)  # the re-plan path the tuner takes
-            ready, bandwidth, _ = opt._executor.profile.result  # rank 0's step-1 profile, shared
-            blocks = get_schedule(schedule).bucket_groups(opt.plan.params, buffer_size=400, ready_times=ready,
-                                                          bandwidth=bandwidth)
+            measured = opt._executor.profile.result  # rank 0's step-1 profile, shared
+            blocks = get_schedule(schedule).bucket_groups(opt.plan.params, buffer_size=400,
+                                                          ready_times=measured.ready, bandwidth=measured.bandwidth,
+                                                          latency=measured.latency)
             opt.synchronize()
             out[(schedule, opt_name)] = ([p.detach().clone() for p in model.parameters()], plans, blocks,
                                          opt.plan.fingerprint())
@@ -200,9 +205,9 @@ def _link_drops_midway(steps=14, slow_from=6):
         x, y = global_batch(step, "mlp")
         loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
-    ready, bandwidth, _ = opt._executor.profile.result
-    blocks = get_schedule("prophet").bucket_groups(opt.plan.params, buffer_size=4096, ready_times=ready,
-                                                   bandwidth=bandwidth)
+    measured = opt._executor.profile.result  # the measurement the monitor adopted last
+    blocks = get_schedule("prophet").bucket_groups(opt.plan.params, buffer_size=4096, ready_times=measured.ready,
+                                                   bandwidth=measured.bandwidth, latency=measured.latency)
     opt.synchronize()
     out = ([p.detach().clone() for p in model.parameters()], opt.link_changes,
            [list(b.params) for b in opt.plan.buckets], blocks)
@@ -223,3 +228,13 @@ def test_prophet_replans_when_the_link_slows_down_and_stays_exact():
     # measured at steps 7 and 9 (the first two checks on the slow link), adopted at step 10's backward
     slow = [(step, planned, now) for step, planned, now in changes if step >= 8 and now < planned / 2]
     assert slow, changes
+
+
+def test_the_fixed_cost_per_collective_is_fitted_from_the_reductions():
+    from dearopt.profiling import fit_latency
+
+    # seconds = 0.002 + bytes / 1e6 for three ops, one observed late (its end seen at a later hook)
+    services = [(1000, 0.003), (10_000, 0.012), (5000, 0.017)]
+    assert fit_latency(services, 1e6) == pytest.approx(0.002)
+    assert fit_latency([(1000, 0.0005)], 1e6) == 0.0  # never negative
+    assert fit_latency([], 1e6) == 0.0

@@ -34,10 +34,10 @@ class Schedule(abc.ABC):
     """Whether the plan is made from rank 0's step-1 profile (gradient ready times, the link's bandwidth)."""
 
     def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
-                      ready_times: Optional[Sequence[float]],
-                      bandwidth: Optional[float]) -> Optional[List[List[int]]]:
+                      ready_times: Optional[Sequence[float]], bandwidth: Optional[float],
+                      latency: Optional[float] = None) -> Optional[List[List[int]]]:
         """Which parameters share a bucket (contiguous runs of positions in forward order), or None to fuse them
-        by ``buffer_size`` (every schedule but Prophet's)."""
+        by ``buffer_size`` (every schedule but Prophet's).  ``latency``: measured fixed seconds per collective."""
         return None
 
     def check_options(self, options) -> None:

@@ -26,15 +26,19 @@ every transfer makes one block per burst of gradients; a gradient too large
 for any window is a block of its own.
 
 Two schedules use the blocks.  ``prophet`` reduce-scatters each block in
-backward and all-gathers it in the next forward just before its layers run,
-as DeAR's FeedPipe does (Prophet's "forward phase": the remaining transfers
-in the order the next forward needs them); ``prophet-allreduce`` all-reduces
+backward and all-gathers it for the next forward, where its update is applied
+just before its layers run, as DeAR's FeedPipe does; the all-gathers all
+start at ``step()``, back to back in the order the next forward needs them
+(Prophet's "forward phase", lines 13-14: ``t_next`` chained), not one bucket
+ahead as ``dear`` issues them; ``prophet-allreduce`` all-reduces
 each block as soon as it is complete and waits for it just before its layers
 in the next forward (ByteScheduler's op placement, Prophet's own, push/pull
 being an all-reduce).  The plan is made from rank 0's step-1 profile (the
 bandwidth measured on the job's own reductions), shared once, so every rank
 builds the same blocks; before the profile exists (steps 0 and 1) the buckets
-are fused by ``buffer_size``.
+are fused by ``buffer_size``.  The fixed cost per collective in ``E`` is
+fitted from the same step's reductions; ``link_check_every`` re-measures and
+re-plans when the bandwidth changes (:class:`dearopt.profiling.LinkMonitor`).
 """
 
 from __future__ import annotations
@@ -42,17 +46,17 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence
 
-from ..plan import ALL_REDUCE, REDUCE_SCATTER, Layout, ParamSpec, must_split
-from .base import Schedule
+from ..plan import (ALL_GATHER, ALL_REDUCE, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, Layout, ParamSpec,
+                    forward_of, must_split)
+from .base import Schedule, mark_updates
 from .bytescheduler import ByteScheduler
-from .dear import DeAR
 
 __all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks"]
 
 DEFAULT_LATENCY = 1e-3
-"""Seconds of fixed cost per collective assumed when the blocks are formed (``E = latency + s / B``): the
-paper's throughput loss of small blocks (its Eq. 10).  A gloo collective on this project's 2-core test machine
-costs about a millisecond before its bytes; see docs/architecture.md."""
+"""Seconds of fixed cost per collective (``E = latency + s / B``: the paper's throughput loss of small blocks,
+its Eq. 10) where the profile did not measure one; the step-1 profile fits it from the job's own reductions
+(:func:`dearopt.profiling.fit_latency`)."""
 
 
 def prophet_blocks(ready: Sequence[float], nbytes: Sequence[int], bandwidth: float, *, latency: float = 0.0,
@@ -114,25 +118,34 @@ class Prophet(Schedule):
     reduction = REDUCE_SCATTER
     updates_in_forward = True
     needs_profile = True
-    latency = DEFAULT_LATENCY
-    _ops = DeAR()
 
     def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
-                      ready_times: Optional[Sequence[float]], bandwidth: Optional[float]):
+                      ready_times: Optional[Sequence[float]], bandwidth: Optional[float],
+                      latency: Optional[float] = None):
         if ready_times is None or not bandwidth:
             return None
         if len(ready_times) != len(params):
             raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
         split = [i for i in range(len(params) - 1) if must_split(params, i)]
-        return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth, latency=self.latency,
+        return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth,
+                              latency=DEFAULT_LATENCY if latency is None else latency,
                               max_bytes=buffer_size, split_after=split)
 
     def ops(self, layout: Layout):
-        return self._ops.ops(Layout(layout.buckets, layout.reduction_order, layout.credit, frozenset()))
+        """Reduce-scatters as blocks complete in backward; then every all-gather starts at ``step()``, back to
+        back in the order the next forward needs them (Prophet's forward phase: ``t_next`` chained, not one
+        bucket ahead as DeAR's FeedPipe), each due, and its block updated, just before its layers."""
+        ops = [CommOp(REDUCE_SCATTER, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY, due=STEP,
+                      average=True) for b, k in layout.reduction_order]
+        ops += [CommOp(ALL_GATHER, bucket.index, k, bucket.piece_nbytes(k), start=STEP, due=forward_of(bucket.index))
+                for bucket in layout.buckets for k in range(len(bucket.pieces))]
+        return mark_updates(ops)
 
 
 class ProphetAllReduce(Prophet):
     name = "prophet-allreduce"
     reduction = ALL_REDUCE
     reduces_before_step = False
-    _ops = ByteScheduler()
+
+    def ops(self, layout: Layout):
+        return ByteScheduler().ops(layout)
