@@ -108,6 +108,14 @@ def shard(tensor, rank, world):
     return tensor.chunk(world)[rank]
 
 
+def train_step(opt, model, step, rank, world, kind="mlp"):
+    """One step on this rank's shard of the step's global batch: zero_grad, forward, backward, step."""
+    opt.zero_grad()
+    x, y = global_batch(step, kind)
+    loss_fn(kind, model(shard(x, rank, world)), shard(y, rank, world)).backward()
+    opt.step()
+
+
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),

@@ -6,7 +6,7 @@ import torch
 import dearopt
 from dearopt.tuner import BayesianTuner, Knob
 from harness import run_workers
-from models import global_batch, loss_fn, make_model, make_optimizer, shard
+from models import make_model, make_optimizer, train_step
 from test_distoptim import assert_params_match, reference
 
 STEPS = 12
@@ -23,10 +23,7 @@ def _train_tuned(opt_name, schedule, knob_names):
                             tuner=tuner, tuning_steps=1)
     plans = []
     for step in range(STEPS):
-        opt.zero_grad()
-        x, y = global_batch(step, "mlp")
-        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-        opt.step()
+        train_step(opt, model, step, rank, world)
         plans.append((opt.plan.buffer_size, opt.plan.partition_size, len(opt.plan.buckets)))
     opt.synchronize()
     return [p.detach().clone() for p in model.parameters()], plans, opt.tuning.history, opt.tuning.finished
@@ -70,10 +67,7 @@ def _train_with_plan_choice(opt_name, steps):
     opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, buffer_size=512)  # dear, allreduce="auto"
     plans, settled = [], []
     for step in range(steps):
-        opt.zero_grad()
-        x, y = global_batch(step, "mlp")
-        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-        opt.step()
+        train_step(opt, model, step, rank, world)
         plans.append(opt.plan.allreduce)
         settled.append(opt.settled)
     opt.synchronize()

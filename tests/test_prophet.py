@@ -11,7 +11,7 @@ from dearopt.plan import STEP, ParamSpec, build_plan
 from dearopt.schedules import get_schedule
 from dearopt.schedules.prophet import prophet_blocks
 from harness import run_workers
-from models import global_batch, loss_fn, make_model, make_optimizer, shard
+from models import make_model, make_optimizer, train_step
 from test_distoptim import assert_params_match, reference
 
 
@@ -50,6 +50,18 @@ def test_latency_and_required_boundaries():
     # a 0.15 s fixed cost per collective: p2 occupies the link until 0.25 and p1, p0 wait for it together
     assert prophet_blocks(ready, nbytes, 1000.0, latency=0.15) == [[0, 1], [2]]
     assert prophet_blocks(ready, nbytes, 1000.0, latency=0.15, split_after=[0]) == [[0], [1], [2]]
+
+
+def test_a_block_below_the_minimum_waits_for_the_next_gradients():
+    # the bursts of the gap test, 0.3 s apart; a block must hold 30 bytes: p7, p6 (20 bytes) wait for the next
+    # burst and start at 0.3 s with p5 and p4 (which is ready and sent before p3 appears at 0.6 s); the same again
+    ready = [0.9, 0.9, 0.6, 0.6, 0.3, 0.3, 0.0, 0.0]
+    assert prophet_blocks(ready, [10] * 8, 1000.0, min_bytes=30) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # the schedule takes the minimum as latency x bandwidth: the size whose transfer lasts as long as its fixed cost
+    params = [ParamSpec(f"p{i}", 10, "float32", 4) for i in range(4)]  # 40 bytes each
+    groups = get_schedule("prophet").bucket_groups(params, buffer_size=10**6, ready_times=[0.3, 0.2, 0.1, 0.0],
+                                                   bandwidth=40_000.0, latency=0.002)  # minimum 80 bytes
+    assert groups == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("bad", [dict(bandwidth=0.0), dict(bandwidth=math.nan), dict(latency=-1.0),
@@ -94,10 +106,7 @@ def _prophet_training(opt_names, schedules):
             opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, buffer_size=4096)
             plans = []
             for step in range(STEPS):
-                opt.zero_grad()
-                x, y = global_batch(step, "mlp")
-                loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-                opt.step()
+                train_step(opt, model, step, rank, world)
                 plans.append([b.params for b in opt.plan.buckets])
                 if step == 3:
                     opt._executor.replan(buffer_size=400)  # the re-plan path the tuner takes
@@ -201,10 +210,7 @@ def _link_drops_midway(steps=14, slow_from=6):
                             link_check_every=2, backend=_SlowLink(dearopt.runtime.get_backend(), delay))
     for step in range(steps):
         delay[0] = 0.05 if step >= slow_from else 0.0  # 50 ms more per collective: the link got much slower
-        opt.zero_grad()
-        x, y = global_batch(step, "mlp")
-        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-        opt.step()
+        train_step(opt, model, step, rank, world)
     measured = opt._executor.profile.result  # the measurement the monitor adopted last
     blocks = get_schedule("prophet").bucket_groups(opt.plan.params, buffer_size=4096, ready_times=measured.ready,
                                                    bandwidth=measured.bandwidth, latency=measured.latency)

@@ -19,7 +19,13 @@ start their collectives in one fixed order:
   boundary (dtype, a tied twin, a row-sparse embedding) lies between, and the
   block, with it, is sent (``latency + bytes / B``) before the next gradient
   not yet ready is generated (Prophet's constraint (11));
-* the block occupies the link until ``start + latency + bytes / B``.
+* the block occupies the link until ``start + latency + bytes / B``;
+* a block smaller than ``latency * B`` (it would spend longer on its fixed
+  cost than on its bytes: the paper's Eq. 10, small blocks lose throughput)
+  waits for the next gradients instead of going alone.  ``latency`` is at
+  least :data:`DEFAULT_LATENCY`: on the CPU machines measured here the
+  per-collective cost is mostly CPU time the link model cannot see (ResNet-50
+  unshaped: 102 blocks without this floor ran 0.84x DDP).
 
 Equal ready times make one block (up to ``max_bytes``); a gap longer than
 every transfer makes one block per burst of gradients; a gradient too large
@@ -54,20 +60,23 @@ from .bytescheduler import ByteScheduler
 __all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks"]
 
 DEFAULT_LATENCY = 1e-3
-"""Seconds of fixed cost per collective (``E = latency + s / B``: the paper's throughput loss of small blocks,
-its Eq. 10) where the profile did not measure one; the step-1 profile fits it from the job's own reductions
-(:func:`dearopt.profiling.fit_latency`)."""
+"""Seconds of fixed cost per collective at least (``E = latency + s / B``: the paper's throughput loss of small
+blocks, its Eq. 10); the step-1 profile fits it from the job's own reductions
+(:func:`dearopt.profiling.fit_latency`), which on a link that is rarely busy finds about nothing."""
 
 
 def prophet_blocks(ready: Sequence[float], nbytes: Sequence[int], bandwidth: float, *, latency: float = 0.0,
-                   max_bytes: Optional[int] = None, split_after: Sequence[int] = ()) -> List[List[int]]:
+                   max_bytes: Optional[int] = None, min_bytes: int = 0,
+                   split_after: Sequence[int] = ()) -> List[List[int]]:
     """Prophet's gradient blocks (see the module doc) as runs of parameter positions in forward order.
 
     ``ready[i]``: seconds after backward starts at which parameter ``i``'s
     gradient exists; ``nbytes[i]``: its bytes; ``bandwidth``: bytes/s of the
     reduction on the link; ``latency``: fixed seconds per collective;
-    ``max_bytes``: no block larger (a single parameter may be); ``split_after``:
-    positions ``i`` with a required boundary between ``i`` and ``i + 1``.
+    ``max_bytes``: no block larger (a single parameter may be); ``min_bytes``:
+    a smaller block waits for the next gradients rather than go alone (the
+    paper's Eq. 10: below some size a collective's fixed cost dominates);
+    ``split_after``: positions ``i`` with a required boundary between ``i`` and ``i + 1``.
     """
     n = len(ready)
     if len(nbytes) != n:
@@ -89,11 +98,13 @@ def prophet_blocks(ready: Sequence[float], nbytes: Sequence[int], bandwidth: flo
         start = max(ready[i], link_free)  # the first gradient exists and the link is free
         size, j = nbytes[i], i - 1
         while j >= 0 and j not in cut:
-            if ready[j] > start:
-                break  # not generated yet: a block never waits to fill
             if max_bytes is not None and size + nbytes[j] > max_bytes:
                 break
-            if start + latency + (size + nbytes[j]) / bandwidth > later(j, start):
+            if size < min_bytes:
+                start = max(start, ready[j])  # too small to go alone: wait for the next gradient
+            elif ready[j] > start:
+                break  # not generated yet: a block never waits to fill
+            elif start + latency + (size + nbytes[j]) / bandwidth > later(j, start):
                 break  # sent only after the next gradient exists: that one would wait behind it
             size += nbytes[j]
             j -= 1
@@ -127,9 +138,9 @@ class Prophet(Schedule):
         if len(ready_times) != len(params):
             raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
         split = [i for i in range(len(params) - 1) if must_split(params, i)]
-        return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth,
-                              latency=DEFAULT_LATENCY if latency is None else latency,
-                              max_bytes=buffer_size, split_after=split)
+        latency = max(DEFAULT_LATENCY, latency or 0.0)
+        return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth, latency=latency,
+                              max_bytes=buffer_size, min_bytes=int(latency * bandwidth), split_after=split)
 
     def ops(self, layout: Layout):
         """Reduce-scatters as blocks complete in backward; then every all-gather starts at ``step()``, back to
