@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import time
 import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -507,8 +508,9 @@ class TuningController:
     (the same number of times on each).  The controller times the steps with
     ``clock``; a trial discards its first ``warmup_steps`` steps (the re-plan
     and the first step under new knobs) and measures the throughput of the
-    next ``measure_steps``: ``measure_steps / elapsed`` steps/s, times
-    ``samples_per_step`` if given (samples/s).  Only rank 0's (``is_root``)
+    next ``measure_steps``: one over the median of their step times (steps/s;
+    a single slow step, a collection or a page-fault storm, does not decide a
+    trial), times ``samples_per_step`` if given (samples/s).  Only rank 0's (``is_root``)
     timing is used -- in synchronous data-parallel training every rank runs at
     the pace of the slowest, so rank 0's wall time is the job's.
 
@@ -558,6 +560,7 @@ class TuningController:
         # warm-up it only sets the reference point.
         self._steps = -1 if warmup_steps == 0 else 0
         self._t_start: Optional[float] = None
+        self._durations: List[float] = []  # the measured steps' times in this trial
         self._history: List[Tuple[Knobs, float]] = []
         self._best: Optional[Tuple[Knobs, float]] = None
         self.finished = False
@@ -583,8 +586,10 @@ class TuningController:
             return None
         now = self._clock()
         self._steps += 1
-        if self._steps == self.warmup_steps:
-            self._t_start = now
+        if self._steps > self.warmup_steps and self._t_start is not None:
+            self._durations.append(now - self._t_start)
+        if self._steps >= self.warmup_steps:
+            self._t_start = now  # the end of the last step: the next one is timed from here
         if self._steps < self.warmup_steps + self.measure_steps:
             return None
 
@@ -596,9 +601,8 @@ class TuningController:
 
     def _decide(self, now: float) -> dict:
         tuner = self.tuner
-        elapsed = now - self._t_start
-        throughput = (self.measure_steps * (self.samples_per_step or 1.0) / elapsed
-                      if elapsed > 0 else float("inf"))
+        step_time = statistics.median(self._durations) if self._durations else 0.0
+        throughput = (self.samples_per_step or 1.0) / step_time if step_time > 0 else float("inf")
         trial = len(self._history) + 1
         logger.info("trial %d: %s -> throughput %.4g %s", trial, tuner.describe(self._current),
                     throughput, self.unit)
@@ -625,6 +629,7 @@ class TuningController:
         self._current = new
         self._steps = 0
         self._t_start = t_boundary
+        self._durations = []
         if decision["finished"]:
             self.finished = True
         return dict(new) if changed else None

@@ -118,6 +118,12 @@ def test_choice_tuner_under_the_controller_tries_each_candidate_once_and_keeps_t
     assert switches == [None, None, {"r": "b"}, None, None, {"r": "c"}, None, None, {"r": "b"}]
     assert [k["r"] for k, _ in ctl.history] == ["a", "b", "c"] and ctl.finished
     assert [round(t, 6) for _, t in ctl.history] == [round(2 / 3.0, 6), 2.0, 0.5]  # 2 steps over 3, 1 and 4 s
+    # one slow step (a collection, first touches of new buffers) does not decide: the median step counts
+    clock = iter([0.0, 1.0, 2.0, 3.0, 3.5, 4.0, 4.5, 14.5])  # "a": 1 s steps; "b": 0.5, 0.5 and one of 10 s
+    ctl = TuningController(ChoiceTuner([{"r": "a"}, {"r": "b"}]), warmup_steps=1, measure_steps=3, is_root=True,
+                           broadcast=lambda d: d, clock=lambda: next(clock))
+    assert [ctl.on_step_end() for _ in range(8)][-1] is None and ctl.finished  # already on "b", the best
+    assert [t for _, t in ctl.history] == [1.0, 2.0] and ctl.best == ({"r": "b"}, 2.0)
     tie = ChoiceTuner([{"r": 1}, {"r": 2}])
     tie.observe({"r": 1}, 5.0)
     tie.observe({"r": 2}, 5.0)

@@ -239,7 +239,7 @@ def test_controller_lockstep_fake_clock(caplog):
 
     def step_time(knobs, i):
         # the measured steps alternate between 0.5x and 1.5x of the mean step
-        # time (average = 1 / f): the controller must average over all k
+        # time (average and median = 1 / f): the controller must use all k, not the last one
         return (0.5 if i % 2 else 1.5) / f(knobs["buffer_size"])
 
     world = FakeWorld(3, step_time, lambda: BayesianTuner([buffer_size_knob()], budget=6, seed=0),
@@ -268,7 +268,7 @@ def test_controller_lockstep_fake_clock(caplog):
     for c in world.controllers[1:]:  # every rank knows the history and the best
         assert c.history == hist and c.best == world.controllers[0].best and c.finished
     # Warm-up discarded (the 10 s re-plan step would dominate otherwise) and
-    # the measurement averaged over the k steps: throughput == f exactly.
+    # the measurement over the k steps (their median, here also their mean): throughput == f exactly.
     for knobs, thr in hist:
         assert thr == pytest.approx(f(knobs["buffer_size"]), rel=1e-9)
     best_knobs, best_thr = world.controllers[0].best
