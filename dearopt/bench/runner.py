@@ -35,11 +35,14 @@ VARIANTS = {
     "dear+pc": ("dear", {"priority": True, "partition_size": 4 * 2**20, "credit": 16 * 2**20}),
     "dear-nocheck": ("dear", {"check_agreement": False, "nonfinite": "ignore"}),
     "dear-paper": ("dear", {"allreduce": 0.0}),
+    "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
 }
 """Configured variants: ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
 (issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9);
 ``dear-paper`` is DeAR as in the paper (every bucket reduce-scattered and gathered in the next forward), where
-``dear`` all-reduces in backward as many buckets as fit in the link's idle time there (``allreduce="auto"``)."""
+``dear`` all-reduces in backward as many buckets as fit in the link's idle time there (``allreduce="auto"``);
+``dear-tuned`` tunes its buffer size online (Bayesian optimization, 10 trials of 3 measured steps; untimed
+until tuning and the measured choice are over) instead of --bucket-mb."""
 
 SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
 """Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.schedules.names()``)
@@ -77,8 +80,8 @@ class _Runner:
         else:
             self.forward_module = model
             base, extra = VARIANTS.get(schedule, (schedule, {}))
-            self.opt = dearopt.DistOptim(inner, model, schedule=base,
-                                         buffer_size=int(cfg["bucket_mb"] * 2**20), timeline=timeline_path, **extra)
+            knobs = {"buffer_size": int(cfg["bucket_mb"] * 2**20), "timeline": timeline_path, **extra}
+            self.opt = dearopt.DistOptim(inner, model, schedule=base, **knobs)
             if timeline_path:
                 self.timeline = self.opt.timeline  # forward/iteration spans from the benchmark side
         self.iteration = 0
@@ -310,11 +313,13 @@ def run_rank(cfg: dict) -> dict:
             plan = getattr(runner.opt, "plan", None)
             if plan is not None:
                 plans.setdefault(s, []).append({
-                    "allreduce": list(plan.allreduce), "buckets": len(plan.buckets),
+                    "allreduce": list(plan.allreduce), "buckets": len(plan.buckets), "buffer_size": plan.buffer_size,
                     "measured": [[k["allreduce"], t] for k, t in choice.history] if choice is not None else [],
                     "kept": choice.current["allreduce"] if choice is not None else None})
             if plan is not None and plan.allreduce:
                 _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
+            if plan is not None and getattr(runner.opt, "tuning", None) is not None:
+                _log(rank, f"  {s:>5}: tuned buffer_size {plan.buffer_size / 2**20:.1f} MiB ({len(plan.buckets)} buckets)")
             if plan is not None and base_schedule(s).startswith("prophet"):
                 sizes = [b.grad_numel * b.element_size / 2**20 for b in plan.buckets]
                 _log(rank, f"  {s:>5}: {len(sizes)} blocks from the profile, {min(sizes):.2f}-{max(sizes):.2f} MiB")
