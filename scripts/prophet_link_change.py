@@ -53,7 +53,9 @@ def _rank(args) -> dict:
     blocks = {name: [] for name in runs}
     change_at = args.steps // 2
     for step in range(args.steps):
-        if step == change_at:
+        if step == change_at:  # re-shape an idle link: twice in four runs the change with gathers in flight
+            for _, opt in runs.values():  # stalled the next collective past the timeout
+                opt.synchronize()
             backend.all_reduce(torch.zeros(1)).wait()
             if rank == 0:
                 subprocess.run(["tc", "qdisc", "change", "dev", "lo", "root", "tbf", "rate", args.then,
