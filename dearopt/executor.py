@@ -152,7 +152,7 @@ class Executor:
         self.profile = ReadyProfile(options.priority or policy.needs_profile
                                     or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")),
                                     every=options.link_check_every)
-        self.link_monitor = LinkMonitor(options.link_check_every) if options.link_check_every else None
+        self.link_monitor = LinkMonitor() if options.link_check_every else None
         self.window = CreditWindow(credit)
         self.on_step_landed = on_step_landed
         self.launch_log = None  # the issuer's (step, kind, bucket, piece) log, kept across re-plans
@@ -435,7 +435,7 @@ class Executor:
         if groups is not None:  # the schedule forms its buckets from the profile (Prophet's blocks)
             return [list(b.params) for b in self.plan.buckets] != groups
         chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth) \
-            if get_schedule(self.options.schedule).mixes_allreduce else frozenset()
+            if policy.mixes_allreduce else frozenset()
         return tuple(sorted(chosen)) != tuple(self.plan.allreduce)
 
     def allreduce_choices(self) -> List[Tuple[Union[float, str], FrozenSet[int]]]:

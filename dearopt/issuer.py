@@ -313,11 +313,6 @@ class Issuer:
             if op.finished_at is None and op.handle.is_completed():
                 op.finished_at = now
 
-    def reduction_busy_time(self) -> Tuple[int, float]:
-        """Bytes of the reductions and the seconds the link was busy with them (ops one after another)."""
-        services = self.reduction_services()
-        return sum(n for n, _ in services), sum(t for _, t in services)
-
     def reduction_services(self) -> List[Tuple[int, float]]:
         """``(bytes, seconds)`` of each finished reduction: from its start, or the end of the one before it
         (the link carries one at a time), to its observed end."""

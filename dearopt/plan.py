@@ -336,7 +336,6 @@ def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: in
     ``groups`` (contiguous runs of positions covering every parameter in
     forward order, e.g. Prophet's blocks) replaces the fusion by size.
     """
-    special = _special
     if groups is not None:
         flat = [pos for g in groups for pos in g]
         if flat != list(range(len(params))) or any(not g for g in groups):
@@ -352,8 +351,7 @@ def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: in
     for pos in reversed(range(len(params))):
         spec = params[pos]
         cap = buffer_size if groups or first_bucket_size is None else min(buffer_size, first_bucket_size)
-        if current and (current_bytes + spec.nbytes > cap or params[current[0]].dtype != spec.dtype
-                        or special(spec) or special(params[current[0]])):
+        if current and (current_bytes + spec.nbytes > cap or must_split(params, pos)):  # pos + 1 is current's
             groups.append(current)
             current, current_bytes = [], 0
         current.append(pos)
@@ -365,7 +363,6 @@ def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: in
 
 def _buckets_of(params: Sequence[ParamSpec], groups: List[List[int]], world_size: int,
                 partition_size: Optional[int]) -> Tuple[Bucket, ...]:
-    special = _special
     buckets = []
     for index, members in enumerate(groups):
         members = sorted(members)
@@ -376,7 +373,7 @@ def _buckets_of(params: Sequence[ParamSpec], groups: List[List[int]], world_size
         padded = padded_numel(offset + len(members) + world_size, world_size)
         element = params[members[0]].element_size
         first = params[members[0]]
-        pieces = ((0, padded),) if special(first) else _pieces(padded, world_size, element, partition_size)
+        pieces = ((0, padded),) if _special(first) else _pieces(padded, world_size, element, partition_size)
         buckets.append(Bucket(index=index, params=tuple(members), offsets=tuple(offsets),
                               dtype=first.dtype, grad_numel=offset, padded_numel=padded,
                               world_size=world_size, pieces=pieces, element_size=element,

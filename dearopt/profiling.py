@@ -101,20 +101,18 @@ class ReadyProfile:
 class LinkMonitor:
     """When the link's bandwidth has changed: Prophet's network bandwidth monitor, on the job's own reductions.
 
-    Every ``every`` steps rank 0 re-measures (:class:`ReadyProfile`) and shares the numbers, so every rank
-    calls :meth:`observe` with the same values and takes the same decision.  The bandwidth counts as changed
+    Every ``link_check_every`` steps rank 0 re-measures (:class:`ReadyProfile`) and shares the numbers, so every
+    rank calls :meth:`observe` with the same values and takes the same decision.  The bandwidth counts as changed
     when it differs from the one the plan was made with by more than ``threshold`` (relative) in ``patience``
     measurements in a row, all on the same side; one slow or fast step does not re-plan.
     """
 
-    def __init__(self, every: int = 20, threshold: float = 0.25, patience: int = 2):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"the link monitor's interval must be an integer >= 1 step, got {every!r}")
+    def __init__(self, threshold: float = 0.25, patience: int = 2):
         if not threshold > 0:
             raise ValueError(f"threshold must be > 0, got {threshold!r}")
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience!r}")
-        self.every, self.threshold, self.patience = every, threshold, patience
+        self.threshold, self.patience = threshold, patience
         self._streak = 0
         self._side = 0
         self.changes: List[Tuple[int, float, float]] = []  # (step, planned bytes/s, new bytes/s) adopted

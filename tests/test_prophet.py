@@ -144,13 +144,18 @@ def test_prophet_training_equals_single_process_with_a_replan_in_the_middle(worl
 def test_the_link_monitor_needs_a_change_beyond_the_threshold_twice_in_a_row():
     from dearopt.profiling import LinkMonitor
 
-    m = LinkMonitor(every=5, threshold=0.25, patience=2)
+    m = LinkMonitor(threshold=0.25, patience=2)
     # within 25 %: never; one slow measurement, then a fast one: the streak restarts; two fast ones: re-plan
     assert [m.observe(s, 100.0, bw) for s, bw in enumerate([120, 79, 126, 130])] == [False, False, False, True]
     assert m.changes == [(3, 100.0, 130)]
     assert [m.observe(s, 130.0, bw) for s, bw in enumerate([110, 60, 50], start=4)] == [False, False, True]
-    with pytest.raises(ValueError, match="interval"):
-        LinkMonitor(every=0)
+    from dearopt.options import Options
+
+    assert Options(schedule="prophet").link_check_every == 20 and Options(schedule="dear").link_check_every is None
+    with pytest.raises(ValueError, match="link_check_every must be"):
+        Options(schedule="prophet", link_check_every=0)
+    with pytest.raises(ValueError, match="has none"):  # only the schedules whose buckets come from the profile
+        Options(schedule="dear", link_check_every=5)
 
 
 class _SlowLink(dearopt.collectives.CollectiveBackend):
