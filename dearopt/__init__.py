@@ -10,11 +10,13 @@ The public API::
 from .collectives import CollectiveBackend, Handle, padded_numel
 from .errors import (
     BackendUnavailableError,
+    CheckpointMismatchError,
     CollectiveError,
     CollectiveTimeoutError,
     DearoptError,
     LaunchEnvironmentError,
     NonFiniteGradientError,
+    NotElementwiseError,
     NotInitializedError,
     PeerLostError,
     PlanMismatchError,
@@ -30,4 +32,5 @@ from .comm_hooks import CommHook, bf16_compress, fp16_compress
 from .optimizer import DistOptim
 from .options import Options
 from .plan import Plan, build_plan, parse_size
+from .sharding import register_elementwise
 from .tuner import BayesianTuner, ChoiceTuner, Knob, TuningController

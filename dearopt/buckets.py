@@ -34,6 +34,9 @@ class PieceState:
         self.full_grad = self.full[: max(0, min(end, grad_numel) - start)]
         self.wire_full: Optional[torch.Tensor] = None  # the same piece in a comm hook's wire dtype
         self.wire_shard: Optional[torch.Tensor] = None
+        # sharded update (dearopt.sharding): the all-gather carries the piece's parameters, not its gradients
+        self.gather_full: Optional[torch.Tensor] = None
+        self.gather_shard: Optional[torch.Tensor] = None
 
     def region(self, result: str) -> torch.Tensor:
         """The gradient elements of an op's result: this rank's shard, or the whole piece."""

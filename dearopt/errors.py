@@ -25,6 +25,8 @@ __all__ = [
     "NonFiniteGradientError",
     "UsageError",
     "BackendUnavailableError",
+    "NotElementwiseError",
+    "CheckpointMismatchError",
 ]
 
 
@@ -46,6 +48,15 @@ class BackendUnavailableError(DearoptError):
 
 class UsageError(DearoptError):
     """The API was used in an order or a way it does not support."""
+
+
+class NotElementwiseError(DearoptError, TypeError):
+    """``shard_optimizer=True`` with an optimizer whose update is not known to act element by element, so that
+    running it on a shard of each parameter could differ from running it on the whole parameter."""
+
+
+class CheckpointMismatchError(DearoptError, ValueError):
+    """A sharded checkpoint was made with another world size, rank or plan than the one loading it."""
 
 
 def _describe(rank, op, bucket, step) -> str:

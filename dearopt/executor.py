@@ -45,6 +45,7 @@ from .plan import (BACKWARD_END, STEP, ParamSpec, Plan, Point, When, allreduce_b
                    moment_key)
 from .profiling import LinkMonitor, ReadyProfile
 from .schedules import get_schedule
+from .sharding import ShardedUpdate
 from .tied import TiedEmbeddings
 from .timeline import Timeline
 from .updater import BucketUpdater
@@ -147,6 +148,8 @@ class Executor:
         self.timeline = Timeline(options.timeline, self.rank)
         self.checks = Checks(options, self.control, self.rank, self.world)
         self.updater = BucketUpdater(optimizer)
+        self.sharding = ShardedUpdate(optimizer, self.control, self.rank, self.world) \
+            if options.shard_optimizer else None
         self.recorder = ForwardOrderRecorder()
         policy = get_schedule(options.schedule)
         self.profile = ReadyProfile(options.priority or policy.needs_profile
@@ -301,7 +304,8 @@ class Executor:
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, latency=latency, credit=self.window.credit,
                           comm_hook=hook_name,
-                          first_bucket_size=self.options.first_bucket_size, allreduce=self.allreduce)
+                          first_bucket_size=self.options.first_bucket_size, allreduce=self.allreduce,
+                          sharded_update=self.sharding is not None)
         self.checks.plan_agreement(plan, self.step_count)
         group_of_param = {}
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -482,6 +486,8 @@ class Executor:
             self.allreduce = allreduce
         if self.plan is None:  # nothing recorded yet: the first plan will use the new knobs
             return
+        if self.sharding is not None:  # the state back in the ordinary layout; the new buckets cut it anew
+            self.sharding.release()
         saved = {id(p): (self._gradient_of(b, j), b.used[j], b.has_grad[j], b.stamp[j])
                  for b in self.buckets for j, p in enumerate(b.params)}
         for b in self.buckets:
@@ -623,7 +629,9 @@ class Executor:
         self._complete_due(STEP)
         self._combine(STEP)
         r.stepped = True
-        for b in self._updates_at.get(STEP, ()):
+        if self.sharding is not None:
+            self._share_meta(r.step)
+        for b in (range(len(self.buckets)) if self.sharding is not None else self._updates_at.get(STEP, ())):
             self.checks.check_tags(self.buckets[b], r.step)
         if not scaler_checked:
             sharded = any(is_shard for _, is_shard in self._checked_at_step)
@@ -643,6 +651,8 @@ class Executor:
             b.pending = True
         r.updates_left = len(self.buckets)
         self.updater.begin_step(sum(1 for b in self.buckets if b.has_members))
+        if self.sharding is not None:
+            self._update_shards()
         for b in self._updates_at.get(STEP, ()):
             self._update(self.buckets[b], tags_checked=True)
         if self.round is not None:
@@ -692,24 +702,65 @@ class Executor:
             for b in self._updates_at.get(point, ()):
                 self._update(self.buckets[b], tags_checked=False)
 
+    def _share_meta(self, step: int) -> None:
+        """Sharded update: every bucket's used flags and step tags summed over ranks on the control channel.  The
+        reduce-scatter leaves their sum only on the rank whose shard holds the bucket's tail, and the all-gather
+        carries parameters, so without this message no other rank would learn them."""
+        if self.world == 1:
+            return
+        meta = torch.cat([torch.cat([b.flags, b.tags]).double() for b in self.buckets]).to(self.control.device)
+        self.control.all_reduce(meta, "sum", step=step).wait()
+        offset = 0
+        for b in self.buckets:
+            n = len(b.params)
+            b.flags.copy_(meta[offset:offset + n])
+            b.tags.copy_(meta[offset + n:offset + n + self.world])
+            offset += n + self.world
+            b.mark_seen()
+
+    def _included(self, bucket: BucketState) -> List[bool]:
+        """Which parameters of the bucket the update includes: those some rank produced a gradient for, and
+        those unused on every rank that keep the gradient they had (none after ``zero_grad(set_to_none=True)``,
+        so the optimizer skips them, else their last one)."""
+        used = self.checks.used(bucket)
+        for owner, j, twin, k, _ in self._combines:  # a tied weight is used where its twin was
+            if owner is bucket:
+                used[j] = used[j] or self.checks.used(twin)[k]
+        include = [u or had for u, had in zip(used, bucket.has_grad)]
+        bucket.has_grad = include
+        return include
+
+    def _update_shards(self) -> None:
+        """Sharded update, at ``step()``: each bucket's optimizer update on this rank's shard, in bucket order; the
+        all-gathers that start from here on carry the updated parameters.  The whole averaged gradient exists on
+        no rank, so every ``p.grad`` becomes None (as after ``zero_grad(set_to_none=True)``)."""
+        self.sharding.prepare(self.buckets, self.plan.fingerprint())
+        for bucket in self.buckets:
+            t0 = self.timeline.now()
+            include = self._included(bucket)
+            if bucket.has_members:
+                self.sharding.apply(bucket, include, self.updater)
+            bucket.zero(set_to_none=True)
+            self.timeline.span("update shard", "update", t0, bucket=bucket.index)
+
     def _update(self, bucket: BucketState, tags_checked: bool) -> None:
+        t0 = self.timeline.now()
+        if self.sharding is not None:  # updated at step(); the all-gather just completed brought its parameters
+            self._land(bucket, t0)
+            return
         step = self.round.step
         if not tags_checked:
             self.checks.check_tags(bucket, step)
         if bucket.index in self._late_checked and not self.round.scaler_checked:
             self.checks.nonfinite_bucket(bucket, self.buckets, step)
-        used = self.checks.used(bucket)
-        for owner, j, twin, k, _ in self._combines:  # a tied weight is used where its twin was
-            if owner is bucket:
-                used[j] = used[j] or self.checks.used(twin)[k]
-        # A parameter unused on every rank keeps the gradient it had: none after
-        # zero_grad(set_to_none=True) (the optimizer skips it), else its last one.
-        include = [u or had for u, had in zip(used, bucket.has_grad)]
-        bucket.has_grad = include
-        t0 = self.timeline.now()
+        include = self._included(bucket)
         if bucket.has_members:
             bucket.restore_views()  # zero_grad(set_to_none=True) may have come first and set p.grad to None
             self.updater.apply(bucket, include)
+        self._land(bucket, t0)
+
+    def _land(self, bucket: BucketState, t0: float) -> None:
+        """The bucket's update is in its parameters: no longer pending; the round ends with the last one."""
         bucket.pending = False
         if bucket.zero_after_update is not None:
             bucket.zero(bucket.zero_after_update)

@@ -186,6 +186,8 @@ class Issuer:
                 self.first_reduction_at = time.perf_counter()
         if spec.kind == ROWS:
             self._start_rows(op, where)
+        elif spec.kind == ALL_GATHER and piece.gather_full is not None:  # parameters: as they are, never encoded
+            op.handle = backend.all_gather(piece.gather_full, piece.gather_shard, **where)
         elif hook is None:
             if spec.kind == REDUCE_SCATTER:
                 op.handle = backend.reduce_scatter(piece.shard, piece.full, **where)
@@ -291,6 +293,8 @@ class Issuer:
         if spec.kind == ROWS:
             if op.ctx is not None:
                 self._complete_rows(op)
+        elif spec.kind == ALL_GATHER and piece.gather_full is not None:
+            pass  # the parameters are in place
         elif self.hook is not None:
             wire_full, wire_shard = piece.wire(self.hook.wire_dtype(piece.full.dtype))
             wire, whole = (wire_shard, piece.shard) if spec.result == "shard" else (wire_full, piece.full)

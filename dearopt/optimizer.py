@@ -10,6 +10,7 @@ forwards.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -97,7 +98,14 @@ class DistOptim(torch.optim.Optimizer):
             machines where communication takes cycles from the computation the link model alone misjudges it.
             A fraction of the bytes from the output side (0: DeAR as in the paper) fixes the plan.
         embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
-            such a weight as a gradient of its own (default True; exact either way, see :mod:`dearopt.tied`).
+            such a weight as a gradient of its own (default: on, unless ``shard_optimizer``; exact either way,
+            see :mod:`dearopt.tied`).
+        shard_optimizer: under ``dear``, each rank runs the optimizer on its shard of every bucket at ``step()``
+            and the next forward's all-gather carries parameters (ZeRO stage 1 with DeAR's overlap; see
+            :mod:`dearopt.sharding`): optimizer state and work per rank are 1/N.  Elementwise optimizers only
+            (:class:`dearopt.NotElementwiseError` otherwise).  ``optimizer.state`` is then keyed by the shards;
+            :meth:`state_dict` gathers the ordinary layout (every rank must call it),
+            :meth:`sharded_state_dict` saves this rank's part.  After ``step()`` every ``p.grad`` is None.
         partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
         link_check_every: for schedules whose buckets come from the profile (``"prophet"``), re-measure the
             link every this many steps and re-plan when its bandwidth moved by more than 25 % twice in a row
@@ -131,8 +139,9 @@ class DistOptim(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  schedule: str = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-                 first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE, embedding_rows: bool = True,
-                 allreduce: Union[float, str] = "auto",
+                 first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE,
+                 embedding_rows: Optional[bool] = None, allreduce: Union[float, str] = "auto",
+                 shard_optimizer: bool = False,
                  partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
                  priority: bool = False, link_check_every: Union[int, str, None] = "auto",
                  backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
@@ -141,7 +150,7 @@ class DistOptim(torch.optim.Optimizer):
                  tuning_steps: int = 10, profile=None, backend=None):
         _check_arguments(optimizer, model)
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
-                          embedding_rows=embedding_rows, allreduce=allreduce,
+                          embedding_rows=embedding_rows, allreduce=allreduce, shard_optimizer=shard_optimizer,
                           partition_size=partition_size,
                           credit=credit, priority=priority, link_check_every=link_check_every,
                           backward_passes_per_step=backward_passes_per_step,
@@ -422,15 +431,65 @@ class DistOptim(torch.optim.Optimizer):
             self._executor.no_sync = previous
 
     def state_dict(self):
+        """The wrapped optimizer's ``state_dict()``, in torch's ordinary per-parameter layout.
+
+        With ``shard_optimizer=True`` it is gathered from every rank's shards (a collective: call it on every
+        rank; every rank gets the whole state), loadable by an unsharded run and by torch's optimizer."""
         self.synchronize()
-        return self._inner.state_dict()
+        sharding = self._executor.sharding
+        if sharding is None or not sharding.active:
+            return self._inner.state_dict()
+        return self._inner_state_dict(sharding.gather_state())
+
+    def _inner_state_dict(self, state) -> dict:
+        """The wrapped optimizer's ``state_dict()`` over ``state`` (parameters to entries) instead of its own."""
+        live = self._inner.state
+        self._inner.state = collections.defaultdict(dict, state)
+        try:
+            return self._inner.state_dict()
+        finally:
+            self._inner.state = live
 
     def load_state_dict(self, state_dict) -> None:
+        """Load an ordinary ``state_dict()`` (from this class, sharded or not, or from a torch optimizer)."""
         self.synchronize()
         self._inner.load_state_dict(state_dict)
-        # load_state_dict replaces the group dicts: share them again
+        self._share_inner()
+        sharding = self._executor.sharding
+        if sharding is not None:
+            sharding.take_state()  # cut into this rank's shards (at the first step() if none exist yet)
+
+    def _share_inner(self) -> None:
+        # load_state_dict replaces the group dicts and the state: share them again
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
+
+    def sharded_state_dict(self) -> dict:
+        """``shard_optimizer=True``: this rank's part of the optimizer state (and the hyperparameters), for a
+        per-rank checkpoint of a large model.  It loads (:meth:`load_sharded_state_dict`) only into the same
+        rank of a run with the same world size and plan; :meth:`state_dict` is the portable form."""
+        sharding = self._require_sharding("sharded_state_dict")
+        self.synchronize()
+        saved = sharding.sharded_state()
+        saved["param_groups"] = self._inner_state_dict({})["param_groups"]
+        return saved
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's :meth:`sharded_state_dict` (a :class:`dearopt.CheckpointMismatchError` if it was
+        saved by another rank, world size or plan)."""
+        sharding = self._require_sharding("load_sharded_state_dict")
+        self.synchronize()
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+            sharding.load_sharded_state(state_dict)  # names what is wrong with it
+        self._inner.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._share_inner()
+        sharding.load_sharded_state(state_dict)
+
+    def _require_sharding(self, what: str):
+        if self._executor.sharding is None:
+            raise UsageError(f"{what}() is for shard_optimizer=True; this optimizer is not sharded: use "
+                             f"state_dict() / load_state_dict()")
+        return self._executor.sharding
 
     def add_param_group(self, param_group) -> None:
         if getattr(self, "_constructing", False):  # Optimizer.__init__ registering the wrapped optimizer's groups

@@ -44,10 +44,18 @@ class Options:
     the link model cannot see what communication costs the computation on the same cores.  A fraction in
     [0, 1]: the buckets from the output side holding that fraction of the bytes (0: DeAR as in the paper)."""
 
-    embedding_rows: bool = True
-    """Reduce each ``nn.Embedding`` weight as the rows its lookups touched (all ranks' rows all-gathered,
+    embedding_rows: Optional[bool] = None
+    """Default (None): on, unless ``shard_optimizer``.  Reduce each ``nn.Embedding`` weight as the rows its lookups touched (all ranks' rows all-gathered,
     a dense all-reduce when they are not few), and a tied use of it (a decoder sharing the word
     embedding) as a gradient of its own, added before the update (:mod:`dearopt.tied`).  Exact either way."""
+
+    shard_optimizer: bool = False
+    """``dear`` only: each rank runs the wrapped optimizer on its shard of every bucket at ``step()`` (the shard its
+    reduce-scatter averaged) and the next forward's all-gather carries the updated parameters instead of the
+    gradients (:mod:`dearopt.sharding`): the optimizer's state and work per rank are 1/N.  Elementwise optimizers
+    only; every bucket is reduce-scattered (``allreduce`` is 0) and embeddings are reduced densely (no
+    ``embedding_rows``).  After ``step()`` every ``p.grad`` is None (the whole averaged gradient never exists on
+    a rank), so gradients do not accumulate across steps."""
 
     partition_size: Union[int, str, None] = None
     """Split each bucket into collectives of at most this many bytes (ByteScheduler's
@@ -109,6 +117,22 @@ class Options:
                                          or not 0.0 <= float(self.allreduce) <= 1.0):
             raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {self.allreduce!r}")
         policy.check_options(self)
+        if self.shard_optimizer:
+            if self.schedule != "dear":
+                raise ValueError(f"shard_optimizer=True needs schedule='dear' (the reduce-scatter leaves each rank "
+                                 f"the averaged gradient of its shard, the next forward's all-gather brings the "
+                                 f"parameters); schedule={self.schedule!r} has no such pair")
+            if self.allreduce not in ("auto", 0, 0.0):
+                raise ValueError(f"shard_optimizer=True reduce-scatters every bucket (an all-reduced bucket would "
+                                 f"be updated whole on every rank); allreduce={self.allreduce!r} must be left "
+                                 f"'auto' or 0")
+            object.__setattr__(self, "allreduce", 0.0)
+            if self.embedding_rows:
+                raise ValueError("shard_optimizer=True reduces embeddings densely: with embedding_rows=True every "
+                                 "rank would hold the whole averaged embedding gradient; leave embedding_rows "
+                                 "unset")
+        if self.embedding_rows is None:
+            object.__setattr__(self, "embedding_rows", not self.shard_optimizer)
         every = self.link_check_every
         if every == "auto":
             object.__setattr__(self, "link_check_every", 20 if policy.needs_profile else None)

@@ -235,6 +235,7 @@ class Plan:
     comm_hook: str = "none"
     first_bucket_size: Optional[int] = None
     allreduce: Tuple[int, ...] = ()  # buckets all-reduced in backward (dear)
+    sharded_update: bool = False  # each rank updates its shard at step(); the all-gathers carry parameters
 
     @property
     def first_ops(self) -> Tuple[CommOp, ...]:
@@ -262,14 +263,15 @@ class Plan:
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
         text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority, self.credit,
-                     self.comm_hook, self.first_bucket_size, self.allreduce,
+                     self.comm_hook, self.first_bucket_size, self.allreduce, self.sharded_update,
                      [(p.name, p.numel, p.dtype, p.twin_of, p.row_numel) for p in self.params],
                      [(b.params, b.padded_numel, b.pieces) for b in self.buckets], self.ops))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def describe(self, ops: bool = False) -> str:
         lines = [f"plan: schedule={self.schedule} world={self.world_size} buffer={self.buffer_size} B, "
-                 f"{len(self.buckets)} buckets, {len(self.ops)} ops"]
+                 f"{len(self.buckets)} buckets, {len(self.ops)} ops"
+                 + (", sharded update (the all-gathers carry parameters)" if self.sharded_update else "")]
         for b in self.buckets:
             names = [self.params[p].name for p in b.params]
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} params)" if len(names) > 3 else "")
@@ -397,7 +399,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                bandwidth: Optional[float] = None, latency: Optional[float] = None,
                credit: Union[int, str, None] = None,
                comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
-               allreduce: Union[float, str] = 0.0) -> Plan:
+               allreduce: Union[float, str] = 0.0, sharded_update: bool = False) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -414,7 +416,9 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     ``wfbp`` does) instead of reduce-scattered in backward and all-gathered in
     the next forward: a fraction of the gradient bytes from the output side, or
     ``"auto"`` with a profile (``ready_times``, ``bandwidth``):
-    see :func:`allreduce_buckets`.
+    see :func:`allreduce_buckets`.  ``sharded_update``: the ops stay ``dear``'s, but each rank updates its shard
+    at ``step()`` and the all-gathers carry parameters (:mod:`dearopt.sharding`); part of the fingerprint, so
+    ranks that disagree about it are refused.
 
     Twins and row-sparse parameters (:class:`ParamSpec`) are planned the same
     way for every schedule, after it wrote its ops (:func:`_tied_and_rows`).
@@ -446,9 +450,13 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     layout = Layout(buckets, tuple(backward), credit, chosen)
     ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
     _check_ops(ops, buckets, schedule)
+    if sharded_update and any(op.kind not in (REDUCE_SCATTER, ALL_GATHER) for op in ops):
+        kinds = sorted({op.kind for op in ops} - {REDUCE_SCATTER, ALL_GATHER})
+        raise ValueError(f"sharded_update needs every bucket reduce-scattered, then all-gathered; this plan "
+                         f"({schedule!r}) also has {kinds} (all-reduced buckets, tied uses or embedding rows)")
     return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params, buckets=buckets,
                 ops=ops, partition_size=partition_size, priority=priority, credit=credit, comm_hook=comm_hook,
-                first_bucket_size=first_bucket_size, allreduce=tuple(sorted(chosen)))
+                first_bucket_size=first_bucket_size, allreduce=tuple(sorted(chosen)), sharded_update=sharded_update)
 
 
 def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequence[int]], ready_times: Optional[Sequence[float]],

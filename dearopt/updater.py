@@ -52,6 +52,19 @@ class BucketUpdater:
 
     def apply(self, bucket: BucketState, include: List[bool]) -> None:
         """Run the optimizer over the bucket's parameters for which ``include`` is true."""
+        members = []
+        for gi in range(len(self.optimizer.param_groups)):
+            group = bucket.group_members[gi] if gi < len(bucket.group_members) else []
+            members.append(group if all(include) else [p for p in group if include[bucket.position[id(p)]]])
+        bucket.sparse_gradients()
+        try:
+            self.apply_members(members)
+        finally:
+            bucket.dense_gradients()
+
+    def apply_members(self, members: List[List[torch.Tensor]]) -> None:
+        """Run the optimizer once with param group ``gi`` narrowed to ``members[gi]`` (parameters, or the
+        segments of a sharded update) and the hyperparameters in force at ``step()``."""
         if not self._started:
             self._started = True
             for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):
@@ -63,14 +76,9 @@ class BucketUpdater:
             for gi, group in enumerate(groups):
                 if self._hyper is not None:
                     group.update(self._hyper[gi])
-                members = bucket.group_members[gi] if gi < len(bucket.group_members) else []
-                if not all(include):
-                    members = [p for p in members if include[bucket.position[id(p)]]]
-                group["params"] = members
-            bucket.sparse_gradients()
+                group["params"] = members[gi]
             self._step()
         finally:
-            bucket.dense_gradients()
             for group, live in zip(groups, saved):
                 group.update(live)
         self._remaining -= 1

@@ -39,13 +39,13 @@ def reference(kind, opt_name, world, steps=STEPS, *, bpps=1, set_to_none=True, c
 
 
 def _train(kind, opt_names, schedule, steps=STEPS, buffer_size=64, bpps=1, use_no_sync=False, set_to_none=True,
-           clip=None, skip_middle_at=(), read_with="synchronize"):
+           clip=None, skip_middle_at=(), read_with="synchronize", **options):
     rank, world = dearopt.rank(), dearopt.size()
     results = {}
     for opt_name in opt_names:
         model = make_model(kind)
         opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, buffer_size=buffer_size,
-                                backward_passes_per_step=1 if use_no_sync else bpps)
+                                backward_passes_per_step=1 if use_no_sync else bpps, **options)
         sched = make_scheduler(opt_name, opt)
         norms = []
         for step in range(steps):
