@@ -17,7 +17,7 @@ their own; the others use the executor's control channel.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -81,30 +81,35 @@ class Checks:
 
     # ------------------------------------------------------------- non-finite
     def nonfinite(self, regions: Sequence[torch.Tensor], sharded: bool, buckets: Sequence[BucketState],
-                  step: int, own: Sequence[int] = ()) -> bool:
+                  step: int, own: Sequence[int] = (), agreed: Optional[bool] = None) -> bool:
         """Check the averaged gradients (this rank's shards if ``sharded``): True means skip the step.
 
         ``own``: the buckets whose buffers still hold this rank's own gradients
         (their average is kept as shards), from which the ranks a non-finite
-        gradient came from can be named.
+        gradient came from can be named.  ``agreed``: the answer over every
+        rank, where the caller already combined :meth:`local_nonfinite` with
+        another message (the sharded update's).
         """
         policy = self.options.nonfinite
-        if policy == "ignore" or not regions:
+        if policy == "ignore" or (not regions and agreed is None):
             return False
-        local = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for r in regions:
-            # one pass, no temporary: the sum is finite iff every element is (or it overflowed)
-            if r.numel() and not bool(torch.isfinite(r.sum())):
-                local.fill_(1.0)
-                break
-        if sharded and self.world > 1:
-            self.control.all_reduce(local, "max", step=step).wait()
-        if float(local) == 0.0:
+        if agreed is None:
+            local = torch.tensor([1.0 if self.local_nonfinite(regions) else 0.0], device=self.device)
+            if sharded and self.world > 1:
+                self.control.all_reduce(local, "max", step=step).wait()
+            agreed = float(local) > 0
+        if not agreed:
             return False
         if policy == "skip":
             return True
         raise NonFiniteGradientError(self._describe_nonfinite(buckets, step, own) + "; pass nonfinite='skip' to "
                                      "skip such steps", rank=self.rank, op="step", step=step)
+
+    @staticmethod
+    def local_nonfinite(regions: Sequence[torch.Tensor]) -> bool:
+        """Whether any of this rank's ``regions`` holds inf or NaN."""
+        # one pass, no temporary: the sum is finite iff every element is (or it overflowed)
+        return any(r.numel() and not bool(torch.isfinite(r.sum())) for r in regions)
 
     def nonfinite_bucket(self, bucket: BucketState, buckets: Sequence[BucketState], step: int) -> None:
         """For schedules that update bucket by bucket: this bucket's averaged gradient (``raise`` only)."""

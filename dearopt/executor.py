@@ -629,14 +629,16 @@ class Executor:
         self._complete_due(STEP)
         self._combine(STEP)
         r.stepped = True
-        if self.sharding is not None:
-            self._share_meta(r.step)
+        regions = [region for region, _ in self._checked_at_step]
+        judge = not scaler_checked and self.options.nonfinite != "ignore"
+        agreed = self._share_meta(r.step, judge and self.checks.local_nonfinite(regions)) \
+            if self.sharding is not None else None
         for b in (range(len(self.buckets)) if self.sharding is not None else self._updates_at.get(STEP, ())):
             self.checks.check_tags(self.buckets[b], r.step)
-        if not scaler_checked:
+        if judge:
             sharded = any(is_shard for _, is_shard in self._checked_at_step)
-            skip = self.checks.nonfinite([region for region, _ in self._checked_at_step], sharded, self.buckets,
-                                         r.step, own=self._own_gradient_buckets)
+            skip = self.checks.nonfinite(regions, sharded, self.buckets, r.step, own=self._own_gradient_buckets,
+                                         agreed=agreed)
         if self.profile.recording:
             self.profile.share(self.control, self.issuer.reduction_services(), r.step)
         self.forwards = 0
@@ -702,21 +704,27 @@ class Executor:
             for b in self._updates_at.get(point, ()):
                 self._update(self.buckets[b], tags_checked=False)
 
-    def _share_meta(self, step: int) -> None:
-        """Sharded update: every bucket's used flags and step tags summed over ranks on the control channel.  The
-        reduce-scatter leaves their sum only on the rank whose shard holds the bucket's tail, and the all-gather
-        carries parameters, so without this message no other rank would learn them."""
+    def _share_meta(self, step: int, nonfinite: bool) -> bool:
+        """Sharded update: every bucket's used flags and step tags summed over ranks on the control channel, with
+        this rank's non-finite answer (``nonfinite``); returns whether any rank found inf/NaN.  The
+        reduce-scatter leaves the flags' and tags' sum only on the rank whose shard holds the bucket's tail, and
+        the all-gather carries parameters, so without this message no other rank would learn them; the
+        non-finite check rides along instead of taking a message of its own."""
         if self.world == 1:
-            return
-        meta = torch.cat([torch.cat([b.flags, b.tags]).double() for b in self.buckets]).to(self.control.device)
+            return nonfinite
+        meta = torch.cat([torch.tensor([1.0 if nonfinite else 0.0], dtype=torch.float64)]
+                         + [torch.cat([b.flags, b.tags]).double().cpu() for b in self.buckets]).to(self.control.device)
         self.control.all_reduce(meta, "sum", step=step).wait()
-        offset = 0
+        meta = meta.to(self.buckets[0].buffer.device)
+        found = float(meta[0]) > 0
+        offset = 1
         for b in self.buckets:
             n = len(b.params)
             b.flags.copy_(meta[offset:offset + n])
             b.tags.copy_(meta[offset + n:offset + n + self.world])
             offset += n + self.world
             b.mark_seen()
+        return found
 
     def _included(self, bucket: BucketState) -> List[bool]:
         """Which parameters of the bucket the update includes: those some rank produced a gradient for, and

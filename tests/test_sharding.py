@@ -271,3 +271,54 @@ def test_a_replan_keeps_training_exact():
             params, buckets = o.value[opt_name]
             assert buckets[0] == 6 and buckets[-1] == 1
             assert_params_match(params, want)
+
+
+BAD_STEP = 2
+
+
+def _poisoned_batch(step, world, rank=None):
+    x, y = global_batch(step, "mlp")
+    if step == BAD_STEP:
+        x = x.clone()
+        x[-1, 0] = float("inf")  # the last rank's last sample: a NaN gradient there
+    return (x, y) if rank is None else (x.chunk(world)[rank], y.chunk(world)[rank])
+
+
+def _nonfinite(policy):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(make_optimizer("adam", model), model, buffer_size=64, shard_optimizer=True,
+                            nonfinite=policy)
+    try:
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _poisoned_batch(step, world, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+    except dearopt.NonFiniteGradientError as exc:
+        return f"raised at step {step}: {exc}"
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()], opt.skipped_steps
+
+
+def _nonfinite_both():
+    return {policy: _nonfinite(policy) for policy in ("skip", "raise")}
+
+
+@pytest.mark.timeout(120)
+def test_a_nonfinite_gradient_on_one_rank_is_skipped_or_raised_on_every_rank():
+    model = make_model("mlp")
+    opt = make_optimizer("adam", model)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _poisoned_batch(step, 3)
+        loss_fn("mlp", model(x), y).backward()
+        if step != BAD_STEP:  # what nonfinite="skip" means: the step is not applied
+            opt.step()
+    want = [p.detach() for p in model.parameters()]
+    for o in run_workers(_nonfinite_both, 3, timeout=100):
+        params, skipped = o.value["skip"]
+        assert skipped == 1
+        assert_params_match(params, want)
+        raised = o.value["raise"]
+        assert raised.startswith(f"raised at step {BAD_STEP}") and "rank(s) [2]" in raised, raised
