@@ -41,8 +41,8 @@ from .forward_order import ForwardOrderRecorder, parameters_in_forward_order
 from .issuer import CreditWindow, Issuer, OpState
 from .options import Options
 from .pending import PendingUpdateGuard
-from .plan import (BACKWARD_END, STEP, ParamSpec, Plan, Point, When, allreduce_buckets, build_plan, forward_of,
-                   moment_key)
+from .plan import (ALL_GATHER, BACKWARD_END, STEP, ParamSpec, Plan, Point, When, allreduce_buckets, build_plan,
+                   forward_of, moment_key)
 from .profiling import LinkMonitor, ReadyProfile
 from .schedules import get_schedule
 from .sharding import ShardedUpdate
@@ -119,6 +119,7 @@ class Round:
     forward_reached: int = -1  # the next forward has reached buckets <= this one
     updates_left: int = 0
     scaler_checked: bool = False  # a GradScaler judged the gradients: no non-finite policy for this step
+    shards_updated: int = 0  # sharded update: buckets < this one hold their updated shard (may be gathered)
     combined: set = dataclasses.field(default_factory=set)  # tied weights whose twin gradient was added
 
 
@@ -597,6 +598,8 @@ class Executor:
     def _may_start(self, op: OpState) -> bool:
         """Has the moment come at which ``op`` may start?  (``AFTER`` is the issuer's to judge.)"""
         r, start = self.round, op.spec.start
+        if self.sharding is not None and op.spec.kind == ALL_GATHER and op.spec.bucket >= r.shards_updated:
+            return False  # it carries parameters: not before this rank's shard of them is updated
         if start.when is When.GRADS_READY:
             return r.backward_done or op.bucket.complete
         if start.when is When.BACKWARD_END:
@@ -749,7 +752,9 @@ class Executor:
             if bucket.has_members:
                 self.sharding.apply(bucket, include, self.updater)
             bucket.zero(set_to_none=True)
+            self.round.shards_updated = bucket.index + 1
             self.timeline.span("update shard", "update", t0, bucket=bucket.index)
+            self.issuer.pump(self._may_start)  # its gather (due first in forward) overlaps the next updates
 
     def _update(self, bucket: BucketState, tags_checked: bool) -> None:
         t0 = self.timeline.now()

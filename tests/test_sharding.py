@@ -322,3 +322,46 @@ def test_a_nonfinite_gradient_on_one_rank_is_skipped_or_raised_on_every_rank():
         assert_params_match(params, want)
         raised = o.value["raise"]
         assert raised.startswith(f"raised at step {BAD_STEP}") and "rank(s) [2]" in raised, raised
+
+
+MORE_ELEMENTWISE = {
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=0.01, weight_decay=0.01),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=2),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    "adam-amsgrad-foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=True),
+    "sgd-maximize": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5, maximize=True),
+}
+
+
+def _more_elementwise(names, sharded):
+    rank, world = (dearopt.rank(), dearopt.size()) if sharded else (0, 1)
+    out = {}
+    for name in names:
+        model = make_model("mlp")
+        opt = MORE_ELEMENTWISE[name](list(model.parameters()))
+        if sharded:
+            opt = dearopt.DistOptim(opt, model, buffer_size=64, shard_optimizer=True)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = global_batch(step, "mlp")
+            if sharded:
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+        if sharded:
+            opt.synchronize()
+            opt.close()
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_other_elementwise_optimizers_match_single_process():
+    names = list(MORE_ELEMENTWISE)
+    want = _more_elementwise(names, sharded=False)
+    for o in run_workers(_more_elementwise, 3, names, True, timeout=100):
+        for name in names:
+            assert_params_match(o.value[name], want[name])
