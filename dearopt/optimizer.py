@@ -28,6 +28,7 @@ from .comm_hooks import resolve_comm_hook
 from .executor import Executor
 from .options import Options
 from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE
+from .schedules import get_schedule
 
 __all__ = ["DistOptim", "PLAN_CHOICE_STEPS"]
 
@@ -124,7 +125,10 @@ class DistOptim(torch.optim.Optimizer):
             model size), first trial 25 MB, 10 trials).  Its trials and result: ``optimizer.tuning``.
         tuning_steps: iterations measured per trial (after one discarded iteration).
         profile: a :class:`dearopt.sim.Profile` of this model: with ``buffer_size="auto"`` the tuner's first
-            trial is the buffer size the simulator predicts fastest, instead of 25 MB.
+            trial is the buffer size the simulator predicts fastest, instead of 25 MB; under ``"deft"`` the
+            per-bucket times its schedule is solved from.
+        deft_schedule: under ``schedule="deft"``, a :class:`dearopt.schedules.deft.DeftSchedule` to follow
+            instead of solving one from ``profile`` (delayed, merged updates: see :mod:`dearopt.delayed`).
         backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); a
             :class:`dearopt.collectives.CollectiveBackend` over a subset of the ranks restricts the averaging to
             them (``dearopt.horovod``'s process sets use this).
@@ -147,7 +151,7 @@ class DistOptim(torch.optim.Optimizer):
                  backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
-                 tuning_steps: int = 10, profile=None, backend=None):
+                 tuning_steps: int = 10, profile=None, deft_schedule=None, backend=None):
         _check_arguments(optimizer, model)
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
                           embedding_rows=embedding_rows, allreduce=allreduce, shard_optimizer=shard_optimizer,
@@ -178,8 +182,17 @@ class DistOptim(torch.optim.Optimizer):
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
         partition = None if options.partition_size == "auto" else options.partition_size
         credit_bytes = None if options.credit == "auto" else options.credit
-        self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
-                                  on_step_landed=self._step_landed)
+        if get_schedule(options.schedule).delays_updates:
+            from .delayed import DelayedExecutor
+
+            self._executor = DelayedExecutor(optimizer, model, engine, options, buffer, partition, credit_bytes,
+                                             hook, on_step_landed=self._step_landed, schedule=deft_schedule,
+                                             profile=profile)
+        else:
+            if deft_schedule is not None:
+                raise ValueError("deft_schedule= is for schedule='deft'")
+            self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
+                                      on_step_landed=self._step_landed)
         self._profile = profile
         self.tuning = self._make_tuning(tuner, tuning_steps)
         self.plan_choice = None
@@ -438,8 +451,12 @@ class DistOptim(torch.optim.Optimizer):
         self.synchronize()
         sharding = self._executor.sharding
         if sharding is None or not sharding.active:
-            return self._inner.state_dict()
-        return self._inner_state_dict(sharding.gather_state())
+            saved = self._inner.state_dict()
+        else:
+            saved = self._inner_state_dict(sharding.gather_state())
+        if hasattr(self._executor, "deft_state"):  # schedule="deft": this rank's delayed group sums
+            saved["dearopt_deft"] = self._executor.deft_state()
+        return saved
 
     def _inner_state_dict(self, state) -> dict:
         """The wrapped optimizer's ``state_dict()`` over ``state`` (parameters to entries) instead of its own."""
@@ -453,6 +470,12 @@ class DistOptim(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load an ordinary ``state_dict()`` (from this class, sharded or not, or from a torch optimizer)."""
         self.synchronize()
+        if "dearopt_deft" in state_dict:
+            if not hasattr(self._executor, "load_deft_state"):
+                raise UsageError("this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
+                                 "load it into a DistOptim with schedule='deft'")
+            state_dict = dict(state_dict)
+            self._executor.load_deft_state(state_dict.pop("dearopt_deft"))
         self._inner.load_state_dict(state_dict)
         self._share_inner()
         sharding = self._executor.sharding

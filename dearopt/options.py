@@ -45,7 +45,8 @@ class Options:
     [0, 1]: the buckets from the output side holding that fraction of the bytes (0: DeAR as in the paper)."""
 
     embedding_rows: Optional[bool] = None
-    """Default (None): on, unless ``shard_optimizer``.  Reduce each ``nn.Embedding`` weight as the rows its lookups touched (all ranks' rows all-gathered,
+    """Default (None): on, unless ``shard_optimizer`` or ``schedule="deft"``.  Reduce each ``nn.Embedding``
+    weight as the rows its lookups touched (all ranks' rows all-gathered,
     a dense all-reduce when they are not few), and a tied use of it (a decoder sharing the word
     embedding) as a gradient of its own, added before the update (:mod:`dearopt.tied`).  Exact either way."""
 
@@ -131,8 +132,11 @@ class Options:
                 raise ValueError("shard_optimizer=True reduces embeddings densely: with embedding_rows=True every "
                                  "rank would hold the whole averaged embedding gradient; leave embedding_rows "
                                  "unset")
+        if policy.delays_updates and self.embedding_rows:
+            raise ValueError(f"schedule={self.schedule!r} reduces embeddings densely (a tied weight's two "
+                             f"gradients are one); leave embedding_rows unset")
         if self.embedding_rows is None:
-            object.__setattr__(self, "embedding_rows", not self.shard_optimizer)
+            object.__setattr__(self, "embedding_rows", not (self.shard_optimizer or policy.delays_updates))
         every = self.link_check_every
         if every == "auto":
             object.__setattr__(self, "link_check_every", 20 if policy.needs_profile else None)

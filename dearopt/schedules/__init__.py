@@ -15,13 +15,14 @@ from typing import Dict, Tuple
 from .base import Schedule, mark_updates
 from .bytescheduler import ByteScheduler
 from .dear import DeAR
+from .deft import DeFT
 from .prophet import Prophet, ProphetAllReduce
 from .rsag import RSAG
 from .wfbp import WFBP
 
 __all__ = ["Schedule", "mark_updates", "get_schedule", "register", "names"]
 
-_BUILTIN = (DeAR, WFBP, RSAG, ByteScheduler, Prophet, ProphetAllReduce)
+_BUILTIN = (DeAR, WFBP, RSAG, ByteScheduler, Prophet, ProphetAllReduce, DeFT)
 _REGISTRY: Dict[str, Schedule] = {cls.name: cls() for cls in _BUILTIN}
 
 

@@ -30,6 +30,9 @@ class Schedule(abc.ABC):
     """Whether the schedule all-reduces the buckets in ``Layout.allreduce`` (the ``allreduce`` option)."""
     updates_in_forward: ClassVar[bool] = False
     """Whether updates are applied during the next forward (the model's forward hooks must run)."""
+    delays_updates: ClassVar[bool] = False
+    """Whether a step's gradients may be applied at a later step (DeFT): carried out by
+    :class:`dearopt.delayed.DelayedExecutor` instead of the exact executor."""
     needs_profile: ClassVar[bool] = False
     """Whether the plan is made from rank 0's step-1 profile (gradient ready times, the link's bandwidth)."""
 

@@ -1,11 +1,10 @@
 """DeFT's solver (Meng and Sun): which buckets to send in which stage, as 0/1 knapsacks over compute time.
 
-**Status: the planner only.**  These are pure functions from a profile (per
-bucket: forward time ``F``, backward time ``B``, communication time ``C``) to
-a periodic schedule of delayed, merged updates.  No ``"deft"`` schedule is
-registered yet: the executor cannot carry gradients across iterations, so
-nothing here trains a model.  The heterogeneous links (two communicators) and
-the Preserver (the convergence check) are not built either (issue 16).
+Pure functions from a profile (per bucket: forward time ``F``, backward time
+``B``, communication time ``C``) to a periodic schedule of delayed, merged
+updates, and the ``"deft"`` policy; :class:`dearopt.delayed.DelayedExecutor`
+carries the schedule out.  Not built (issue 16): the heterogeneous links (two
+communicators) and the Preserver (the convergence check).
 
 The paper's idea: an iteration's parameter update may wait until every bucket
 of its gradient is reduced, and the next iteration's forward runs on the
@@ -50,8 +49,11 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
+from .base import Schedule, mark_updates
+
 __all__ = ["knapsack", "recursive_knapsack", "DeftIteration", "DeftSchedule", "deft_schedule",
-           "check_partition", "RESOLUTION"]
+           "check_partition", "RESOLUTION", "DeFT"]
 
 RESOLUTION = 1e-5
 """Seconds per unit of the exact knapsack (times are rounded to it; 10 us)."""
@@ -227,3 +229,30 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
         age = None if applies is None else t - applies
         history.append(DeftIteration(case, sent_forward, old, new, held, age, covers))
     raise RuntimeError(f"DeFT's schedule did not repeat within {max_iterations} iterations")
+
+
+class DeFT(Schedule):
+    """``deft``: the plan gives the buckets (fused by ``buffer_size``, one all-reduce each, listed as ``wfbp``'s
+    for the plan's fingerprint); when each is sent is the :class:`DeftSchedule`'s, carried out by
+    :class:`dearopt.delayed.DelayedExecutor`."""
+
+    name = "deft"
+    reduction = ALL_REDUCE
+    takes_ordering_knobs = False
+    reduces_before_step = False
+    delays_updates = True
+
+    def check_options(self, options) -> None:
+        if options.nonfinite == "skip":
+            raise ValueError("schedule='deft' applies groups of several steps' gradients at later steps; "
+                             "nonfinite='skip' is not supported: use 'raise' or 'ignore'")
+        super().check_options(options)
+        for knob in ("buffer_size", "partition_size", "credit"):
+            if getattr(options, knob) == "auto":
+                raise ValueError(f"schedule='deft' cannot re-plan (its groups span iterations): {knob}='auto' is "
+                                 f"not supported")
+
+    def ops(self, layout):
+        return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,
+                                    due=BACKWARD_END, average=True) for b, k in layout.reduction_order],
+                            at=lambda op: STEP)

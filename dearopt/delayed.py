@@ -1,0 +1,349 @@
+"""The executor of delayed, merged updates (``schedule="deft"``): a group of gradients travels across iterations.
+
+Every other schedule finishes a step's communication by the next forward and
+is exact.  DeFT (Meng and Sun) lets a step's gradients (a *group*) be sent in
+later iterations' forward and backward stages, and applies the group as one
+update once its last bucket is reduced; meanwhile training goes on with the
+parameters from before it, and gradients computed while a group is still in
+flight are held on each rank and summed, so the next group covers several
+iterations.  What is sent when is a :class:`~dearopt.schedules.deft.DeftSchedule`
+(:func:`~dearopt.schedules.deft.deft_schedule` solves it from per-bucket
+times; or it is given), the same on every rank, so collectives stay matched by
+order.
+
+**What it computes** (tested against a single-process emulation): at step
+``t`` the gradient of the global batch ``g_t`` (at the parameters current at
+``t``) either starts a new group (summed with the held ones) or is held; when
+the schedule applies a group, the wrapped optimizer runs once over every
+parameter with ``p.grad`` set to the group's average, ``sum(g_i) / k`` over
+its ``k`` iterations.  Between ``backward()`` and ``step()`` ``p.grad`` holds
+this rank's own gradient of this step; after ``step()`` it holds it again.
+
+**Status** (issue 16): one communicator (no second link), no Preserver, no
+comm hook, no clipping or loss scaling of a delayed group (refused by name),
+``backward_passes_per_step`` 1 only.
+
+**Checkpoints**: ``DistOptim.state_dict()`` carries, besides the wrapped
+optimizer's state, the schedule, the step within it and the group sums (the
+group in flight: reduced where sent, this rank's own sum where not; the held
+sum): this rank's own, so under ``deft`` every rank saves its own checkpoint.
+A run resumed from it is bit-identical to one that was not interrupted.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from .errors import NonFiniteGradientError, UsageError
+from .executor import Executor, TrainingState
+from .schedules.deft import DeftIteration, DeftSchedule, deft_schedule
+
+__all__ = ["DelayedExecutor", "deft_times"]
+
+
+def deft_times(profile, plan):
+    """Per bucket of ``plan``: (forward, backward, all-reduce) seconds from a :class:`dearopt.sim.Profile`."""
+    bucket_of = {p: b.index for b in plan.buckets for p in b.params}
+    n = len(plan.buckets)
+    forward = [0.0] * n
+    for positions, seconds in profile.forward_segments:
+        owned = [bucket_of[p] for p in positions if p in bucket_of]
+        if owned:
+            forward[min(owned)] += seconds
+    forward[n - 1] += profile.forward_tail
+    ready = [max(profile.ready[p] for p in b.params) for b in plan.buckets]
+    backward, done = [0.0] * n, 0.0
+    for b in range(n - 1, -1, -1):  # backward makes the output side first
+        backward[b] = max(ready[b] - done, 0.0)
+        done = max(done, ready[b])
+    backward[0] += max(profile.t_bp - done, 0.0)
+    cost = profile.comm["all_reduce"]
+    comm = [cost.time(b.padded_numel * plan.params[b.params[0]].element_size, plan.world_size) for b in plan.buckets]
+    return forward, backward, comm
+
+
+class _Group:
+    """One group's gradients on this rank: a sum per bucket, reduced in place when sent."""
+
+    def __init__(self, storage: Dict[int, torch.Tensor], covers: int):
+        self.storage = storage
+        self.covers = covers
+        self.sent: set = set()
+        self.handles: List = []
+
+
+class DelayedExecutor(Executor):
+    """Carries out a :class:`DeftSchedule` over the buckets of a plan (see the module's docstring)."""
+
+    def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.comm_hook is not None:
+            raise UsageError("schedule='deft' does not take a comm_hook yet")
+        if self.options.backward_passes_per_step != 1:
+            raise UsageError("schedule='deft' accumulates across steps itself; backward_passes_per_step must be 1")
+        if schedule is None and profile is None:
+            raise UsageError("schedule='deft' needs the per-bucket times its knapsacks are solved from: pass "
+                             "profile= (a dearopt.sim.Profile: dearopt.sim.record_profile) or deft_schedule= (a "
+                             "dearopt.schedules.deft.DeftSchedule)")
+        self.deft: Optional[DeftSchedule] = schedule
+        self._deft_profile = profile
+        self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
+        self.forming: Optional[_Group] = None  # the group this backward starts
+        self.held: Optional[_Group] = None  # gradients held (summed) while the group in flight is unfinished
+        self._new_cursor = 0
+        self._forward_sent_at = -1
+        self.applied_steps: List[int] = []  # the steps at which a group was applied (the update frequency)
+        self._loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
+
+    # --------------------------------------------------------------- plan
+    def _build_plan(self) -> None:
+        super()._build_plan()
+        self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
+        if self.deft is None:
+            self.deft = deft_schedule(*deft_times(self._deft_profile, self.plan))
+        if self.deft.buckets != len(self.buckets):
+            raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
+                             f"{len(self.buckets)} (buffer_size decides them)")
+        if self._loaded is not None:
+            self._restore(self._loaded)
+
+    @property
+    def iteration(self) -> DeftIteration:
+        return self.deft.iteration(self.step_count)
+
+    def _all_reduce(self, group: _Group, b: int) -> None:
+        group.sent.add(b)
+        group.handles.append(self.backend.all_reduce(group.storage[b], "sum", bucket=b, step=self.step_count))
+
+    # ----------------------------------------------------------- forward
+    def _root_pre_hook(self, module, args) -> None:
+        super()._root_pre_hook(module, args)
+        if self.plan is None or not (module.training and torch.is_grad_enabled()):
+            return
+        if self._forward_sent_at != self.step_count and self.iteration.forward:
+            self._forward_sent_at = self.step_count  # Case 1: old buckets go while the forward computes
+            for b in self.iteration.forward:
+                self._all_reduce(self.group, b)
+
+    # ----------------------------------------------------------- backward
+    def _begin_backward(self) -> None:
+        if self.state is TrainingState.REDUCING:
+            raise UsageError("backward() was called again before step(): under schedule='deft' every backward "
+                             "is one step of the schedule")
+        if self.no_sync:
+            raise UsageError("no_sync() is not supported under schedule='deft' (it holds gradients itself)")
+        self.pass_id += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._hook_new_params()
+        if any(id(p) not in self._where for p in self._trainable()):
+            raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
+        self.state = TrainingState.BACKWARD
+        self._backward_start = self.timeline.now()
+        for b in self.buckets:
+            b.start_round()
+        it = self.iteration
+        if self._forward_sent_at != self.step_count and it.forward:  # the plan was made only now (the first
+            self._forward_sent_at = self.step_count  # backward after a resume): the forward stage's sends go now
+            for b in it.forward:
+                self._all_reduce(self.group, b)
+        if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
+            self._wait(self.group)
+            for b in it.backward_old:  # Cases 2 and 3: old gradients, ready now
+                self._all_reduce(self.group, b)
+        self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
+        self._new_cursor = 0
+
+    def _on_grad_ready(self, p) -> None:
+        if self.plan is None:
+            self._build_plan()
+        if self.state is not TrainingState.BACKWARD:
+            self._begin_backward()
+        located = self._where.get(id(p))
+        if located is None:
+            return
+        bucket, j = located
+        bucket.take_gradient(p, j)
+        if bucket.stamp[j] != self.pass_id:
+            bucket.stamp[j] = self.pass_id
+            bucket.ready += 1
+        if bucket.complete:
+            self._start_new(force=False)
+
+    def _take(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s gradient of this step (with its used flags), plus what was held of it."""
+        bucket = self.buckets[b]
+        bucket.clear_stale()
+        bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
+        bucket.tags.zero_()
+        total = bucket.buffer.clone()
+        if self.held is not None:
+            total.add_(self.held.storage[b])
+        bucket.mark_seen()
+        return total
+
+    def _start_new(self, force: bool) -> None:
+        """Send the new group's buckets the schedule sends in this backward, in its order, as they are ready."""
+        if self.forming is None:
+            return
+        order = self.iteration.backward_new
+        while self._new_cursor < len(order):
+            b = order[self._new_cursor]
+            if not (force or self.buckets[b].complete):
+                return
+            self.forming.storage[b] = self._take(b)
+            self._all_reduce(self.forming, b)
+            self._new_cursor += 1
+
+    def _end_backward(self) -> None:
+        self.timeline.span("backward", "compute", self._backward_start)
+        self.state = TrainingState.REDUCING
+        for b in self.buckets:  # unused since zero_grad(): a zero gradient
+            b.clear_stale()
+        if self.forming is None:  # Case 2: this step's gradients are held, summed with what was held before
+            if self.held is None:
+                self.held = _Group({b.index: torch.zeros_like(b.buffer) for b in self.buckets}, 0)
+            for b in self.buckets:
+                b.flags.copy_(torch.tensor(b.used, dtype=b.flags.dtype))
+                b.tags.zero_()
+                self.held.storage[b.index].add_(b.buffer)
+                b.mark_seen()
+            self.held.covers += 1
+            return
+        self._start_new(force=True)
+        for b in range(len(self.buckets)):  # the new group's other buckets wait on this rank for a later stage
+            if b not in self.forming.storage:
+                self.forming.storage[b] = self._take(b)
+        self.held = None
+
+    # --------------------------------------------------------------- step
+    def _wait(self, group: _Group) -> None:
+        for handle in group.handles:
+            handle.wait()
+        group.handles = []
+
+    def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
+        if scaler_checked:
+            raise UsageError("GradScaler is not supported under schedule='deft' yet: a group applied later covers "
+                             "steps scaled differently")
+        self._require_gradients("step")
+        self._check_gradient_writes()
+        t0 = self.timeline.now()
+        it = self.iteration
+        for group in (self.group, self.forming):
+            if group is not None:
+                self._wait(group)
+        if it.applies is not None:
+            self._apply(self.group)
+            self.group = None
+        if self.forming is not None:
+            self.group, self.forming = self.forming, None
+        self.forwards = 0
+        self.step_count += 1
+        self.state = TrainingState.IDLE
+        self.timeline.span("step", "update", t0)
+        if self.on_step_landed is not None:
+            self.on_step_landed()
+
+    def _apply(self, group: _Group) -> None:
+        """One update of every parameter with the group's average (``p.grad`` points into it meanwhile)."""
+        if group is None or len(group.sent) != len(self.buckets):
+            raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
+                               "and the executor disagree")
+        scale = 1.0 / (self.world * group.covers)
+        members = [[] for _ in self.optimizer.param_groups]
+        saved = {}
+        for bucket in self.buckets:
+            storage = group.storage[bucket.index]
+            storage[:bucket.spec.grad_numel].mul_(scale)
+            used = [count > 0 for count in storage[bucket.spec.flags_offset:
+                                                   bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
+            if self.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
+                raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
+                                             f"{', '.join(bucket.names[:3])}) is not finite", rank=self.rank,
+                                             op="update", bucket=bucket.index, step=self.step_count)
+            for gi, params in enumerate(bucket.group_members):
+                for p in params:
+                    j = bucket.position[id(p)]
+                    if used[j]:
+                        saved[id(p)] = (p, p.grad)
+                        offset = bucket.spec.offsets[j]
+                        p.grad = storage[offset:offset + p.numel()].view_as(p)
+                        members[gi].append(p)
+        self.updater.begin_step(1)
+        try:
+            self.updater.apply_members(members)
+        finally:
+            for p, grad in saved.values():
+                p.grad = grad
+        self.applied_steps.append(self.step_count)
+
+    def _check_gradient_writes(self) -> None:
+        """The step's gradients were copied into the group (or the held sum) as backward made them: a change of
+        ``p.grad`` after that would be lost, on any number of ranks."""
+        for b in self.buckets:
+            replaced = b.replaced_gradients()
+            if replaced or b.written_by_others():
+                what = replaced[:3] or b.names[:3]
+                raise UsageError(f"the gradients of {what} were changed between backward() and step(); under "
+                                 f"schedule='deft' they were already taken into a delayed group, so the change "
+                                 f"would be lost [rank {self.rank}, step {self.step_count}]")
+
+    # -------------------------------------------------------- checkpoints
+    def deft_state(self) -> dict:
+        """The schedule, the step within it and this rank's group sums, for ``DistOptim.state_dict()``."""
+        if self.state is not TrainingState.IDLE:
+            raise UsageError("save the optimizer's state between step() and the next backward()")
+
+        def dump(group):
+            return None if group is None else {"storage": {b: t.clone() for b, t in group.storage.items()},
+                                               "covers": group.covers, "sent": sorted(group.sent)}
+
+        source = self._loaded if self.plan is None and self._loaded is not None else None
+        if source is not None:  # loaded, not yet applied: pass it on unchanged
+            return dict(source)
+        return {"step": self.step_count, "schedule": self.deft, "group": dump(self.group), "held": dump(self.held),
+                "applied_steps": list(self.applied_steps)}
+
+    def load_deft_state(self, saved: dict) -> None:
+        """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
+        if self.state is not TrainingState.IDLE:
+            raise UsageError("load the optimizer's state between step() and the next backward()")
+        self.step_count = int(saved["step"])
+        self.deft = saved["schedule"]
+        self.applied_steps = list(saved.get("applied_steps", []))
+        self._loaded = saved
+        if self.plan is not None:
+            self._restore(saved)
+
+    def _restore(self, saved: dict) -> None:
+        def load(entry):
+            if entry is None:
+                return None
+            for b, t in entry["storage"].items():
+                if b >= len(self.buckets) or t.shape != self.buckets[b].buffer.shape:
+                    raise UsageError(f"the checkpoint's DeFT group does not fit this plan's bucket {b}: save and "
+                                     f"resume with the same model and buffer_size")
+            group = _Group({b: t.clone().to(self.buckets[b].buffer.device) for b, t in entry["storage"].items()},
+                           entry["covers"])
+            group.sent = set(entry["sent"])
+            return group
+
+        self.group, self.held = load(saved["group"]), load(saved["held"])
+        self._loaded = None
+
+    # ------------------------------------------------------ refused tools
+    def finish_averaging(self):
+        raise UsageError("under schedule='deft' a step's gradients are averaged as part of a group applied at a "
+                         "later step: clipping and unscaling them (optimizer.clip_grad_norm_, unscale_) are not "
+                         "supported yet")
+
+    def reduce_gradients(self) -> None:
+        self.finish_averaging()
+
+    def replan(self, *args, **kwargs) -> None:
+        if self.plan is not None:
+            raise UsageError("schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
+                             "and the other tuned knobs are not supported")
+        super().replan(*args, **kwargs)

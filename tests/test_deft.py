@@ -1,0 +1,216 @@
+"""``schedule="deft"`` (issue 16): delayed, merged updates carried out across iterations, against a
+single-process emulation of exactly those updates (1e-5), with a given schedule and with the solver's own."""
+
+import copy
+
+import pytest
+import torch
+
+import dearopt
+from dearopt.schedules.deft import DeftIteration, DeftSchedule, deft_schedule
+from harness import run_workers
+from models import global_batch, loss_fn, make_model, make_optimizer, shard
+from test_distoptim import assert_params_match
+
+STEPS = 7
+N_BUCKETS = 6  # the MLP's six parameters, one bucket each at buffer_size=64
+
+SCHEDULES = {
+    # every group is sent whole in the next forward and applied at the end of that step: one step late
+    "given: one step late": DeftSchedule(N_BUCKETS, (DeftIteration(4, (), (), (), False, None, 0),),
+                                         (DeftIteration(4, tuple(range(N_BUCKETS)), (), (), False, 1, 1),)),
+    # the solver, compute-rich: the output side in its own backward, bucket 0 in the next forward
+    "solver: compute-rich": deft_schedule([1.0] * N_BUCKETS, [2.0] * N_BUCKETS, [0.5] * N_BUCKETS),
+    # the solver, communication-bound: every second step's gradients are held and merged into the next group
+    "solver: communication-bound": deft_schedule([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS),
+}
+
+
+def emulate(schedule, opt_name, steps=STEPS):
+    """One process, global batch: the gradients of each step grouped, held and applied as ``schedule`` says."""
+    model = make_model("mlp")
+    opt = make_optimizer(opt_name, model)
+    group, held, held_count, applied = None, None, 0, []
+    for t in range(steps):
+        it = schedule.iteration(t)
+        opt.zero_grad()
+        x, y = global_batch(t, "mlp")
+        loss_fn("mlp", model(x), y).backward()
+        g = [p.grad.detach().clone() for p in model.parameters()]
+        new = None
+        if it.held:
+            held = g if held is None else [a + b for a, b in zip(held, g)]
+            held_count += 1
+        else:
+            new = (g if held is None else [a + b for a, b in zip(held, g)], held_count + 1)
+            held, held_count = None, 0
+        if it.applies is not None:
+            sums, k = group
+            assert k == it.covers
+            for p, s in zip(model.parameters(), sums):
+                p.grad = s / k
+            opt.step()
+            applied.append(t)
+            group = None
+        if new is not None:
+            group = new
+    return [p.detach().clone() for p in model.parameters()], applied
+
+
+def _deft_runs(names, opt_names):
+    rank, world = dearopt.rank(), dearopt.size()
+    out = {}
+    for name in names:
+        for opt_name in opt_names:
+            model = make_model("mlp")
+            opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule="deft", buffer_size=64,
+                                    deft_schedule=SCHEDULES[name])
+            for step in range(STEPS):
+                opt.zero_grad()
+                x, y = global_batch(step, "mlp")
+                loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+                opt.step()
+            out[(name, opt_name)] = ([p.detach().clone() for p in model.parameters()],
+                                     list(opt._executor.applied_steps), len(opt.plan.buckets))
+            opt.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
+    names, opt_names = list(SCHEDULES), ["adamw", "sgd"]
+    outcomes = run_workers(_deft_runs, world, names, opt_names, timeout=130)
+    held = [t for t in range(STEPS) if SCHEDULES["solver: communication-bound"].iteration(t).held]
+    assert held, "the communication-bound schedule must hold some steps' gradients"
+    for name in names:
+        for opt_name in opt_names:
+            want, want_applied = emulate(SCHEDULES[name], opt_name)
+            for o in outcomes:
+                params, applied, n_buckets = o.value[(name, opt_name)]
+                assert n_buckets == N_BUCKETS
+                assert applied == want_applied, name
+                assert_params_match(params, want)
+    # and it is not the exact result: the delays change the training (that is the trade)
+    exact = make_model("mlp")
+    opt = make_optimizer("sgd", exact)
+    for t in range(STEPS):
+        opt.zero_grad()
+        x, y = global_batch(t, "mlp")
+        loss_fn("mlp", exact(x), y).backward()
+        opt.step()
+    got = outcomes[0].value[("given: one step late", "sgd")][0]
+    assert not torch.allclose(got[0], exact.fc1.weight.detach())
+
+
+def _synthetic_profile():
+    """A hand-made profile of the MLP (one bucket per parameter at buffer_size=64)."""
+    from dearopt.plan import ParamSpec
+    from dearopt.sim.cost import CommCost
+    from dearopt.sim.profile import Profile
+
+    sizes = [("fc1.weight", 48), ("fc1.bias", 8), ("fc2.weight", 64), ("fc2.bias", 8), ("fc3.weight", 24),
+             ("fc3.bias", 3)]
+    return Profile(params=[ParamSpec(n, k, "float32", 4) for n, k in sizes],
+                   forward_segments=[([0, 1], 0.01), ([2, 3], 0.01), ([4, 5], 0.01)], forward_tail=0.001,
+                   ready=[0.05, 0.05, 0.03, 0.03, 0.01, 0.01], t_bp=0.06, update_per_element=0.0,
+                   update_per_call=0.0, comm={"all_reduce": CommCost("all_reduce", 0.004, 1e-5)},
+                   comm_samples={}, contention={}, world=2)
+
+
+def test_bucket_times_from_a_profile_by_hand():
+    from dearopt.delayed import deft_times
+    from dearopt.plan import build_plan
+
+    profile = _synthetic_profile()
+    plan = build_plan(profile.params, 64, 2, "deft")
+    forward, backward, comm = deft_times(profile, plan)
+    # each segment's time goes to the first bucket of its module; the tail after the last module to the last
+    assert forward == pytest.approx([0.01, 0, 0.01, 0, 0.01, 0.001])
+    # backward makes bucket 5 at 0.01 s, 4 with it, 3 at 0.03, 2 with it, 1 at 0.05, 0 with it; 0.01 s after
+    assert backward == pytest.approx([0.01, 0.02, 0, 0.02, 0, 0.01])
+    # ring all-reduce on 2 ranks: 2 steps of alpha + the bucket's bytes once (padded, with flags and tags)
+    assert comm == pytest.approx([2 * 0.004 + b.padded_numel * 4 * 1e-5 for b in plan.buckets])
+
+
+def _from_profile_and_resume():
+    rank, world = dearopt.rank(), dearopt.size()
+    profile = _synthetic_profile()
+
+    def run(steps, start=0, load=None):
+        model = make_model("mlp")
+        opt = dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
+                                profile=profile)
+        if load is not None:
+            model.load_state_dict(load[0])
+            opt.load_state_dict(load[1])
+        saved = None
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            x, y = global_batch(step, "mlp")
+            loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+            if step == 2:
+                # a copy: torch's state_dict() holds the live state tensors, which the next steps change
+                saved = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+        params = [p.detach().clone() for p in model.parameters()]
+        schedule = opt._executor.deft
+        opt.close()
+        return params, saved, schedule
+
+    whole, at3, schedule = run(STEPS)
+    resumed, _, _ = run(STEPS - 3, 3, at3)
+    return whole, resumed, schedule, at3[1]["dearopt_deft"]["held"] is not None or at3[1]["dearopt_deft"]["group"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_solver_schedule_from_a_profile_and_a_bit_identical_resume(world):
+    for o in run_workers(_from_profile_and_resume, world, timeout=100):
+        whole, resumed, schedule, had_group = o.value
+        assert had_group  # the checkpoint was taken with gradients in flight
+        assert schedule.updates_per_iteration < 1.0 or any(it.forward for it in schedule.period)
+        want, _ = emulate(schedule, "adam")
+        assert_params_match(whole, want)
+        for a, b in zip(whole, resumed):
+            assert torch.equal(a, b)
+
+
+def _refusals():
+    model = make_model("mlp")
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except (dearopt.DearoptError, ValueError) as exc:
+            out[name] = (type(exc).__name__, str(exc))
+
+    attempt("no profile", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                                    schedule="deft"))
+    attempt("auto buffer", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                                     schedule="deft", buffer_size="auto"))
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64,
+                            deft_schedule=SCHEDULES["given: one step late"])
+    x, y = global_batch(0, "mlp")
+    loss_fn("mlp", model(x), y).backward()
+    attempt("clip", lambda: opt.clip_grad_norm_(1.0))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    attempt("torch clip", opt.step)
+    opt.close()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=4096,
+                            deft_schedule=SCHEDULES["given: one step late"])
+    attempt("wrong bucket count", lambda: loss_fn("mlp", model(x), y).backward())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_what_deft_cannot_do_is_refused_by_name():
+    got = run_workers(_refusals, 2, timeout=50)[0].value
+    assert got["no profile"][0] == "UsageError" and "profile=" in got["no profile"][1]
+    assert got["auto buffer"][0] == "ValueError" and "cannot re-plan" in got["auto buffer"][1]
+    assert got["clip"][0] == "UsageError" and "not supported yet" in got["clip"][1]
+    assert got["torch clip"][0] == "UsageError" and "already taken into a delayed group" in got["torch clip"][1]
+    assert got["wrong bucket count"][0] == "UsageError" and "6 buckets" in got["wrong bucket count"][1]
