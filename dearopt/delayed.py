@@ -45,6 +45,9 @@ __all__ = ["DelayedExecutor", "deft_times"]
 
 def deft_times(profile, plan):
     """Per bucket of ``plan``: (forward, backward, all-reduce) seconds from a :class:`dearopt.sim.Profile`."""
+    if [p.numel for p in profile.params] != [p.numel for p in plan.params]:
+        raise UsageError("the profile's parameters are not the plan's: record it with the same model and "
+                         "optimizer, and embedding_rows=False (deft reduces a tied weight as one gradient)")
     bucket_of = {p: b.index for b in plan.buckets for p in b.params}
     n = len(plan.buckets)
     forward = [0.0] * n

@@ -337,6 +337,18 @@ class DistOptim(torch.optim.Optimizer):
         return list(monitor.changes) if monitor is not None else []
 
     @property
+    def deft_schedule(self):
+        """Under ``schedule="deft"``: the :class:`dearopt.schedules.deft.DeftSchedule` in force (None until the
+        plan is made; its ``update_frequency`` per bucket); None under every other schedule."""
+        return getattr(self._executor, "deft", None)
+
+    @property
+    def applied_steps(self) -> List[int]:
+        """Under ``schedule="deft"``: the steps at which a group of gradients was applied; else every step."""
+        steps = getattr(self._executor, "applied_steps", None)
+        return list(steps) if steps is not None else list(range(self._executor.step_count))
+
+    @property
     def settled(self) -> bool:
         """Whether the plan has stopped changing by itself: the profile is applied, tuning (``"auto"`` knobs)
         and the measured choice of ``allreduce="auto"`` are over.  The same on every rank."""

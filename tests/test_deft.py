@@ -71,7 +71,7 @@ def _deft_runs(names, opt_names):
                 loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
                 opt.step()
             out[(name, opt_name)] = ([p.detach().clone() for p in model.parameters()],
-                                     list(opt._executor.applied_steps), len(opt.plan.buckets))
+                                     opt.applied_steps, len(opt.plan.buckets))
             opt.close()
     return out
 
@@ -154,7 +154,7 @@ def _from_profile_and_resume():
                 # a copy: torch's state_dict() holds the live state tensors, which the next steps change
                 saved = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
         params = [p.detach().clone() for p in model.parameters()]
-        schedule = opt._executor.deft
+        schedule = opt.deft_schedule
         opt.close()
         return params, saved, schedule
 

@@ -88,3 +88,39 @@ def test_the_partition_constraint_is_checked():
         deft_schedule([0.5, 0.5], [2, 2], [1.5, 0.2])
     with pytest.raises(ValueError, match="one entry per bucket"):
         deft_schedule([1.0], [1.0, 1.0], [0.1, 0.1])
+
+
+def test_equation_1_by_hand():
+    from dearopt.schedules.deft import expected_loss
+
+    # far from the objective the rebound does not matter: the loss falls by lr * mean
+    assert expected_loss(10.0, 0.1, 2.0, 0.5, 32) == pytest.approx(10.0 - 0.2, abs=1e-12)
+    # no noise: the walk stops at the objective (|s - lr*mean - S*| + S*)
+    assert expected_loss(0.1, 0.1, 2.0, 0.0, 32) == pytest.approx(0.1)
+    # at the objective with noise: E|X| of X ~ N(-lr*mean, (lr*std/sqrt(B))^2), computed by hand for a = -2
+    spread = 0.1 * 4.0 / 4.0  # lr * std / sqrt(16)
+    import math
+    want = -0.2 * (2 * 0.5 * (1 + math.erf(-2 / math.sqrt(2))) - 1) + spread * math.sqrt(2 / math.pi) * math.exp(-2)
+    assert expected_loss(0.0, 0.1, 2.0, 4.0, 16) == pytest.approx(want)
+
+
+def test_the_preserver_raises_the_capacity_until_updates_keep_up():
+    from dearopt.schedules.deft import preserved_schedule, preserver_ratio
+
+    stats = dict(loss=2.0, lr=0.1, mean=0.5, std=1.0, batch=32)
+    merged = deft_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3)  # half the updates, each of two steps' gradients
+    assert [it.covers for it in merged.period if it.applies is not None] == [2]
+    # one update of batch 2B instead of two of batch B; far from the objective the loss falls by lr * mean per
+    # update: (2 - 2 * 0.05) / (2 - 0.05), outside 1 +- 1 %
+    assert preserver_ratio(merged, **stats) == pytest.approx((2 - 2 * 0.05) / (2 - 0.05))
+    every_step = deft_schedule([1.0] * 3, [2.0] * 3, [0.5] * 3)
+    assert preserver_ratio(every_step, **stats) == pytest.approx(1.0)
+    kept = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats)
+    assert kept.passed and kept.resolves >= 1 and kept.capacity_factor == 1.5 ** kept.resolves
+    assert kept.schedule.updates_per_iteration == 1.0
+    # a near-zero learning rate makes every schedule equivalent: the first one passes
+    lazy = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **{**stats, "lr": 1e-6})
+    assert lazy.passed and lazy.resolves == 0 and lazy.schedule.updates_per_iteration == 0.5
+    # no re-solve allowed: kept, marked as failed
+    stuck = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, max_resolves=0)
+    assert not stuck.passed and stuck.schedule.updates_per_iteration == 0.5

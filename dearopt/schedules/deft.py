@@ -53,7 +53,8 @@ from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
 from .base import Schedule, mark_updates
 
 __all__ = ["knapsack", "recursive_knapsack", "DeftIteration", "DeftSchedule", "deft_schedule",
-           "check_partition", "RESOLUTION", "DeFT"]
+           "check_partition", "RESOLUTION", "DeFT", "expected_loss", "preserver_ratio", "Preserved",
+           "preserved_schedule"]
 
 RESOLUTION = 1e-5
 """Seconds per unit of the exact knapsack (times are rounded to it; 10 us)."""
@@ -229,6 +230,70 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
         age = None if applies is None else t - applies
         history.append(DeftIteration(case, sent_forward, old, new, held, age, covers))
     raise RuntimeError(f"DeFT's schedule did not repeat within {max_iterations} iterations")
+
+
+# ------------------------------------------------------------------ the Preserver (section IV.C)
+def expected_loss(loss: float, lr: float, mean: float, std: float, batch: float, target: float = 0.0) -> float:
+    """Equation (1): the expected loss after one step of the random walk with rebound (Yin et al., KDD'17).
+
+    The loss ``s`` moves by ``-lr * ds`` with ``ds ~ N(mean, std**2 / batch)`` and rebounds off the objective
+    ``target``; the expectation is that of a folded normal: ``E|X| + target`` with
+    ``X ~ N(s - target - lr * mean, (lr * std / sqrt(batch))**2)``.  (The paper prints ``lr * ds`` where the
+    mean ``lr * mean`` belongs; the folded normal's expectation needs the latter.)"""
+    shift = loss - target - lr * mean
+    spread = lr * std / math.sqrt(batch)
+    if spread <= 0:
+        return abs(shift) + target
+    a = shift / spread
+    phi = 0.5 * (1.0 + math.erf(a / math.sqrt(2.0)))
+    return shift * (2.0 * phi - 1.0) + spread * math.sqrt(2.0 / math.pi) * math.exp(-a * a / 2.0) + target
+
+
+def preserver_ratio(schedule: DeftSchedule, *, loss: float, lr: float, mean: float, std: float, batch: float,
+                    target: float = 0.0) -> float:
+    """The Preserver's test statistic: the expected loss after one period of ``N`` steps with an update of
+    batch ``batch`` every step (the baseline), over that after the schedule's ``m`` updates of batches
+    ``k_i * batch`` (its merged groups: the variable-batch-size view); 1.0 means no expected loss of progress.
+    ``mean``/``std``: the gradient's squared norm and the standard deviation of one sample's loss change
+    along it (the random walk's drift and noise); ``loss``: the training loss now; ``target``: the objective."""
+    merged = [it.covers for it in schedule.period if it.applies is not None]
+    baseline = loss
+    for _ in range(len(schedule.period)):
+        baseline = expected_loss(baseline, lr, mean, std, batch, target)
+    delayed = loss
+    for k in merged:
+        delayed = expected_loss(delayed, lr, mean, std, k * batch, target)
+    return baseline / delayed if delayed else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Preserved:
+    """The Preserver's outcome: the schedule kept, its ratio, the factor the knapsack capacities were raised by,
+    the re-solves it took, and whether the ratio is within ``1 +- epsilon``."""
+
+    schedule: DeftSchedule
+    ratio: float
+    capacity_factor: float
+    resolves: int
+    passed: bool
+
+
+def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
+                       loss: float, lr: float, mean: float, std: float, batch: float, target: float = 0.0,
+                       epsilon: float = 0.01, growth: float = 1.5, max_resolves: int = 10) -> Preserved:
+    """Solve, test with :func:`preserver_ratio`, and while the ratio is outside ``[1 - epsilon, 1 + epsilon]``
+    raise both stages' knapsack capacities by ``growth`` and solve again, at most ``max_resolves`` times (the
+    paper's ten; it gives no step size: 1.5x each time is this library's).  Raising the capacity lets more be
+    sent per iteration, so the update frequency comes closer to one per step; after the last re-solve the
+    schedule is kept and ``passed`` is False."""
+    factor = 1.0
+    for resolves in range(max_resolves + 1):
+        schedule = deft_schedule([f * factor for f in forward], [b * factor for b in backward], comm)
+        ratio = preserver_ratio(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch, target=target)
+        if abs(ratio - 1.0) <= epsilon or resolves == max_resolves:
+            return Preserved(schedule, ratio, factor, resolves, abs(ratio - 1.0) <= epsilon)
+        factor *= growth
+    raise AssertionError("unreachable")
 
 
 class DeFT(Schedule):
