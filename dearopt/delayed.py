@@ -9,7 +9,8 @@ flight are held on each rank and summed, so the next group covers several
 iterations.  What is sent when is a :class:`~dearopt.schedules.deft.DeftSchedule`
 (:func:`~dearopt.schedules.deft.deft_schedule` solves it from per-bucket
 times; or it is given), the same on every rank, so collectives stay matched by
-order.
+order.  The times come from a given :class:`dearopt.sim.Profile`, or the job
+measures them in its first :data:`MEASURED_STEPS` steps, which are exact.
 
 **What it computes** (tested against a single-process emulation): at step
 ``t`` the gradient of the global batch ``g_t`` (at the parameters current at
@@ -32,6 +33,7 @@ A run resumed from it is bit-identical to one that was not interrupted.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -40,7 +42,13 @@ from .errors import NonFiniteGradientError, UsageError
 from .executor import Executor, TrainingState
 from .schedules.deft import DeftIteration, DeftSchedule, deft_schedule
 
-__all__ = ["DelayedExecutor", "deft_times"]
+__all__ = ["DelayedExecutor", "deft_times", "MEASURED_STEPS"]
+
+MEASURED_STEPS = 3
+"""Without a profile or a schedule, the first steps are exact (every bucket all-reduced in backward and applied
+at its own step) and measure the job: step 1 the forward and backward times per bucket, step 2 each bucket's
+all-reduce alone, one after another (a slower step); rank 0's numbers are shared and every rank solves the same
+schedule, which starts at this step."""
 
 
 def deft_times(profile, plan):
@@ -86,11 +94,12 @@ class DelayedExecutor(Executor):
             raise UsageError("schedule='deft' does not take a comm_hook yet")
         if self.options.backward_passes_per_step != 1:
             raise UsageError("schedule='deft' accumulates across steps itself; backward_passes_per_step must be 1")
-        if schedule is None and profile is None:
-            raise UsageError("schedule='deft' needs the per-bucket times its knapsacks are solved from: pass "
-                             "profile= (a dearopt.sim.Profile: dearopt.sim.record_profile) or deft_schedule= (a "
-                             "dearopt.schedules.deft.DeftSchedule)")
         self.deft: Optional[DeftSchedule] = schedule
+        # Without a schedule or a profile the job measures its own: MEASURED_STEPS exact steps first
+        self.offset = MEASURED_STEPS if schedule is None and profile is None else 0
+        self.measured: Optional[tuple] = None  # (forward, backward, comm) per bucket, rank 0's, shared
+        self._marks: Dict[object, float] = {}  # step 1: forward/backward start and end, per bucket reached/ready
+        self._comm: Dict[int, float] = {}
         self._deft_profile = profile
         self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
         self.forming: Optional[_Group] = None  # the group this backward starts
@@ -104,9 +113,9 @@ class DelayedExecutor(Executor):
     def _build_plan(self) -> None:
         super()._build_plan()
         self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
-        if self.deft is None:
-            self.deft = deft_schedule(*deft_times(self._deft_profile, self.plan))
-        if self.deft.buckets != len(self.buckets):
+        if self.deft is None and self._deft_profile is not None:
+            self._solve(deft_times(self._deft_profile, self.plan))
+        if self.deft is not None and self.deft.buckets != len(self.buckets):
             raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
                              f"{len(self.buckets)} (buffer_size decides them)")
         if self._loaded is not None:
@@ -114,7 +123,55 @@ class DelayedExecutor(Executor):
 
     @property
     def iteration(self) -> DeftIteration:
-        return self.deft.iteration(self.step_count)
+        if self.step_count < self.offset:  # measuring: exact, every bucket sent in backward, applied now
+            n = len(self.buckets)
+            send = () if self.step_count == MEASURED_STEPS - 1 else tuple(range(n - 1, -1, -1))
+            return DeftIteration(4, (), (), send, False, 0, 1)
+        return self.deft.iteration(self.step_count - self.offset)
+
+    def _measuring(self, step: int) -> bool:
+        return self.offset > 0 and self.step_count == step and self.plan is not None
+
+    def _module_pre_hook(self, module, args) -> None:
+        super()._module_pre_hook(module, args)
+        if self._measuring(1) and module.training and "start" in self._marks:
+            now = time.perf_counter()
+            for p in module.parameters(recurse=False):
+                if id(p) in self._where:
+                    self._marks.setdefault(("forward", self._where[id(p)][0].index), now)
+
+    def _measured_times(self) -> tuple:
+        """Per bucket: forward and backward seconds from step 1's marks, all-reduce seconds from step 2."""
+        n, marks = len(self.buckets), self._marks
+        forward = [0.0] * n
+        reached = sorted((marks[("forward", b)], b) for b in range(n) if ("forward", b) in marks)
+        for k, (at, b) in enumerate(reached):
+            until = reached[k + 1][0] if k + 1 < len(reached) else marks["backward"]
+            forward[b] = max(until - at, 0.0)
+        if reached:
+            forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
+        ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
+        backward, done = [0.0] * n, 0.0
+        for b in range(n - 1, -1, -1):
+            backward[b] = max(ready[b] - done, 0.0)
+            done = max(done, ready[b])
+        backward[0] += max(marks["end"] - marks["backward"] - done, 0.0)
+        return forward, backward, [self._comm[b] for b in range(n)]
+
+    def _solve_measured(self) -> None:
+        """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
+        from .functions import broadcast_object
+
+        self.measured = broadcast_object(self._measured_times() if self.rank == 0 else None, 0, backend=self.control)
+        self._solve(self.measured)
+
+    def _solve(self, times) -> None:
+        try:
+            self.deft = deft_schedule(*times)
+        except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
+            raise UsageError(f"schedule='deft' cannot schedule these buckets: {exc}. A smaller buffer_size helps "
+                             f"where bandwidth dominates the bucket's time; where the fixed cost per collective "
+                             f"does, this model computes too little per step for DeFT") from None
 
     def _all_reduce(self, group: _Group, b: int) -> None:
         group.sent.add(b)
@@ -125,6 +182,8 @@ class DelayedExecutor(Executor):
         super()._root_pre_hook(module, args)
         if self.plan is None or not (module.training and torch.is_grad_enabled()):
             return
+        if self._measuring(1):
+            self._marks = {"start": time.perf_counter()}
         if self._forward_sent_at != self.step_count and self.iteration.forward:
             self._forward_sent_at = self.step_count  # Case 1: old buckets go while the forward computes
             for b in self.iteration.forward:
@@ -144,6 +203,8 @@ class DelayedExecutor(Executor):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
         self.state = TrainingState.BACKWARD
         self._backward_start = self.timeline.now()
+        if self._measuring(1):
+            self._marks["backward"] = time.perf_counter()
         for b in self.buckets:
             b.start_round()
         it = self.iteration
@@ -172,6 +233,8 @@ class DelayedExecutor(Executor):
             bucket.stamp[j] = self.pass_id
             bucket.ready += 1
         if bucket.complete:
+            if self._measuring(1):
+                self._marks.setdefault(("ready", bucket.index), time.perf_counter())
             self._start_new(force=False)
 
     def _take(self, b: int) -> torch.Tensor:
@@ -214,6 +277,15 @@ class DelayedExecutor(Executor):
                 b.mark_seen()
             self.held.covers += 1
             return
+        if self._measuring(1):
+            self._marks["end"] = time.perf_counter()
+        if self._measuring(MEASURED_STEPS - 1):  # each bucket's all-reduce alone, one after another
+            for b in range(len(self.buckets) - 1, -1, -1):
+                self.forming.storage[b] = self._take(b)
+                t0 = time.perf_counter()
+                self._all_reduce(self.forming, b)
+                self.forming.handles[-1].wait()
+                self._comm[b] = time.perf_counter() - t0
         self._start_new(force=True)
         for b in range(len(self.buckets)):  # the new group's other buckets wait on this rank for a later stage
             if b not in self.forming.storage:
@@ -237,13 +309,18 @@ class DelayedExecutor(Executor):
         for group in (self.group, self.forming):
             if group is not None:
                 self._wait(group)
-        if it.applies is not None:
+        if it.applies == 0:  # a measuring step: exact, applied at once
+            self._apply(self.forming)
+            self.forming = None
+        elif it.applies is not None:
             self._apply(self.group)
             self.group = None
         if self.forming is not None:
             self.group, self.forming = self.forming, None
         self.forwards = 0
         self.step_count += 1
+        if self.deft is None and self.step_count == self.offset:
+            self._solve_measured()
         self.state = TrainingState.IDLE
         self.timeline.span("step", "update", t0)
         if self.on_step_landed is not None:
@@ -298,6 +375,9 @@ class DelayedExecutor(Executor):
         """The schedule, the step within it and this rank's group sums, for ``DistOptim.state_dict()``."""
         if self.state is not TrainingState.IDLE:
             raise UsageError("save the optimizer's state between step() and the next backward()")
+        if self.deft is None and self.offset and self.plan is not None:
+            raise UsageError(f"schedule='deft' is measuring the job in its first {self.offset} steps; save its "
+                             f"state after them")
 
         def dump(group):
             return None if group is None else {"storage": {b: t.clone() for b, t in group.storage.items()},
@@ -306,8 +386,8 @@ class DelayedExecutor(Executor):
         source = self._loaded if self.plan is None and self._loaded is not None else None
         if source is not None:  # loaded, not yet applied: pass it on unchanged
             return dict(source)
-        return {"step": self.step_count, "schedule": self.deft, "group": dump(self.group), "held": dump(self.held),
-                "applied_steps": list(self.applied_steps)}
+        return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
+                "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
 
     def load_deft_state(self, saved: dict) -> None:
         """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
@@ -315,6 +395,7 @@ class DelayedExecutor(Executor):
             raise UsageError("load the optimizer's state between step() and the next backward()")
         self.step_count = int(saved["step"])
         self.deft = saved["schedule"]
+        self.offset, self.measured = saved.get("offset", 0), saved.get("measured")
         self.applied_steps = list(saved.get("applied_steps", []))
         self._loaded = saved
         if self.plan is not None:

@@ -353,6 +353,8 @@ class DistOptim(torch.optim.Optimizer):
         """Whether the plan has stopped changing by itself: the profile is applied, tuning (``"auto"`` knobs)
         and the measured choice of ``allreduce="auto"`` are over.  The same on every rank."""
         executor = self._executor
+        if getattr(executor, "offset", 0) and getattr(executor, "deft", None) is None:
+            return False  # schedule="deft" is still measuring the job
         if executor.plan is None or (executor.profile.enabled and (executor.profile.result is None
                                                                   or executor.profile.fresh)):
             return False

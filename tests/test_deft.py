@@ -38,6 +38,12 @@ def emulate(schedule, opt_name, steps=STEPS):
         loss_fn("mlp", model(x), y).backward()
         g = [p.grad.detach().clone() for p in model.parameters()]
         new = None
+        if it.applies == 0:  # a measuring step: exact
+            for p, gi in zip(model.parameters(), g):
+                p.grad = gi
+            opt.step()
+            applied.append(t)
+            continue
         if it.held:
             held = g if held is None else [a + b for a, b in zip(held, g)]
             held_count += 1
@@ -187,8 +193,6 @@ def _refusals():
         except (dearopt.DearoptError, ValueError) as exc:
             out[name] = (type(exc).__name__, str(exc))
 
-    attempt("no profile", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                    schedule="deft"))
     attempt("auto buffer", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                                      schedule="deft", buffer_size="auto"))
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64,
@@ -209,8 +213,62 @@ def _refusals():
 @pytest.mark.timeout(60)
 def test_what_deft_cannot_do_is_refused_by_name():
     got = run_workers(_refusals, 2, timeout=50)[0].value
-    assert got["no profile"][0] == "UsageError" and "profile=" in got["no profile"][1]
     assert got["auto buffer"][0] == "ValueError" and "cannot re-plan" in got["auto buffer"][1]
     assert got["clip"][0] == "UsageError" and "not supported yet" in got["clip"][1]
     assert got["torch clip"][0] == "UsageError" and "already taken into a delayed group" in got["torch clip"][1]
     assert got["wrong bucket count"][0] == "UsageError" and "6 buckets" in got["wrong bucket count"][1]
+
+
+class _AfterMeasuring:
+    """The schedule a job that measured itself follows: exact steps, then the solved schedule."""
+
+    def __init__(self, offset, schedule):
+        self.offset, self.schedule = offset, schedule
+
+    def iteration(self, t):
+        if t < self.offset:
+            return DeftIteration(4, (), (), (), False, 0, 1)
+        return self.schedule.iteration(t - self.offset)
+
+
+def _measured():
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=64)
+    executor = opt._executor
+    measured = executor._measured_times
+    real = {}
+
+    def times():  # rank 0's real measurement is kept; the schedule is solved from fixed times, so that the
+        real["times"] = measured()  # test does not depend on this machine's speed
+        return [1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS
+
+    executor._measured_times = times
+    for step in range(STEPS + 2):
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
+           executor.measured, opt.applied_steps)
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_without_a_profile_the_job_measures_itself_exactly_first(world):
+    outcomes = run_workers(_measured, world, timeout=100)
+    for o in outcomes:
+        params, offset, schedule, real, shared, applied = o.value
+        assert offset == 3 and applied[:3] == [0, 1, 2]  # the measuring steps are exact
+        assert shared == ([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS)  # rank 0's, on every rank
+        assert schedule == deft_schedule(*shared)
+        if o.rank == 0:
+            forward, backward, comm = real
+            assert len(forward) == len(backward) == len(comm) == N_BUCKETS
+            assert all(t >= 0 for t in forward + backward) and all(c > 0 for c in comm)
+            assert sum(forward) > 0 and sum(backward) > 0
+        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2)
+        assert applied == want_applied
+        assert_params_match(params, want)
