@@ -40,7 +40,7 @@ import torch
 
 from .errors import NonFiniteGradientError, UsageError
 from .executor import Executor, TrainingState
-from .schedules.deft import DeftIteration, DeftSchedule, deft_schedule
+from .schedules.deft import DeftIteration, DeftSchedule, check_partition, deft_schedule
 
 __all__ = ["DelayedExecutor", "deft_times", "MEASURED_STEPS"]
 
@@ -49,6 +49,10 @@ MEASURED_STEPS = 3
 at its own step) and measure the job: step 1 the forward and backward times per bucket, step 2 each bucket's
 all-reduce alone, one after another (a slower step); rank 0's numbers are shared and every rank solves the same
 schedule, which starts at this step."""
+
+REPARTITIONS = 3
+"""Where a measured bucket takes longer on the link than a whole stage computes (DeFT's partition constraint),
+the job re-plans with smaller buckets and measures again, at most this many times, then raises."""
 
 
 def deft_times(profile, plan):
@@ -97,6 +101,8 @@ class DelayedExecutor(Executor):
         self.deft: Optional[DeftSchedule] = schedule
         # Without a schedule or a profile the job measures its own: MEASURED_STEPS exact steps first
         self.offset = MEASURED_STEPS if schedule is None and profile is None else 0
+        self._measure_from = 0  # the first measuring step (later after a re-partition)
+        self.repartitions: List[int] = []  # the buffer sizes re-planned to
         self.measured: Optional[tuple] = None  # (forward, backward, comm) per bucket, rank 0's, shared
         self._marks: Dict[object, float] = {}  # step 1: forward/backward start and end, per bucket reached/ready
         self._comm: Dict[int, float] = {}
@@ -125,12 +131,13 @@ class DelayedExecutor(Executor):
     def iteration(self) -> DeftIteration:
         if self.step_count < self.offset:  # measuring: exact, every bucket sent in backward, applied now
             n = len(self.buckets)
-            send = () if self.step_count == MEASURED_STEPS - 1 else tuple(range(n - 1, -1, -1))
+            send = () if self.step_count == self.offset - 1 else tuple(range(n - 1, -1, -1))
             return DeftIteration(4, (), (), send, False, 0, 1)
         return self.deft.iteration(self.step_count - self.offset)
 
     def _measuring(self, step: int) -> bool:
-        return self.offset > 0 and self.step_count == step and self.plan is not None
+        """Whether this is measuring step ``step`` (1: compute times, 2: each all-reduce alone)."""
+        return self.offset > 0 and self.step_count == self._measure_from + step and self.plan is not None
 
     def _module_pre_hook(self, module, args) -> None:
         super()._module_pre_hook(module, args)
@@ -163,6 +170,18 @@ class DelayedExecutor(Executor):
         from .functions import broadcast_object
 
         self.measured = broadcast_object(self._measured_times() if self.rank == 0 else None, 0, backend=self.control)
+        forward, backward, comm = self.measured
+        too_long = check_partition(forward, backward, comm)
+        if too_long and len(self.repartitions) < REPARTITIONS:
+            # split: buckets whose bytes take at most 80 % of the shortest stage (the same numbers on every rank)
+            shortest = min(sum(forward), sum(backward))
+            size = int(self.buffer_size * 0.8 * shortest / max(comm[b] for b in too_long))
+            if 0 < size < self.buffer_size:
+                self.repartitions.append(size)
+                Executor.replan(self, buffer_size=size)  # nothing in flight: every measuring step was applied
+                self._measure_from, self.offset = self.step_count, self.step_count + MEASURED_STEPS
+                self._marks, self._comm = {}, {}
+                return
         self._solve(self.measured)
 
     def _solve(self, times) -> None:
@@ -319,9 +338,9 @@ class DelayedExecutor(Executor):
             self.group, self.forming = self.forming, None
         self.forwards = 0
         self.step_count += 1
+        self.state = TrainingState.IDLE
         if self.deft is None and self.step_count == self.offset:
             self._solve_measured()
-        self.state = TrainingState.IDLE
         self.timeline.span("step", "update", t0)
         if self.on_step_landed is not None:
             self.on_step_landed()

@@ -231,26 +231,29 @@ class _AfterMeasuring:
         return self.schedule.iteration(t - self.offset)
 
 
-def _measured():
+def _measured(buffer_size, steps):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=64)
+    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size)
     executor = opt._executor
     measured = executor._measured_times
     real = {}
 
     def times():  # rank 0's real measurement is kept; the schedule is solved from fixed times, so that the
         real["times"] = measured()  # test does not depend on this machine's speed
-        return [1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS
+        n = len(executor.buckets)
+        if n == 1:  # one bucket: 1 s on the link, 0.1 s of compute per stage: must be split
+            return [0.1], [0.1], [1.0]
+        return [1.0] * n, [1.0] * n, [2.5] * n
 
     executor._measured_times = times
-    for step in range(STEPS + 2):
+    for step in range(steps):
         opt.zero_grad()
         x, y = global_batch(step, "mlp")
         loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
-           executor.measured, opt.applied_steps)
+           executor.measured, opt.applied_steps, executor.repartitions, len(executor.buckets))
     opt.close()
     return out
 
@@ -258,10 +261,10 @@ def _measured():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_without_a_profile_the_job_measures_itself_exactly_first(world):
-    outcomes = run_workers(_measured, world, timeout=100)
+    outcomes = run_workers(_measured, world, 64, STEPS + 2, timeout=100)
     for o in outcomes:
-        params, offset, schedule, real, shared, applied = o.value
-        assert offset == 3 and applied[:3] == [0, 1, 2]  # the measuring steps are exact
+        params, offset, schedule, real, shared, applied, repartitions, _ = o.value
+        assert offset == 3 and applied[:3] == [0, 1, 2] and not repartitions  # the measuring steps are exact
         assert shared == ([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS)  # rank 0's, on every rank
         assert schedule == deft_schedule(*shared)
         if o.rank == 0:
@@ -270,5 +273,19 @@ def test_without_a_profile_the_job_measures_itself_exactly_first(world):
             assert all(t >= 0 for t in forward + backward) and all(c > 0 for c in comm)
             assert sum(forward) > 0 and sum(backward) > 0
         want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2)
+        assert applied == want_applied
+        assert_params_match(params, want)
+
+
+@pytest.mark.timeout(120)
+def test_a_bucket_longer_than_a_stage_is_split_and_measured_again():
+    steps = 11
+    for o in run_workers(_measured, 2, 4096, steps, timeout=100):
+        params, offset, schedule, _, shared, applied, repartitions, n_buckets = o.value
+        # one 4096-byte bucket measured 1 s on the link against 0.1 s stages: re-planned to 0.8 * 0.1 / 1 of it
+        assert repartitions == [int(4096 * 0.8 * 0.1 / 1.0)] and n_buckets > 1
+        assert offset == 6 and applied[:6] == list(range(6))  # measured twice, exact meanwhile
+        assert shared == ([1.0] * n_buckets, [1.0] * n_buckets, [2.5] * n_buckets)
+        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", steps)
         assert applied == want_applied
         assert_params_match(params, want)
