@@ -239,11 +239,7 @@ class DelayedExecutor(Executor):
         self._new_cursor = 0
 
     def _on_grad_ready(self, p) -> None:
-        if self.plan is None:
-            self._build_plan()
-        if self.state is not TrainingState.BACKWARD:
-            self._begin_backward()
-        located = self._where.get(id(p))
+        located = self._located_in_backward(p)
         if located is None:
             return
         bucket, j = located

@@ -545,13 +545,18 @@ class Executor:
             self.issuer.start_round(self.step_count)
             self.profile.begin_backward(self.step_count, len(self.plan.params))
 
-    def _on_grad_ready(self, p) -> None:
+    def _located_in_backward(self, p) -> Optional[Tuple[BucketState, int]]:
+        """A gradient hook's first part: the plan made (first backward), the pass begun; ``p``'s bucket and
+        position, or None if ``p`` was not trainable when the plan was made."""
         if self.plan is None:
             self._build_plan()
         if self.state is not TrainingState.BACKWARD:
             self._begin_backward()
-        located = self._where.get(id(p))
-        if located is None:  # not trainable when the plan was made
+        return self._where.get(id(p))
+
+    def _on_grad_ready(self, p) -> None:
+        located = self._located_in_backward(p)
+        if located is None:
             return
         bucket, j = located
         if bucket.index in self._stale:

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dearopt.bench.netns import SHAPED_ENV, can_shape, parse_rate, run_shaped  # noqa: E402
+from dearopt.bench.netns import parse_rate, rerun_shaped  # noqa: E402
 
 
 def _burst_kb(rate: str) -> int:
@@ -99,12 +99,9 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--out", default="bench-out/prophet-link")
     args = ap.parse_args()
-    if os.environ.get(SHAPED_ENV) is None:
-        reason = can_shape()
-        if reason:
-            print(f"cannot emulate a link here: {reason}", file=sys.stderr)
-            return 2
-        return run_shaped(args.rate, [sys.executable, *sys.argv])
+    code = rerun_shaped(args.rate)
+    if code is not None:
+        return code
     from dearopt.bench.spawn import spawn
 
     result = spawn(_rank, 2, args)[0]

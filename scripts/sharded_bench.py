@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dearopt.bench.netns import SHAPED_ENV, can_shape, run_shaped  # noqa: E402
+from dearopt.bench.netns import rerun_shaped  # noqa: E402
 
 SCHEDULES = ("ddp", "dear", "dear-paper", "dear-sharded", "fsdp2", "zero")
 
@@ -149,12 +149,9 @@ def main() -> int:
     unknown = set(args.schedules.split(",")) - set(SCHEDULES)
     if unknown:
         ap.error(f"unknown schedules {sorted(unknown)}; expected some of {SCHEDULES}")
-    if args.rate and os.environ.get(SHAPED_ENV) is None:
-        reason = can_shape()
-        if reason:
-            print(f"cannot emulate a link here: {reason}", file=sys.stderr)
-            return 2
-        return run_shaped(args.rate, [sys.executable, *sys.argv])
+    code = rerun_shaped(args.rate)
+    if code is not None:
+        return code
     from dearopt.bench.spawn import spawn
 
     result = spawn(_rank, 2, args)[0]

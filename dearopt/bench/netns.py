@@ -14,7 +14,7 @@ import sys
 import uuid
 from typing import List, Optional
 
-__all__ = ["can_shape", "parse_rate", "run_shaped", "SHAPED_ENV"]
+__all__ = ["can_shape", "parse_rate", "run_shaped", "rerun_shaped", "SHAPED_ENV"]
 
 SHAPED_ENV = "DEAROPT_SHAPED_RATE"
 """Set inside the namespace to the rate it was shaped to."""
@@ -63,3 +63,16 @@ def run_shaped(rate: str, argv: List[str], env: Optional[dict] = None) -> int:
         raise
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def rerun_shaped(rate: Optional[str]) -> Optional[int]:
+    """For a script given ``--rate``: run this very command again inside a namespace shaped to ``rate`` and return
+    its exit code (2, with the reason on stderr, where this machine cannot shape); None where there is nothing
+    to do (no rate, or already inside the namespace): the script goes on."""
+    if not rate or os.environ.get(SHAPED_ENV) is not None:
+        return None
+    reason = can_shape()
+    if reason:
+        print(f"cannot emulate a link here: {reason}", file=sys.stderr)
+        return 2
+    return run_shaped(rate, [sys.executable, *sys.argv])
