@@ -309,6 +309,10 @@ def run_rank(cfg: dict) -> dict:
                 _log(rank, f"  {s:>5}: measured plans (steps/s): "
                            + ", ".join(f"allreduce={k['allreduce']!r} {t:.3f}" for k, t in choice.history)
                            + f"; kept allreduce={choice.current['allreduce']!r}")
+            deft = getattr(runner.opt, "deft_schedule", None)
+            if deft is not None and r == 0:
+                _log(rank, f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
+                           f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets")
             runner.settle()
             plan = getattr(runner.opt, "plan", None)
             if plan is not None:
