@@ -256,13 +256,19 @@ class DelayedExecutor(Executor):
         """Bucket ``b``'s gradient of this step (with its used flags), plus what was held of it."""
         bucket = self.buckets[b]
         bucket.clear_stale()
-        bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
-        bucket.tags.zero_()
+        self._write_flags(bucket)
         total = bucket.buffer.clone()
         if self.held is not None:
             total.add_(self.held.storage[b])
-        bucket.mark_seen()
         return total
+
+    @staticmethod
+    def _write_flags(bucket) -> None:
+        """The used flags into the bucket's tail, so that a group's sum counts, per parameter, the steps and
+        ranks that produced a gradient (step tags are not checked under deft: a group sums several steps)."""
+        bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
+        bucket.tags.zero_()
+        bucket.mark_seen()
 
     def _start_new(self, force: bool) -> None:
         """Send the new group's buckets the schedule sends in this backward, in its order, as they are ready."""
@@ -286,10 +292,8 @@ class DelayedExecutor(Executor):
             if self.held is None:
                 self.held = _Group({b.index: torch.zeros_like(b.buffer) for b in self.buckets}, 0)
             for b in self.buckets:
-                b.flags.copy_(torch.tensor(b.used, dtype=b.flags.dtype))
-                b.tags.zero_()
+                self._write_flags(b)
                 self.held.storage[b.index].add_(b.buffer)
-                b.mark_seen()
             self.held.covers += 1
             return
         if self._measuring(1):
@@ -398,9 +402,8 @@ class DelayedExecutor(Executor):
             return None if group is None else {"storage": {b: t.clone() for b, t in group.storage.items()},
                                                "covers": group.covers, "sent": sorted(group.sent)}
 
-        source = self._loaded if self.plan is None and self._loaded is not None else None
-        if source is not None:  # loaded, not yet applied: pass it on unchanged
-            return dict(source)
+        if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
+            return dict(self._loaded)
         return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
                 "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
 

@@ -343,10 +343,11 @@ class DistOptim(torch.optim.Optimizer):
         return getattr(self._executor, "deft", None)
 
     @property
-    def applied_steps(self) -> List[int]:
-        """Under ``schedule="deft"``: the steps at which a group of gradients was applied; else every step."""
+    def applied_steps(self) -> Optional[List[int]]:
+        """Under ``schedule="deft"``: the steps at which a group of gradients was applied; None under every other
+        schedule (each step's gradients are applied at that step, unless skipped: :attr:`skipped_steps`)."""
         steps = getattr(self._executor, "applied_steps", None)
-        return list(steps) if steps is not None else list(range(self._executor.step_count))
+        return list(steps) if steps is not None else None
 
     @property
     def settled(self) -> bool:

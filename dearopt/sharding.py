@@ -98,9 +98,9 @@ class Segment:
 
     param: torch.nn.Parameter
     j: int  # position of the parameter in its bucket
+    group: int  # the optimizer's param group the parameter belongs to
     begin: int  # first element of the (flattened) parameter
-    tensor: torch.Tensor  # view of the bucket's flat parameter buffer: what the optimizer updates
-    grad: torch.Tensor  # view of the bucket's averaged gradient shard
+    tensor: torch.Tensor  # view of the bucket's flat parameter buffer (its .grad: the averaged shard's part)
 
     @property
     def numel(self) -> int:
@@ -119,6 +119,7 @@ class _ShardedBucket:
                 view = self.flat[offset:offset + p.numel()]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
+        group_of = {id(p): gi for gi, members in enumerate(bucket.group_members) for p in members}
         self.segments: List[Segment] = []
         for piece, (start, end) in zip(bucket.pieces, spec.pieces or ((0, spec.padded_numel),)):
             n = (end - start) // world
@@ -130,15 +131,15 @@ class _ShardedBucket:
                 if lo < hi:
                     tensor = self.flat[lo:hi]
                     tensor.grad = piece.shard[lo - own:hi - own]
-                    self.segments.append(Segment(p, j, lo - offset, tensor, tensor.grad))
+                    self.segments.append(Segment(p, j, group_of[id(p)], lo - offset, tensor))
 
-    def members(self, group_of: Dict[int, int], n_groups: int, include: Sequence[bool]) -> List[List[torch.Tensor]]:
+    def members(self, n_groups: int, include: Sequence[bool]) -> List[List[torch.Tensor]]:
         """The segments to update, by param group (a parameter no rank produced a gradient for is left out, as
         torch skips a parameter whose ``.grad`` is None)."""
         by_group: List[List[torch.Tensor]] = [[] for _ in range(n_groups)]
         for s in self.segments:
             if include[s.j]:
-                by_group[group_of[id(s.param)]].append(s.tensor)
+                by_group[s.group].append(s.tensor)
         return by_group
 
     def release(self) -> None:
@@ -196,12 +197,13 @@ class ShardedUpdate:
 
     def apply(self, bucket: BucketState, include: Sequence[bool], updater) -> None:
         """Run the wrapped optimizer over this rank's segments of ``bucket`` (at ``step()``)."""
-        group_of = {}
-        for gi, members in enumerate(bucket.group_members):
-            for p in members:
-                group_of[id(p)] = gi
+        if any(bucket.sparse):
+            sparse = [n for n, is_sparse in zip(bucket.names, bucket.sparse) if is_sparse]
+            raise UsageError(f"{sparse} get sparse gradients (nn.Embedding(sparse=True)); shard_optimizer=True "
+                             f"updates dense shards, which the optimizer may treat differently from a sparse "
+                             f"gradient: use sparse=False, or shard_optimizer=False")
         sharded = self._buckets[bucket.index]
-        updater.apply_members(sharded.members(group_of, len(self.optimizer.param_groups), include))
+        updater.apply_members(sharded.members(len(self.optimizer.param_groups), include))
 
     def release(self) -> None:
         """Before a re-plan: the ordinary state back (collective), the flat buffers let go (the parameters keep

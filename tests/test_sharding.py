@@ -217,6 +217,14 @@ def _refusals():
     dearopt.register_elementwise(_MyAdam)
     attempt("registered subclass", lambda: dearopt.DistOptim(_MyAdam(model.parameters()), model,
                                                              shard_optimizer=True).close())
+    embedding = torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True))
+    sparse_opt = dearopt.DistOptim(torch.optim.SGD(embedding.parameters(), lr=0.1), embedding, shard_optimizer=True)
+
+    def sparse_step():
+        embedding(torch.tensor([[1, 2]])).sum().backward()
+        sparse_opt.step()
+
+    attempt("sparse gradients", sparse_step)
     attempt("sharded_state_dict unsharded", lambda: dearopt.DistOptim(
         torch.optim.SGD(model.parameters(), lr=0.1), model).sharded_state_dict())
     return out
@@ -237,6 +245,7 @@ def test_what_cannot_be_sharded_is_refused_by_name():
     assert got["subclass"][0] == "NotElementwiseError" and "register_elementwise(_MyAdam)" in got["subclass"][1]
     assert got["registered subclass"] is None
     assert got["sharded_state_dict unsharded"][0] == "UsageError"
+    assert got["sparse gradients"][0] == "UsageError" and "sparse=False" in got["sparse gradients"][1]
 
 
 def _replanned(opt_names):
