@@ -176,6 +176,11 @@ class CollectiveBackend(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot fork a separate communicator")
 
+    def second_link(self) -> "CollectiveBackend":
+        """A communicator over the same ranks for concurrent traffic (DeFT's heterogeneous links): over another
+        transport where this backend has one (gloo beside NCCL), else a :meth:`fork`."""
+        return self.fork()
+
     def close(self) -> None:
         """Release resources, this backend's forks' first; the backend is unusable afterwards."""
         self._closed = True
@@ -325,18 +330,24 @@ class TorchDistBackend(CollectiveBackend):
 
         return wide, narrow
 
-    def fork(self) -> "TorchDistBackend":
+    def fork(self, pg_backend: Optional[str] = None) -> "TorchDistBackend":
+        """A new process group over the same ranks (of ``pg_backend``, default this one's)."""
         self._check_open("fork", {})
         if self.size == 1:  # nothing is ever exchanged: no new communicator (none to agree on with anyone)
             return self._track_fork(TorchDistBackend(self.rank, 1, self.timeout, group=self.group, owns_group=False))
         timeout = datetime.timedelta(seconds=self.timeout)
+        kind = pg_backend or self.pg_backend
         members = None if self.group is None else dist.get_process_group_ranks(self.group)
         if members is None or len(members) == dist.get_world_size():
-            group = dist.new_group(backend=self.pg_backend, timeout=timeout)
+            group = dist.new_group(backend=kind, timeout=timeout)
         else:  # a subset of the ranks: only its members take part in making the new group
-            group = dist.new_group(ranks=members, backend=self.pg_backend, timeout=timeout,
-                                   use_local_synchronization=True)
+            group = dist.new_group(ranks=members, backend=kind, timeout=timeout, use_local_synchronization=True)
         return self._track_fork(TorchDistBackend(self.rank, self.size, self.timeout, group=group))
+
+    def second_link(self) -> "TorchDistBackend":
+        """Beside NCCL: a gloo group (its all-reduce takes CUDA tensors through host memory); beside gloo:
+        another gloo group (its own connections and thread)."""
+        return self.fork("gloo")
 
     def close(self) -> None:
         """Close the forks made from this backend, then this one's own group.

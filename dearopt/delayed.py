@@ -20,9 +20,23 @@ parameter with ``p.grad`` set to the group's average, ``sum(g_i) / k`` over
 its ``k`` iterations.  Between ``backward()`` and ``step()`` ``p.grad`` holds
 this rank's own gradient of this step; after ``step()`` it holds it again.
 
-**Status** (issue 16): one communicator (no second link), no Preserver, no
-comm hook, no clipping or loss scaling of a delayed group (refused by name),
-``backward_passes_per_step`` 1 only.
+**The Preserver** (:class:`~dearopt.schedules.deft.Preserver`, on by default
+for a solved schedule): the measuring steps also record the loss the user
+passes to ``step(loss=...)`` and the drift and noise of an exact update; the
+schedule is re-solved with raised capacities until the expected loss after
+one period is within ``1 +- epsilon`` of exact training's
+(``DistOptim.deft_preserved``).
+
+**Two links** (``deft_links=2``): a second communicator over the same ranks
+(:meth:`~dearopt.collectives.CollectiveBackend.second_link`: gloo beside
+NCCL, another gloo group beside gloo) runs concurrently with the first; the
+last measuring step also times each bucket alone on it, and ``mu`` (its time
+over the first's) turns every knapsack into the paper's Problem 2.  Whether it
+helps depends on the links being distinct: two gloo groups on one network
+share its bandwidth, which the solver does not model.
+
+**Status** (issue 16): no comm hook, no clipping or loss scaling of a delayed
+group (refused by name), ``backward_passes_per_step`` 1 only.
 
 **Checkpoints**: ``DistOptim.state_dict()`` carries, besides the wrapped
 optimizer's state, the schedule, the step within it and the group sums (the
@@ -33,14 +47,16 @@ A run resumed from it is bit-identical to one that was not interrupted.
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from typing import Dict, List, Optional
 
 import torch
 
 from .errors import NonFiniteGradientError, UsageError
 from .executor import Executor, TrainingState
-from .schedules.deft import DeftIteration, DeftSchedule, check_partition, deft_schedule
+from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
 __all__ = ["DelayedExecutor", "deft_times", "MEASURED_STEPS"]
 
@@ -92,20 +108,35 @@ class _Group:
 class DelayedExecutor(Executor):
     """Carries out a :class:`DeftSchedule` over the buckets of a plan (see the module's docstring)."""
 
-    def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None, **kwargs):
+    def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None,
+                 preserver: Optional[Preserver] = None, links: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
+        if links not in (1, 2):
+            raise ValueError(f"deft_links must be 1 or 2, got {links!r}")
+        if schedule is not None and links == 1 and any(it.second_old or it.second_new
+                                                       for it in schedule.warmup + schedule.period):
+            raise UsageError("the given DeFT schedule sends on a second link: pass deft_links=2")
+        # DeFT's heterogeneous links: a second communicator over the same ranks, used concurrently with the first
+        self.second = self.backend.second_link() if links == 2 else None
+        self.mu: Optional[float] = None if schedule is None else schedule.mu  # its time per bucket over the first's
         if self.comm_hook is not None:
             raise UsageError("schedule='deft' does not take a comm_hook yet")
         if self.options.backward_passes_per_step != 1:
             raise UsageError("schedule='deft' accumulates across steps itself; backward_passes_per_step must be 1")
         self.deft: Optional[DeftSchedule] = schedule
-        # Without a schedule or a profile the job measures its own: MEASURED_STEPS exact steps first
-        self.offset = MEASURED_STEPS if schedule is None and profile is None else 0
+        # A given schedule is followed as it is.  Otherwise the first MEASURED_STEPS steps are exact and measure
+        # the job: its times (unless a profile gives them) and what the Preserver needs (unless it is off)
+        self.preserver = None if schedule is not None else preserver
+        self.offset = MEASURED_STEPS if schedule is None and (profile is None or preserver is not None) else 0
+        self.preserved: Optional[Preserved] = None  # the Preserver's outcome, once solved
+        self._losses: Dict[int, float] = {}  # measuring step -> the loss the user reported at its step()
+        self._dots: Dict[int, float] = {}  # measuring step -> this rank's own gradient . the update made
         self._measure_from = 0  # the first measuring step (later after a re-partition)
         self.repartitions: List[int] = []  # the buffer sizes re-planned to
         self.measured: Optional[tuple] = None  # (forward, backward, comm) per bucket, rank 0's, shared
         self._marks: Dict[object, float] = {}  # step 1: forward/backward start and end, per bucket reached/ready
         self._comm: Dict[int, float] = {}
+        self._comm_second: Dict[int, float] = {}
         self._deft_profile = profile
         self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
         self.forming: Optional[_Group] = None  # the group this backward starts
@@ -119,7 +150,7 @@ class DelayedExecutor(Executor):
     def _build_plan(self) -> None:
         super()._build_plan()
         self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
-        if self.deft is None and self._deft_profile is not None:
+        if self.deft is None and self._deft_profile is not None and not self.offset:
             self._solve(deft_times(self._deft_profile, self.plan))
         if self.deft is not None and self.deft.buckets != len(self.buckets):
             raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
@@ -131,9 +162,16 @@ class DelayedExecutor(Executor):
     def iteration(self) -> DeftIteration:
         if self.step_count < self.offset:  # measuring: exact, every bucket sent in backward, applied now
             n = len(self.buckets)
-            send = () if self.step_count == self.offset - 1 else tuple(range(n - 1, -1, -1))
+            alone = self.step_count == self.offset - 1 and self._times_alone  # timed in _end_backward
+            send = () if alone else tuple(range(n - 1, -1, -1))
             return DeftIteration(4, (), (), send, False, 0, 1)
         return self.deft.iteration(self.step_count - self.offset)
+
+    @property
+    def _times_alone(self) -> bool:
+        """Whether the last measuring step times each bucket's all-reduce alone: for the times (no profile), or
+        for the second link's ratio ``mu``."""
+        return self._deft_profile is None or self.second is not None
 
     def _measuring(self, step: int) -> bool:
         """Whether this is measuring step ``step`` (1: compute times, 2: each all-reduce alone)."""
@@ -169,32 +207,78 @@ class DelayedExecutor(Executor):
         """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
         from .functions import broadcast_object
 
-        self.measured = broadcast_object(self._measured_times() if self.rank == 0 else None, 0, backend=self.control)
+        if self._times_alone:  # rank 0's numbers for everyone
+            measured, self.mu = broadcast_object((self._measured_times(), self._measured_mu()) if self.rank == 0
+                                                 else None, 0, backend=self.control)
+        if self._deft_profile is not None:
+            measured = deft_times(self._deft_profile, self.plan)
+        self.measured = measured
         forward, backward, comm = self.measured
         too_long = check_partition(forward, backward, comm)
         if too_long and len(self.repartitions) < REPARTITIONS:
             # split: buckets whose bytes take at most 80 % of the shortest stage (the same numbers on every rank)
             shortest = min(sum(forward), sum(backward))
             size = int(self.buffer_size * 0.8 * shortest / max(comm[b] for b in too_long))
-            if 0 < size < self.buffer_size:
+            if 0 < size < self.buffer_size and self._deft_profile is None:
                 self.repartitions.append(size)
                 Executor.replan(self, buffer_size=size)  # nothing in flight: every measuring step was applied
                 self._measure_from, self.offset = self.step_count, self.step_count + MEASURED_STEPS
-                self._marks, self._comm = {}, {}
+                self._marks, self._comm, self._comm_second, self._losses, self._dots = {}, {}, {}, {}, {}
                 return
         self._solve(self.measured)
 
+    def _measured_mu(self) -> Optional[float]:
+        """The second link's all-reduce time over the first's, over all buckets measured alone (None: one link)."""
+        if self.second is None:
+            return None
+        first = sum(self._comm.values())
+        return sum(self._comm_second.values()) / first if first > 0 else 1.0
+
+    def _convergence_stats(self) -> tuple:
+        """The Preserver's inputs from the measuring steps, the same on every rank: the mean loss, and per step
+        the drift (minus the averaged gradient . the update) and the noise (the spread of the ranks' own
+        gradients . the update, over sqrt(ranks)), averaged over the measuring steps."""
+        steps = sorted(self._dots)
+        rows = [[self._dots[s], self._dots[s] ** 2, self._losses.get(s, math.nan)] for s in steps]
+        total = torch.tensor(rows, dtype=torch.float64, device=self.control.device)
+        self.control.all_reduce(total, "sum", step=self.step_count).wait()
+        total = total.cpu()
+        n = self.world
+        dot = total[:, 0] / n  # the averaged gradient . the update, per step
+        var = (total[:, 1] - n * dot ** 2).clamp(min=0) / (n - 1) if n > 1 else torch.zeros_like(dot)
+        loss = float(total[:, 2].mean()) / n
+        if not math.isfinite(loss):
+            raise UsageError(f"schedule='deft' checks its solved schedule's convergence (the Preserver) from the "
+                             f"training loss of its first {len(steps)} steps, and not every rank reported one: "
+                             f"pass it as optimizer.step(loss=loss) on every rank, or preserver=None to use the "
+                             f"solver's schedule unchecked [rank {self.rank}, step {self.step_count}]")
+        return loss, -float(dot.mean()), math.sqrt(float(var.mean()) / n)
+
     def _solve(self, times) -> None:
         try:
-            self.deft = deft_schedule(*times)
+            if self.preserver is None:
+                self.deft = deft_schedule(*times, mu=self.mu)
+                return
+            loss, drift, noise = self._convergence_stats()
+            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=self.mu)
+            self.deft = self.preserved.schedule
+            if not self.preserved.passed:
+                warnings.warn(f"dearopt: the DeFT schedule failed the Preserver's check after "
+                              f"{self.preserved.resolves} re-solves (ratio {self.preserved.ratio:.4f}, outside "
+                              f"1 +- {self.preserver.epsilon}); it is used as the last re-solve left it "
+                              f"({self.deft.updates_per_iteration:.2f} updates per step)", RuntimeWarning)
         except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
             raise UsageError(f"schedule='deft' cannot schedule these buckets: {exc}. A smaller buffer_size helps "
                              f"where bandwidth dominates the bucket's time; where the fixed cost per collective "
                              f"does, this model computes too little per step for DeFT") from None
 
-    def _all_reduce(self, group: _Group, b: int) -> None:
+    def _all_reduce(self, group: _Group, b: int, new: bool = False) -> None:
+        """Start bucket ``b``'s all-reduce of ``group`` (the group formed in this backward: ``new``) on the link
+        the schedule gives it (measuring steps: the first)."""
         group.sent.add(b)
-        group.handles.append(self.backend.all_reduce(group.storage[b], "sum", bucket=b, step=self.step_count))
+        on_second = self.second is not None and self.step_count >= self.offset and self.iteration.link(b, new)
+        backend = self.second if on_second else self.backend
+        group.handles.append(backend.all_reduce(group.storage[b], "sum", bucket=b, step=self.step_count))
 
     # ----------------------------------------------------------- forward
     def _root_pre_hook(self, module, args) -> None:
@@ -280,7 +364,7 @@ class DelayedExecutor(Executor):
             if not (force or self.buckets[b].complete):
                 return
             self.forming.storage[b] = self._take(b)
-            self._all_reduce(self.forming, b)
+            self._all_reduce(self.forming, b, new=True)
             self._new_cursor += 1
 
     def _end_backward(self) -> None:
@@ -298,9 +382,14 @@ class DelayedExecutor(Executor):
             return
         if self._measuring(1):
             self._marks["end"] = time.perf_counter()
-        if self._measuring(MEASURED_STEPS - 1):  # each bucket's all-reduce alone, one after another
+        if self._measuring(MEASURED_STEPS - 1) and self._times_alone:  # each all-reduce alone, in turn
             for b in range(len(self.buckets) - 1, -1, -1):
                 self.forming.storage[b] = self._take(b)
+                if self.second is not None:  # the same bytes on the second link (a scratch copy), alone
+                    scratch = self.forming.storage[b].clone()
+                    t0 = time.perf_counter()
+                    self.second.all_reduce(scratch, "sum", bucket=b, step=self.step_count).wait()
+                    self._comm_second[b] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._all_reduce(self.forming, b)
                 self.forming.handles[-1].wait()
@@ -329,7 +418,7 @@ class DelayedExecutor(Executor):
             if group is not None:
                 self._wait(group)
         if it.applies == 0:  # a measuring step: exact, applied at once
-            self._apply(self.forming)
+            self._apply(self.forming, measure=self.preserver is not None)
             self.forming = None
         elif it.applies is not None:
             self._apply(self.group)
@@ -345,8 +434,14 @@ class DelayedExecutor(Executor):
         if self.on_step_landed is not None:
             self.on_step_landed()
 
-    def _apply(self, group: _Group) -> None:
-        """One update of every parameter with the group's average (``p.grad`` points into it meanwhile)."""
+    def record_loss(self, loss) -> None:
+        """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
+        if self.preserver is not None and self.deft is None and self.step_count < self.offset:
+            self._losses[self.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
+
+    def _apply(self, group: _Group, measure: bool = False) -> None:
+        """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
+        ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
         if group is None or len(group.sent) != len(self.buckets):
             raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
                                "and the executor disagree")
@@ -370,12 +465,16 @@ class DelayedExecutor(Executor):
                         offset = bucket.spec.offsets[j]
                         p.grad = storage[offset:offset + p.numel()].view_as(p)
                         members[gi].append(p)
+        before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
         self.updater.begin_step(1)
         try:
             self.updater.apply_members(members)
         finally:
             for p, grad in saved.values():
                 p.grad = grad
+        if measure:  # p.grad is this rank's own gradient again
+            self._dots[self.step_count] = sum(float(torch.sum(p.grad.double() * (p.detach() - old).double()))
+                                              for p, old in before if p.grad is not None)
         self.applied_steps.append(self.step_count)
 
     def _check_gradient_writes(self) -> None:
@@ -405,6 +504,7 @@ class DelayedExecutor(Executor):
         if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
             return dict(self._loaded)
         return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
+                "preserved": self.preserved, "mu": self.mu,
                 "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
 
     def load_deft_state(self, saved: dict) -> None:
@@ -414,6 +514,10 @@ class DelayedExecutor(Executor):
         self.step_count = int(saved["step"])
         self.deft = saved["schedule"]
         self.offset, self.measured = saved.get("offset", 0), saved.get("measured")
+        self.preserved = saved.get("preserved")
+        self.mu = saved.get("mu")
+        if self.second is None and self.deft is not None and self.deft.mu is not None:
+            raise UsageError("this checkpoint's DeFT schedule uses a second link: resume with deft_links=2")
         self.applied_steps = list(saved.get("applied_steps", []))
         self._loaded = saved
         if self.plan is not None:
@@ -443,6 +547,11 @@ class DelayedExecutor(Executor):
 
     def reduce_gradients(self) -> None:
         self.finish_averaging()
+
+    def close(self) -> None:
+        super().close()
+        if self.second is not None:
+            self.second.close()
 
     def replan(self, *args, **kwargs) -> None:
         if self.plan is not None:

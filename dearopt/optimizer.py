@@ -38,6 +38,19 @@ PLAN_CHOICE_STEPS = 3
 _WRAPPED = weakref.WeakSet()
 
 
+def _preserver(preserver):
+    """``preserver=``: True (the defaults), False/None (off) or a :class:`dearopt.schedules.deft.Preserver`."""
+    from .schedules.deft import Preserver
+
+    if preserver is True:
+        return Preserver()
+    if preserver is False or preserver is None:
+        return None
+    if isinstance(preserver, Preserver):
+        return preserver
+    raise TypeError(f"preserver= takes True, False or a dearopt.schedules.deft.Preserver, got {preserver!r}")
+
+
 def _check_arguments(optimizer, model):
     if isinstance(optimizer, DistOptim):
         raise UsageError("this optimizer is already a DistOptim; wrap the plain torch optimizer once")
@@ -129,6 +142,13 @@ class DistOptim(torch.optim.Optimizer):
             per-bucket times its schedule is solved from.
         deft_schedule: under ``schedule="deft"``, a :class:`dearopt.schedules.deft.DeftSchedule` to follow
             instead of solving one from ``profile`` (delayed, merged updates: see :mod:`dearopt.delayed`).
+        preserver: under ``schedule="deft"`` with a solved schedule, the convergence check it must pass
+            (``True``: :class:`dearopt.schedules.deft.Preserver` with its defaults, or one given; ``False``: the
+            solver's schedule unchecked).  It needs the training loss of the first steps: call
+            ``optimizer.step(loss=loss)``.  Its outcome: :attr:`deft_preserved`.
+        deft_links: under ``schedule="deft"``, 2 sends part of the buckets over a second communicator
+            concurrently (DeFT's heterogeneous links: gloo beside NCCL, a second gloo group beside gloo), with
+            the ratio of the two links' times measured on the job; helps only where the links are distinct.
         backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); a
             :class:`dearopt.collectives.CollectiveBackend` over a subset of the ranks restricts the averaging to
             them (``dearopt.horovod``'s process sets use this).
@@ -151,8 +171,12 @@ class DistOptim(torch.optim.Optimizer):
                  backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
-                 tuning_steps: int = 10, profile=None, deft_schedule=None, backend=None):
+                 tuning_steps: int = 10, profile=None, deft_schedule=None, preserver=True, deft_links: int = 1,
+                 backend=None):
         _check_arguments(optimizer, model)
+        preserver = _preserver(preserver)
+        if deft_links not in (1, 2):
+            raise ValueError(f"deft_links must be 1 or 2, got {deft_links!r}")
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
                           embedding_rows=embedding_rows, allreduce=allreduce, shard_optimizer=shard_optimizer,
                           partition_size=partition_size,
@@ -187,10 +211,10 @@ class DistOptim(torch.optim.Optimizer):
 
             self._executor = DelayedExecutor(optimizer, model, engine, options, buffer, partition, credit_bytes,
                                              hook, on_step_landed=self._step_landed, schedule=deft_schedule,
-                                             profile=profile)
+                                             profile=profile, preserver=preserver, links=deft_links)
         else:
-            if deft_schedule is not None:
-                raise ValueError("deft_schedule= is for schedule='deft'")
+            if deft_schedule is not None or deft_links != 1:
+                raise ValueError("deft_schedule= and deft_links= are for schedule='deft'")
             self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
                                       on_step_landed=self._step_landed)
         self._profile = profile
@@ -276,8 +300,11 @@ class DistOptim(torch.optim.Optimizer):
     """``torch.amp.GradScaler.step(optimizer)`` hands itself to :meth:`step`, which unscales the averaged
     gradients and agrees on inf/NaN across ranks (see :meth:`step`)."""
 
-    def step(self, closure=None, grad_scaler=None):
+    def step(self, closure=None, grad_scaler=None, *, loss=None):
         """Average the gradients across ranks and apply the wrapped optimizer's update.
+
+        ``loss``: this step's training loss (a number or a tensor), for ``deft``'s
+        Preserver (read in its first steps only); ignored by the other schedules.
 
         Under ``dear`` the update of each bucket is applied during the next
         forward, just before the bucket's first module runs (or as soon as
@@ -295,6 +322,8 @@ class DistOptim(torch.optim.Optimizer):
             raise UsageError("DistOptim.step() does not take a closure: run forward and backward before step()")
         for hook in itertools.chain(list(_global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
             hook(self, (), {})
+        if loss is not None and hasattr(self._executor, "record_loss"):
+            self._executor.record_loss(loss)
         if grad_scaler is not None:
             found_inf = self._scaler_found_inf(grad_scaler, unscale=True)
             self._executor.step(skip=found_inf, scaler_checked=True)
@@ -341,6 +370,12 @@ class DistOptim(torch.optim.Optimizer):
         """Under ``schedule="deft"``: the :class:`dearopt.schedules.deft.DeftSchedule` in force (None until the
         plan is made; its ``update_frequency`` per bucket); None under every other schedule."""
         return getattr(self._executor, "deft", None)
+
+    @property
+    def deft_preserved(self):
+        """Under ``schedule="deft"`` with a solved, checked schedule: the Preserver's outcome (a
+        :class:`dearopt.schedules.deft.Preserved`: ratio, capacity factor, re-solves, passed); else None."""
+        return getattr(self._executor, "preserved", None)
 
     @property
     def applied_steps(self) -> Optional[List[int]]:

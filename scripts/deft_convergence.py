@@ -1,21 +1,24 @@
-"""DeFT's delayed updates against exact training, on scikit-learn's digits (issue 16's convergence check).
+"""DeFT's delayed updates against exact training: digits and a small language model (issue 16's convergence check).
 
-    python scripts/deft_convergence.py [--epochs 8] [--out bench-out/deft]
+    python scripts/deft_convergence.py [--task digits|lm|both] [--epochs 8] [--lm-steps 400] [--out bench-out/deft]
 
-Two local ranks train examples/digits_dearopt.py's CNN (Adam, 2e-3, 32 samples per rank and step) under:
+Two local ranks train, under each of:
 
 * ``dear``: exact (equal to one process on the global batch);
-* ``deft-late``: the schedule the solver makes where computation hides all communication (2 s of backward,
-  1 s of forward and 0.5 s on the link per bucket): every step's gradients applied one step late;
+* ``deft-late`` (digits only): the schedule the solver makes where computation hides all communication (2 s
+  of backward, 1 s of forward and 0.5 s on the link per bucket): every step's gradients applied one step late;
 * ``deft-merged``: the schedule it makes where communication exceeds computation (2.5 s on the link per
-  1 + 1 s of compute per bucket): every second step's gradients are held and merged, half the updates.
+  1 + 1 s of compute per bucket): steps held and merged, fewer updates; given, so the Preserver is off;
+* ``deft-preserved``: the same per-bucket times, given as a profile, with the Preserver on (the default): the
+  first three steps are exact and measure the loss (``optimizer.step(loss=loss)``), the drift and the noise;
+  the Preserver raises the knapsack capacities until its check passes.
 
-The digits CNN computes far too little per step for this machine's links (DeFT's partition constraint
-refuses a schedule measured on the job: every all-reduce outlasts a whole forward), so the schedules are
-given, solved from those per-bucket times; what is measured is what the delays do to training.
-
-Printed: test accuracy after every epoch for each, the updates applied and the update frequency.  No
-Preserver is built yet, so nothing here raises the capacity when accuracy falls behind.
+The tasks: digits, examples/digits_dearopt.py's CNN (Adam 2e-3, 32 samples per rank and step, test accuracy
+after each epoch); ``lm``, a character-level GRU language model on a fixed text (Python 3.11's own
+``argparse.py``, ``textwrap.py`` and ``string.py``, so nothing is downloaded; Adam 3e-3, 16 sequences of 64
+characters per rank and step, held-out loss every 50 steps).  These models compute far too little per step for
+this machine's links (every measured all-reduce outlasts a whole forward), so the per-bucket times are fixed
+(one bucket per parameter); what is measured is what the delays, and the Preserver, do to training.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+SEQ, LM_BATCH, EVAL_EVERY = 64, 16, 50
 
-def _data():
+
+def _digits():
     import torch
     from sklearn.datasets import load_digits
 
@@ -39,7 +44,7 @@ def _data():
     return x[order[:1400]], y[order[:1400]], x[order[1400:]], y[order[1400:]]
 
 
-def _model():
+def _digits_model():
     import torch
     from torch import nn
 
@@ -48,67 +53,194 @@ def _model():
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def _rank(args) -> dict:
+def _text():
+    """Characters of three stdlib modules of this Python (fixed by its version): 90 % train, 10 % held out."""
+    import string
+    import textwrap
+
     import torch
-    from torch import nn
+
+    paths = [argparse.__file__, textwrap.__file__, string.__file__]
+    text = "".join(open(p, encoding="utf-8").read() for p in paths)
+    vocab = sorted(set(text))
+    data = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+    cut = int(len(data) * 0.9)
+    return data[:cut], data[cut:], len(vocab)
+
+
+class _CharLM:
+    """Embedding, a one-layer GRU, a linear decoder: seven parameters (seven buckets at buffer_size=1)."""
+
+    def __new__(cls, vocab):
+        import torch
+        from torch import nn
+
+        class CharLM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(vocab, 48)
+                self.rnn = nn.GRU(48, 128, batch_first=True)
+                self.head = nn.Linear(128, vocab)
+
+            def forward(self, x):
+                return self.head(self.rnn(self.embed(x))[0])
+
+        torch.manual_seed(0)
+        return CharLM()
+
+
+def fixed_profile(model, world: int, forward: float, backward: float, comm: float):
+    """A :class:`dearopt.sim.Profile` that gives every bucket (one per parameter, ``buffer_size=1``) these
+    forward, backward and all-reduce seconds: what ``deft_times`` reads."""
+    from dearopt.plan import ParamSpec
+    from dearopt.sim.cost import CommCost
+    from dearopt.sim.profile import Profile
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = len(params)
+    steps = CommCost("all_reduce", 1.0, 0.0).time(0, world)  # latency steps of one all-reduce on `world` ranks
+    return Profile(params=[ParamSpec(f"p{i}", p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
+                           for i, p in enumerate(params)],
+                   forward_segments=[([i], forward) for i in range(n)], forward_tail=0.0,
+                   ready=[(n - i) * backward for i in range(n)], t_bp=n * backward, update_per_element=0.0,
+                   update_per_call=0.0, comm={"all_reduce": CommCost("all_reduce", comm / steps, 0.0)},
+                   comm_samples={}, contention={}, world=world)
+
+
+def _optimizer(name, model, world, lr):
+    """The DistOptim (Adam at ``lr``) for one of the runs (one bucket per parameter)."""
+    import torch
 
     import dearopt
     from dearopt.schedules.deft import deft_schedule
 
+    n_params = len(list(model.parameters()))
+    inner = torch.optim.Adam(model.parameters(), lr=lr)
+    kwargs = {}
+    if name == "deft-late":
+        kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [2.0] * n_params, [0.5] * n_params)
+    elif name == "deft-merged":
+        kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [1.0] * n_params, [2.5] * n_params)
+    elif name == "deft-preserved":
+        kwargs["profile"] = fixed_profile(model, world, 1.0, 1.0, 2.5)
+    return dearopt.DistOptim(inner, model, schedule="deft" if name.startswith("deft") else "dear",
+                             buffer_size=1, **kwargs)
+
+
+def _summary(opt, steps) -> dict:
+    schedule, kept = opt.deft_schedule, opt.deft_preserved
+    out = {"steps": steps, "updates": len(opt.applied_steps) if opt.applied_steps is not None else steps,
+           "updates_per_step": schedule.updates_per_iteration if schedule is not None else 1.0,
+           "period": len(schedule.period) if schedule is not None else 1}
+    if kept is not None:
+        out["preserver"] = {"ratio": kept.ratio, "capacity_factor": kept.capacity_factor,
+                            "resolves": kept.resolves, "passed": kept.passed}
+    return out
+
+
+def _rank_digits(args) -> dict:
+    import torch
+    from torch import nn
+
+    import dearopt
+
     rank, world = dearopt.rank(), dearopt.size()
-    x_train, y_train, x_test, y_test = _data()
+    x_train, y_train, x_test, y_test = _digits()
     x_train, y_train = x_train[rank::world], y_train[rank::world]
     batch = 32
     out = {}
-    for name in ("dear", "deft-late", "deft-merged"):
-        model = _model()
-        inner = torch.optim.Adam(model.parameters(), lr=2e-3)
-        kwargs = {}
-        n = len(list(model.parameters()))  # buffer_size=1: one bucket per parameter
-        if name == "deft-late":
-            kwargs["deft_schedule"] = deft_schedule([1.0] * n, [2.0] * n, [0.5] * n)
-        elif name == "deft-merged":
-            kwargs["deft_schedule"] = deft_schedule([1.0] * n, [1.0] * n, [2.5] * n)
-        opt = dearopt.DistOptim(inner, model, schedule="deft" if name.startswith("deft") else "dear",
-                                buffer_size=1, **kwargs)
-        accuracy = []
-        steps = 0
+    for name in ("dear", "deft-late", "deft-merged", "deft-preserved"):
+        model = _digits_model()
+        opt = _optimizer(name, model, world, 2e-3)
+        accuracy, steps = [], 0
         for epoch in range(args.epochs):
             model.train()
             perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
             for start in range(0, len(perm) - batch + 1, batch):
                 idx = perm[start:start + batch]
                 opt.zero_grad()
-                nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
-                opt.step()
+                loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+                loss.backward()
+                opt.step(loss=loss.detach())
                 steps += 1
             model.eval()
             with torch.no_grad():
                 accuracy.append(100 * (model(x_test).argmax(1) == y_test).float().mean().item())
-        schedule = opt.deft_schedule
-        out[name] = {"accuracy": accuracy, "steps": steps, "updates": len(opt.applied_steps),
-                     "updates_per_step": schedule.updates_per_iteration if schedule is not None else 1.0,
-                     "period": len(schedule.period) if schedule is not None else 1}
+        out[name] = {"accuracy": accuracy, **_summary(opt, steps)}
         opt.close()
     return out
 
 
+def _rank_lm(args) -> dict:
+    import torch
+    from torch import nn
+
+    import dearopt
+
+    rank, world = dearopt.rank(), dearopt.size()
+    train, held_out, vocab = _text()
+    g = torch.Generator().manual_seed(1)
+    eval_starts = torch.randint(0, len(held_out) - SEQ - 1, (64,), generator=g)
+    eval_x = torch.stack([held_out[s:s + SEQ] for s in eval_starts])
+    eval_y = torch.stack([held_out[s + 1:s + SEQ + 1] for s in eval_starts])
+    out = {}
+    for name in ("dear", "deft-merged", "deft-preserved"):
+        model = _CharLM(vocab)
+        opt = _optimizer(name, model, world, 3e-3)
+        curve = []
+        for step in range(args.lm_steps):
+            starts = torch.randint(0, len(train) - SEQ - 1, (LM_BATCH * world,),
+                                   generator=torch.Generator().manual_seed(100 + step))[rank::world]
+            x = torch.stack([train[s:s + SEQ] for s in starts])
+            y = torch.stack([train[s + 1:s + SEQ + 1] for s in starts])
+            model.train()
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            opt.step(loss=loss.detach())
+            if (step + 1) % EVAL_EVERY == 0:
+                model.eval()
+                with torch.no_grad():
+                    held = nn.functional.cross_entropy(model(eval_x).reshape(-1, vocab), eval_y.reshape(-1))
+                curve.append(round(float(held), 4))
+        out[name] = {"held_out_loss": curve, **_summary(opt, args.lm_steps)}
+        opt.close()
+    return out
+
+
+def _describe(name, r) -> str:
+    text = f"({r['updates']} updates in {r['steps']} steps; {r['updates_per_step']:.2f} per step, period {r['period']}"
+    if "preserver" in r:
+        k = r["preserver"]
+        text += (f"; Preserver: ratio {k['ratio']:.4f}, capacities x{k['capacity_factor']:.3g} after "
+                 f"{k['resolves']} re-solves, {'passed' if k['passed'] else 'FAILED'}")
+    return text + ")"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=("digits", "lm", "both"), default="both")
     ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--lm-steps", type=int, default=400)
     ap.add_argument("--out", default="bench-out/deft")
     args = ap.parse_args()
     from dearopt.bench.spawn import spawn
 
-    result = spawn(_rank, 2, args)[0]
-    print("test accuracy [%] after each epoch, 2 ranks, digits CNN, Adam")
-    for name, r in result.items():
-        curve = " ".join(f"{a:5.1f}" for a in r["accuracy"])
-        print(f"{name:>12}: {curve}   ({r['updates']} updates in {r['steps']} steps; "
-              f"{r['updates_per_step']:.2f} per step, period {r['period']})")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "convergence.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    if args.task in ("digits", "both"):
+        result = spawn(_rank_digits, 2, args)[0]
+        print("digits: test accuracy [%] after each epoch, 2 ranks, CNN, Adam")
+        for name, r in result.items():
+            print(f"{name:>15}: {' '.join(f'{a:5.1f}' for a in r['accuracy'])}   {_describe(name, r)}")
+        with open(os.path.join(args.out, "convergence.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    if args.task in ("lm", "both"):
+        result = spawn(_rank_lm, 2, args)[0]
+        print(f"lm: held-out loss every {EVAL_EVERY} steps, 2 ranks, character GRU, Adam")
+        for name, r in result.items():
+            print(f"{name:>15}: {' '.join(f'{v:6.3f}' for v in r['held_out_loss'])}   {_describe(name, r)}")
+        with open(os.path.join(args.out, "convergence_lm.json"), "w") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 

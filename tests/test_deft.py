@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.schedules.deft import DeftIteration, DeftSchedule, deft_schedule
+from dearopt.schedules.deft import DeftIteration, DeftSchedule, Preserver, deft_schedule
 from harness import run_workers
 from models import global_batch, loss_fn, make_model, make_optimizer, shard
 from test_distoptim import assert_params_match
@@ -23,6 +23,8 @@ SCHEDULES = {
     "solver: compute-rich": deft_schedule([1.0] * N_BUCKETS, [2.0] * N_BUCKETS, [0.5] * N_BUCKETS),
     # the solver, communication-bound: every second step's gradients are held and merged into the next group
     "solver: communication-bound": deft_schedule([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS),
+    # the solver over two links (the second 1.3 times slower): some buckets go on the second communicator
+    "solver: two links": deft_schedule([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, mu=1.3),
 }
 
 
@@ -70,7 +72,7 @@ def _deft_runs(names, opt_names):
         for opt_name in opt_names:
             model = make_model("mlp")
             opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule="deft", buffer_size=64,
-                                    deft_schedule=SCHEDULES[name])
+                                    deft_schedule=SCHEDULES[name], deft_links=2 if SCHEDULES[name].mu else 1)
             for step in range(STEPS):
                 opt.zero_grad()
                 x, y = global_batch(step, "mlp")
@@ -89,6 +91,8 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
     outcomes = run_workers(_deft_runs, world, names, opt_names, timeout=130)
     held = [t for t in range(STEPS) if SCHEDULES["solver: communication-bound"].iteration(t).held]
     assert held, "the communication-bound schedule must hold some steps' gradients"
+    two = [SCHEDULES["solver: two links"].iteration(t) for t in range(STEPS)]
+    assert any(it.second_old for it in two) and any(it.second_new for it in two)  # both groups use the 2nd link
     for name in names:
         for opt_name in opt_names:
             want, want_applied = emulate(SCHEDULES[name], opt_name)
@@ -146,7 +150,7 @@ def _from_profile_and_resume():
     def run(steps, start=0, load=None):
         model = make_model("mlp")
         opt = dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
-                                profile=profile)
+                                profile=profile, preserver=False)
         if load is not None:
             model.load_state_dict(load[0])
             opt.load_state_dict(load[1])
@@ -190,7 +194,7 @@ def _refusals():
         try:
             fn()
             out[name] = None
-        except (dearopt.DearoptError, ValueError) as exc:
+        except (dearopt.DearoptError, ValueError, TypeError) as exc:
             out[name] = (type(exc).__name__, str(exc))
 
     attempt("auto buffer", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
@@ -207,6 +211,26 @@ def _refusals():
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=4096,
                             deft_schedule=SCHEDULES["given: one step late"])
     attempt("wrong bucket count", lambda: loss_fn("mlp", model(x), y).backward())
+    opt.close()
+    attempt("second link not asked for", lambda: dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", deft_schedule=SCHEDULES["solver: two links"]))
+    attempt("three links", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                                     schedule="deft", deft_links=3))
+    attempt("preserver type", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                                        schedule="deft", preserver="yes"))
+    model = make_model("mlp")  # the Preserver on (the default), a profile for the times, no loss reported
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64,
+                            profile=_synthetic_profile())
+
+    def three_steps():
+        for step in range(3):
+            opt.zero_grad()
+            loss_fn("mlp", model(x), y).backward()
+            out["steps before"] = step
+            opt.step()
+
+    attempt("no loss", three_steps)
+    opt.close()
     return out
 
 
@@ -217,6 +241,12 @@ def test_what_deft_cannot_do_is_refused_by_name():
     assert got["clip"][0] == "UsageError" and "not supported yet" in got["clip"][1]
     assert got["torch clip"][0] == "UsageError" and "already taken into a delayed group" in got["torch clip"][1]
     assert got["wrong bucket count"][0] == "UsageError" and "6 buckets" in got["wrong bucket count"][1]
+    assert got["preserver type"][0] == "TypeError" and "preserver=" in got["preserver type"][1]
+    assert got["second link not asked for"][0] == "UsageError" and "deft_links=2" in got["second link not asked for"][1]
+    assert got["three links"][0] == "ValueError" and "deft_links" in got["three links"][1]
+    # named at the step that solves the schedule: the third, after the exact measuring steps
+    assert got["no loss"][0] == "UsageError" and "optimizer.step(loss=loss)" in got["no loss"][1]
+    assert got["steps before"] == 2
 
 
 class _AfterMeasuring:
@@ -231,10 +261,38 @@ class _AfterMeasuring:
         return self.schedule.iteration(t - self.offset)
 
 
-def _measured(buffer_size, steps):
+def preserver_inputs(opt_name, world, steps=3):
+    """By hand, from exact single-process training on the global batch: the Preserver's loss, drift and noise
+    over the first ``steps`` steps (each rank's loss and own gradient on its shard, dotted with the update)."""
+    model = make_model("mlp")
+    opt = make_optimizer(opt_name, model)
+    losses, dots, variances = [], [], []
+    for t in range(steps):
+        x, y = global_batch(t, "mlp")
+        own = []
+        for r in range(world):
+            model.zero_grad()
+            loss = loss_fn("mlp", model(shard(x, r, world)), shard(y, r, world))
+            loss.backward()
+            losses.append(float(loss.detach()))
+            own.append([p.grad.detach().clone() for p in model.parameters()])
+        before = [p.detach().clone() for p in model.parameters()]
+        for p, *gs in zip(model.parameters(), *own):
+            p.grad = sum(gs) / world
+        opt.step()
+        d = [sum(float((g.double() * (p.detach() - b).double()).sum()) for g, p, b in
+                 zip(gr, model.parameters(), before)) for gr in own]
+        mean = sum(d) / world
+        dots.append(mean)
+        variances.append(sum((v - mean) ** 2 for v in d) / (world - 1))
+    return sum(losses) / len(losses), -sum(dots) / steps, (sum(variances) / steps / world) ** 0.5
+
+
+def _measured(buffer_size, steps, preserver=False, links=1):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size)
+    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size,
+                            preserver=preserver, deft_links=links)
     executor = opt._executor
     measured = executor._measured_times
     real = {}
@@ -250,23 +308,40 @@ def _measured(buffer_size, steps):
     for step in range(steps):
         opt.zero_grad()
         x, y = global_batch(step, "mlp")
-        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-        opt.step()
+        loss = loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world))
+        loss.backward()
+        opt.step(loss=loss)
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
-           executor.measured, opt.applied_steps, executor.repartitions, len(executor.buckets))
+           executor.measured, opt.applied_steps, executor.repartitions, len(executor.buckets), opt.deft_preserved,
+           executor.mu)
     opt.close()
     return out
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3])
-def test_without_a_profile_the_job_measures_itself_exactly_first(world):
-    outcomes = run_workers(_measured, world, 64, STEPS + 2, timeout=100)
+@pytest.mark.parametrize("world,links", [(2, 1), (3, 2)])
+def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserver_checks_the_schedule(world, links):
+    outcomes = run_workers(_measured, world, 64, STEPS + 2, True, links, timeout=100)
+    loss, drift, noise = preserver_inputs("adamw", world)
+    mu = outcomes[0].value[-1]  # two links: the second's time over the first's, measured alone on rank 0
+    assert (mu is None) == (links == 1) and all(o.value[-1] == mu for o in outcomes)
+    assert mu is None or mu > 0
+    want_preserved = Preserver().solve([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, loss=loss,
+                                       drift=drift, noise=noise, mu=mu)
+    assert want_preserved.passed
+    if links == 1:  # the solver alone merges steps; the Preserver raised the capacities until the loss kept up
+        assert want_preserved.resolves > 0 and want_preserved.schedule.updates_per_iteration > deft_schedule(
+            [1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS).updates_per_iteration
+    elif mu < 2.0:  # (measured on this machine) the second link takes a 2.5 s bucket within a 6 s stage
+        assert any(it.second_old or it.second_new for it in want_preserved.schedule.period)
     for o in outcomes:
-        params, offset, schedule, real, shared, applied, repartitions, _ = o.value
+        params, offset, schedule, real, shared, applied, repartitions, _, preserved, _ = o.value
         assert offset == 3 and applied[:3] == [0, 1, 2] and not repartitions  # the measuring steps are exact
         assert shared == ([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS)  # rank 0's, on every rank
-        assert schedule == deft_schedule(*shared)
+        assert preserved.ratio == pytest.approx(want_preserved.ratio, rel=1e-6)
+        assert preserved.capacity_factor == want_preserved.capacity_factor
+        assert preserved.resolves == want_preserved.resolves and preserved.passed
+        assert schedule == want_preserved.schedule
         if o.rank == 0:
             forward, backward, comm = real
             assert len(forward) == len(backward) == len(comm) == N_BUCKETS
@@ -281,7 +356,9 @@ def test_without_a_profile_the_job_measures_itself_exactly_first(world):
 def test_a_bucket_longer_than_a_stage_is_split_and_measured_again():
     steps = 11
     for o in run_workers(_measured, 2, 4096, steps, timeout=100):
-        params, offset, schedule, _, shared, applied, repartitions, n_buckets = o.value
+        params, offset, schedule, _, shared, applied, repartitions, n_buckets, preserved, _ = o.value
+        assert preserved is None  # preserver=False
+        assert schedule == deft_schedule(*shared)
         # one 4096-byte bucket measured 1 s on the link against 0.1 s stages: re-planned to 0.8 * 0.1 / 1 of it
         assert repartitions == [int(4096 * 0.8 * 0.1 / 1.0)] and n_buckets > 1
         assert offset == 6 and applied[:6] == list(range(6))  # measured twice, exact meanwhile

@@ -36,13 +36,15 @@ VARIANTS = {
     "dear-nocheck": ("dear", {"check_agreement": False, "nonfinite": "ignore"}),
     "dear-paper": ("dear", {"allreduce": 0.0}),
     "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
+    "deft-2links": ("deft", {"deft_links": 2}),
 }
 """Configured variants: ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
 (issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9);
 ``dear-paper`` is DeAR as in the paper (every bucket reduce-scattered and gathered in the next forward), where
 ``dear`` all-reduces in backward as many buckets as fit in the link's idle time there (``allreduce="auto"``);
 ``dear-tuned`` tunes its buffer size online (Bayesian optimization, 10 trials of 3 measured steps; untimed
-until tuning and the measured choice are over) instead of --bucket-mb."""
+until tuning and the measured choice are over) instead of --bucket-mb; ``deft-2links`` is deft over two
+concurrent communicators (DeFT's heterogeneous links, issue 16)."""
 
 SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
 """Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.schedules.names()``)
@@ -77,8 +79,10 @@ class _Runner:
 
             self.forward_module = DDP(model, bucket_cap_mb=cfg["bucket_mb"])
             self.opt = inner
+            self.is_dearopt = False
         else:
             self.forward_module = model
+            self.is_dearopt = True
             base, extra = VARIANTS.get(schedule, (schedule, {}))
             knobs = {"buffer_size": int(cfg["bucket_mb"] * 2**20), "timeline": timeline_path, **extra}
             self.opt = dearopt.DistOptim(inner, model, schedule=base, **knobs)
@@ -103,7 +107,10 @@ class _Runner:
         if tl:
             tl.span("loss.backward()", "compute", t_bw, iteration=self.iteration)
         t_st = tl.now() if tl else 0.0
-        self.opt.step()
+        if self.is_dearopt:  # deft's Preserver reads the loss of its first steps
+            self.opt.step(loss=loss.detach())
+        else:
+            self.opt.step()
         t3 = time.perf_counter()
         if tl:
             tl.span("opt.step()", "compute", t_st, iteration=self.iteration)
@@ -313,6 +320,12 @@ def run_rank(cfg: dict) -> dict:
             if deft is not None and r == 0:
                 _log(rank, f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
                            f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets")
+                if deft.mu is not None:
+                    _log(rank, f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
+                kept = runner.opt.deft_preserved
+                if kept is not None:
+                    _log(rank, f"  {s:>5}: Preserver: ratio {kept.ratio:.4f}, capacities x{kept.capacity_factor:.3g} "
+                               f"after {kept.resolves} re-solves, {'passed' if kept.passed else 'FAILED'}")
             runner.settle()
             plan = getattr(runner.opt, "plan", None)
             if plan is not None:

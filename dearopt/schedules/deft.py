@@ -3,8 +3,8 @@
 Pure functions from a profile (per bucket: forward time ``F``, backward time
 ``B``, communication time ``C``) to a periodic schedule of delayed, merged
 updates, and the ``"deft"`` policy; :class:`dearopt.delayed.DelayedExecutor`
-carries the schedule out.  Not built (issue 16): the heterogeneous links (two
-communicators) and the Preserver (the convergence check).
+carries the schedule out, checked by the :class:`Preserver` where it is solved
+from measurements, over one link or two (section III.C: ``mu``).
 
 The paper's idea: an iteration's parameter update may wait until every bucket
 of its gradient is reduced, and the next iteration's forward runs on the
@@ -52,9 +52,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
 from .base import Schedule, mark_updates
 
-__all__ = ["knapsack", "recursive_knapsack", "DeftIteration", "DeftSchedule", "deft_schedule",
+__all__ = ["knapsack", "link_knapsack", "recursive_knapsack", "DeftIteration", "DeftSchedule", "deft_schedule",
            "check_partition", "RESOLUTION", "DeFT", "expected_loss", "preserver_ratio", "Preserved",
-           "preserved_schedule"]
+           "preserved_schedule", "Preserver"]
 
 RESOLUTION = 1e-5
 """Seconds per unit of the exact knapsack (times are rounded to it; 10 us)."""
@@ -90,6 +90,61 @@ def knapsack(weights: Sequence[float], capacity: float) -> Tuple[int, ...]:
     return tuple(chosen)
 
 
+def link_knapsack(weights: Sequence[float], capacities: Sequence[float],
+                  links: Sequence[float] = (1.0,)) -> Tuple[Tuple[int, int], ...]:
+    """Problem 2, the 0/1 multi-knapsack over concurrent links: ``(item, link)`` for the items sent, by item.
+
+    Item ``i`` takes ``weights[i] * links[k]`` seconds on link ``k`` (``links[0]`` is 1: weights are times on
+    the first link), and link ``k`` has ``capacities[k]`` seconds.  One link: :func:`knapsack`, exact.  Two:
+    the best (largest total weight; ties to the earlier) of the paper's greedy (the smaller knapsack first, the
+    longest items first) and of exact knapsacks filled one link after the other, in both orders; a heuristic,
+    as the paper's, and never worse than either link alone.  The same answer on every rank."""
+    if len(links) != len(capacities) or not links:
+        raise ValueError(f"one capacity per link: {len(capacities)} capacities for {len(links)} links")
+    if len(links) == 1:
+        return tuple((i, 0) for i in knapsack([w * links[0] for w in weights], capacities[0]))
+    if len(links) != 2:
+        raise ValueError(f"DeFT's solver packs one or two links, got {len(links)}")
+
+    def one_after_another(order):
+        taken: Dict[int, int] = {}
+        for k in order:
+            rest = [i for i in range(len(weights)) if i not in taken]
+            for j in knapsack([weights[i] * links[k] for i in rest], capacities[k]):
+                taken[rest[j]] = k
+        return taken
+
+    def greedy():
+        taken: Dict[int, int] = {}
+        for k in sorted(range(2), key=lambda k: (capacities[k] / links[k], k)):
+            load = 0.0
+            for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+                if i not in taken and load + weights[i] * links[k] <= capacities[k] + RESOLUTION / 2:
+                    taken[i] = k
+                    load += weights[i] * links[k]
+        return taken
+
+    best: Optional[Dict[int, int]] = None
+    for taken in (one_after_another((0, 1)), one_after_another((1, 0)), greedy()):
+        if best is None or (sum(weights[i] for i in taken) > sum(weights[i] for i in best) + RESOLUTION / 2):
+            best = taken
+    return tuple(sorted(best.items()))
+
+
+def _ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequence[float],
+                    capacities: Sequence[float], links: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
+    """Algorithm 1 over one or two links: ``(bucket, link)`` in the order of ``items``."""
+    items = list(items)
+    if not items or max(capacities) <= 0:
+        return ()
+    first = link_knapsack([comm[b] for b in items], [max(c, 0.0) for c in capacities], links)
+    rest = _ready_knapsack(items[1:], comm, backward, [c - backward[items[1]] for c in capacities], links) \
+        if len(items) > 1 else ()
+    if sum(comm[items[i]] for i, _ in first) > sum(comm[b] for b, _ in rest) + RESOLUTION / 2:
+        return tuple(sorted(((items[i], k) for i, k in first), key=lambda pair: items.index(pair[0])))
+    return rest
+
+
 def recursive_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequence[float],
                        capacity: float) -> Tuple[int, ...]:
     """Algorithm 1: the buckets of ``items`` (in the order backward makes them ready) to send in this
@@ -97,15 +152,9 @@ def recursive_knapsack(items: Sequence[int], comm: Sequence[float], backward: Se
 
     Either the knapsack over all of them with the whole capacity, or (recursively) over the items after the
     first, whose capacity loses the backward time of the bucket that becomes the first ready (the paper's
-    ``T_{N-1}``, read as that bucket's backward time); the larger total wins, ties go to the shorter list."""
-    items = list(items)
-    if not items or capacity <= 0:
-        return ()
-    first = knapsack([comm[b] for b in items], capacity)
-    rest = recursive_knapsack(items[1:], comm, backward, capacity - backward[items[1]]) if len(items) > 1 else ()
-    if sum(comm[items[i]] for i in first) > sum(comm[b] for b in rest) + RESOLUTION / 2:
-        return tuple(sorted((items[i] for i in first), key=items.index))
-    return rest
+    ``T_{N-1}``, read as that bucket's backward time); the larger total wins, ties go to the shorter list.
+    (Over two links, the same with :func:`link_knapsack` in place of the knapsack.)"""
+    return tuple(b for b, _ in _ready_knapsack(items, comm, backward, [capacity], (1.0,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +169,12 @@ class DeftIteration:
     applies: Optional[int]  # a group whose last bucket was sent now is applied at step(): how many iterations
     # before this one its first gradients were computed (None: no update at this step)
     covers: int  # ... and how many iterations' gradients it sums (0 when nothing is applied)
+    second_old: Tuple[int, ...] = ()  # of ``forward`` and ``backward_old``, the buckets sent on the second link
+    second_new: Tuple[int, ...] = ()  # of ``backward_new``, those sent on the second link
+
+    def link(self, bucket: int, new: bool) -> int:
+        """The link (0 or 1) this iteration sends bucket ``bucket`` of the new group (``new``) or the old on."""
+        return 1 if bucket in (self.second_new if new else self.second_old) else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +184,7 @@ class DeftSchedule:
     buckets: int
     warmup: Tuple[DeftIteration, ...]
     period: Tuple[DeftIteration, ...]
+    mu: Optional[float] = None  # two links: the second's time over the first's for the same bucket
 
     def iteration(self, t: int) -> DeftIteration:
         """What iteration ``t`` (from 0) does."""
@@ -168,10 +224,22 @@ def check_partition(forward: Sequence[float], backward: Sequence[float], comm: S
 
 
 def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float],
-                  max_iterations: int = 1000) -> DeftSchedule:
+                  max_iterations: int = 1000, mu: Optional[float] = None) -> DeftSchedule:
     """Algorithm 2 from a profile: per bucket (0 = input side) its forward and backward compute time and its
-    communication time, in seconds.  The same numbers give the same schedule on every rank."""
+    communication time (on the first link), in seconds.  ``mu``: a second, concurrent link on which a bucket
+    takes ``mu`` times as long (section III.C; None: one link); every knapsack is then Problem 2
+    (:func:`link_knapsack`) and each iteration lists what it sends on the second link.  The same numbers give
+    the same schedule on every rank."""
     n = _check_profile(forward, backward, comm)
+    if mu is not None and not (mu > 0 and math.isfinite(mu)):
+        raise ValueError(f"mu must be a positive finite ratio, got {mu!r}")
+    links = (1.0,) if mu is None else (1.0, float(mu))
+
+    def pack(buckets, seconds):
+        """(sent on the first link, sent on the second) of ``buckets`` within ``seconds`` per link."""
+        placed = link_knapsack([comm[b] for b in buckets], [s for s in seconds], links)
+        return tuple(buckets[i] for i, k in placed), tuple(buckets[i] for i, k in placed if k == 1)
+
     too_long = check_partition(forward, backward, comm)
     if too_long:
         raise ValueError(f"buckets {too_long} take longer on the link than the shortest stage's compute "
@@ -191,27 +259,33 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
                None if future is None else (t - future[0], future[1]))
         if key in seen:
             start = seen[key]
-            return DeftSchedule(n, tuple(history[:start]), tuple(history[start:]))
+            return DeftSchedule(n, tuple(history[:start]), tuple(history[start:]), mu)
         seen[key] = t
         sent_forward: Tuple[int, ...] = ()
+        second_old: Tuple[int, ...] = ()  # the old group's sends on the second link, forward and backward
+        second_new: Tuple[int, ...] = ()
         if current:  # Case 1: old gradients depend on nothing; any of them may go in forward
-            chosen = knapsack([comm[b] for b in current], fp_time)
-            sent_forward = tuple(current[i] for i in chosen)
+            sent_forward, second_old = pack(current, [fp_time] * len(links))
             current = tuple(b for b in current if b not in sent_forward)
         applies, covers = None, 0
         if not current and current_group is not None and sent_forward:
             applies, covers = current_group  # the group's last buckets went in this forward
             current_group = None
         old, new, held = (), (), False
+        old_second: Tuple[int, ...] = ()  # of the old group's backward sends
         if current:
-            fits = sum(comm[b] for b in current) <= bp_time + RESOLUTION / 2
+            if len(links) == 1:
+                fits = sum(comm[b] for b in current) <= bp_time + RESOLUTION / 2
+            else:
+                fits = len(pack(current, [bp_time] * len(links))[0]) == len(current)
             if not fits:  # Case 2: as much of the old group as fits; the new gradients are held
-                chosen = knapsack([comm[b] for b in current], bp_time)
-                old = tuple(current[i] for i in chosen)
+                old, old_second = pack(current, [bp_time] * len(links))
                 current = tuple(b for b in current if b not in old)
                 future = (t, 1) if future is None else (future[0], future[1] + 1)
                 held, case = True, 2
             else:  # Case 3: all of the old group, then the new group with what is left
+                if len(links) > 1:
+                    old_second = pack(current, [bp_time] * len(links))[1]
                 old, current = current, ()
                 applies, covers = current_group
                 current_group = None
@@ -223,12 +297,16 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
             future = None
             # the old group's buckets are ready at once and go first; the new ones only after the last
             # bucket's backward
-            left = min(bp_time - sum(comm[b] for b in old), first_capacity)
-            new = recursive_knapsack(ready_order, comm, backward, left)
+            left = [min(bp_time - sum(comm[b] * links[k] for b in old if (b in old_second) == (k == 1)),
+                        first_capacity) for k in range(len(links))]
+            placed = _ready_knapsack(ready_order, comm, backward, left, links)
+            new = tuple(b for b, _ in placed)
+            second_new = tuple(sorted(b for b, k in placed if k == 1))
             current = tuple(b for b in range(n) if b not in new)
             current_group = group
         age = None if applies is None else t - applies
-        history.append(DeftIteration(case, sent_forward, old, new, held, age, covers))
+        history.append(DeftIteration(case, sent_forward, old, new, held, age, covers,
+                                     tuple(sorted(second_old + old_second)), second_new))
     raise RuntimeError(f"DeFT's schedule did not repeat within {max_iterations} iterations")
 
 
@@ -280,7 +358,8 @@ class Preserved:
 
 def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
                        loss: float, lr: float, mean: float, std: float, batch: float, target: float = 0.0,
-                       epsilon: float = 0.01, growth: float = 1.5, max_resolves: int = 10) -> Preserved:
+                       epsilon: float = 0.01, growth: float = 1.5, max_resolves: int = 10,
+                       mu: Optional[float] = None) -> Preserved:
     """Solve, test with :func:`preserver_ratio`, and while the ratio is outside ``[1 - epsilon, 1 + epsilon]``
     raise both stages' knapsack capacities by ``growth`` and solve again, at most ``max_resolves`` times (the
     paper's ten; it gives no step size: 1.5x each time is this library's).  Raising the capacity lets more be
@@ -288,12 +367,48 @@ def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm
     schedule is kept and ``passed`` is False."""
     factor = 1.0
     for resolves in range(max_resolves + 1):
-        schedule = deft_schedule([f * factor for f in forward], [b * factor for b in backward], comm)
+        schedule = deft_schedule([f * factor for f in forward], [b * factor for b in backward], comm, mu=mu)
         ratio = preserver_ratio(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch, target=target)
         if abs(ratio - 1.0) <= epsilon or resolves == max_resolves:
             return Preserved(schedule, ratio, factor, resolves, abs(ratio - 1.0) <= epsilon)
         factor *= growth
     raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preserver:
+    """The convergence check a solved DeFT schedule must pass before it is used (``DistOptim(preserver=...)``).
+
+    The job measures, in its first exact steps, the training loss (``optimizer.step(loss=loss)``), the
+    first-order loss change of one exact update (``drift``: minus the averaged gradient dotted with the update
+    the wrapped optimizer made, whatever its kind) and how much that change varies with the batch (``noise``:
+    the spread over ranks of each rank's own gradient dotted with the same update, divided by sqrt(ranks)).
+    These are the random walk's drift and noise per step of :func:`expected_loss`; a merged group of ``k``
+    steps is one step with the noise divided by sqrt(k) (the variable-batch-size view).
+    :func:`preserved_schedule` then re-solves with raised capacities until :func:`preserver_ratio` is within
+    ``1 +- epsilon``, at most ``max_resolves`` times; a schedule that still fails is used with a warning
+    (``optimizer.deft_preserved.passed`` is False), as the paper keeps its last re-solve."""
+
+    epsilon: float = 0.01
+    target: float = 0.0
+    growth: float = 1.5
+    max_resolves: int = 10
+
+    def __post_init__(self):
+        if not (0 < self.epsilon < 1):
+            raise ValueError(f"Preserver: epsilon must be in (0, 1), got {self.epsilon!r}")
+        if not self.growth > 1:
+            raise ValueError(f"Preserver: growth must be above 1, got {self.growth!r}")
+        if int(self.max_resolves) != self.max_resolves or self.max_resolves < 0:
+            raise ValueError(f"Preserver: max_resolves must be a non-negative integer, got {self.max_resolves!r}")
+
+    def solve(self, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
+              loss: float, drift: float, noise: float, mu: Optional[float] = None) -> Preserved:
+        """The preserved schedule for these per-bucket times (and second link ``mu``) and the measured loss,
+        drift and noise per step."""
+        return preserved_schedule(forward, backward, comm, loss=loss, lr=1.0, mean=drift, std=noise, batch=1.0,
+                                  target=self.target, epsilon=self.epsilon, growth=self.growth,
+                                  max_resolves=int(self.max_resolves), mu=mu)
 
 
 class DeFT(Schedule):
