@@ -33,4 +33,5 @@ from .optimizer import DistOptim
 from .options import Options
 from .plan import Plan, build_plan, parse_size
 from .sharding import register_elementwise
+from .sparsify import Sparsify
 from .tuner import BayesianTuner, ChoiceTuner, Knob, TuningController

@@ -49,6 +49,7 @@ from .plan import padded_numel
 
 __all__ = [
     "Handle",
+    "JointHandle",
     "CollectiveBackend",
     "TorchDistBackend",
     "padded_numel",
@@ -107,6 +108,25 @@ class CompletedHandle(Handle):
 
     def is_completed(self) -> bool:
         return True
+
+
+class JointHandle(Handle):
+    """Several ops that complete together (a rows reduction's two all-gathers; a sparse exchange's parts)."""
+
+    def __init__(self, *handles: Handle):
+        self._handles = handles
+        self.op = "+".join(h.op for h in handles)
+
+    def wait(self, timeout=None) -> None:
+        for h in self._handles:
+            h.wait(timeout)
+
+    def synchronize(self, timeout=None) -> None:
+        for h in self._handles:
+            h.synchronize(timeout)
+
+    def is_completed(self) -> bool:
+        return all(h.is_completed() for h in self._handles)
 
 
 class CollectiveBackend(abc.ABC):

@@ -85,6 +85,9 @@ def resolve_comm_hook(hook) -> "CommHook | None":
         if hook not in _BY_NAME:
             raise ValueError(f"comm_hook must be None, 'fp16', 'bf16' or a dearopt.CommHook, got {hook!r}")
         return _BY_NAME[hook]()
-    if not isinstance(hook, CommHook):
-        raise TypeError(f"comm_hook must be None, 'fp16', 'bf16' or a dearopt.CommHook, got {type(hook).__name__}")
+    from .sparsify import Sparsify
+
+    if not isinstance(hook, (CommHook, Sparsify)):
+        raise TypeError(f"comm_hook must be None, 'fp16', 'bf16', a dearopt.CommHook or a dearopt.Sparsify, got "
+                        f"{type(hook).__name__}")
     return hook

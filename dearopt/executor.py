@@ -137,8 +137,12 @@ class Executor:
         self.buffer_size = buffer_size
         self.partition_size = partition_size
         self.allreduce = options.allreduce  # dear's rule for all-reduced buckets; a measured choice may change it
-        self.comm_hook = comm_hook
         self.rank, self.world = backend.rank, backend.size
+        from .sparsify import SparseExchange, Sparsify
+
+        # a sparsifier owns its buckets' exchange (dearopt.sparsify); a cast hook only encodes what travels
+        self.sparse = SparseExchange(comm_hook, self.rank, self.world) if isinstance(comm_hook, Sparsify) else None
+        self.comm_hook = None if self.sparse is not None else comm_hook
         # Data collectives follow the plan's order on `backend`; the few control
         # messages (buffers, plan check, norms, profile) go on their own channel,
         # so that their place among the data ops never depends on timing.
@@ -301,6 +305,9 @@ class Executor:
         measured = self.profile.result
         ready, bandwidth, latency = (measured.ready, measured.bandwidth, measured.latency) if measured else (None,) * 3
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
+        if self.sparse is not None:  # part of the plan's fingerprint: every rank must sparsify alike
+            s = self.sparse.sparsify
+            hook_name = f"sparsify-{s.selection}-{s.density!r}-{s.warmup_steps}"
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, latency=latency, credit=self.window.credit,
@@ -328,9 +335,14 @@ class Executor:
             idx = [self._where[id(p)][0].index for p in module.parameters(recurse=False) if id(p) in self._where]
             if idx:
                 self._module_bucket[id(module)] = max(idx)
+        if self.sparse is not None:  # the residuals follow their parameters into the new buckets
+            position = {id(p): i for i, p in enumerate(self.model.parameters())}
+            self.sparse.bind(self.buckets, [[position.get(id(p), -1 - i) for i, p in enumerate(b.params)]
+                                            for b in self.buckets])
         self.issuer = Issuer(plan, self.buckets, self.backend, self.window, self.comm_hook, self.timeline,
                              prepare=self._write_meta, control=self.control,
-                             rows_reductions=self.issuer.rows_reductions if self.issuer is not None else None)
+                             rows_reductions=self.issuer.rows_reductions if self.issuer is not None else None,
+                             sparse=self.sparse)
         if self.launch_log is not None:
             self.issuer.launch_log = self.launch_log
         self.launch_log = self.issuer.launch_log

@@ -25,9 +25,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .buckets import BucketState
-from .collectives import CollectiveBackend, Handle
+from .collectives import CollectiveBackend, Handle, JointHandle
 from .comm_hooks import CommHook
-from .plan import ALL_GATHER, REDUCE_SCATTER, ROWS, CommOp, Plan, When
+from .plan import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ROWS, CommOp, Plan, When
 from .timeline import Timeline
 
 __all__ = ["CreditWindow", "OpState", "Issuer"]
@@ -55,25 +55,6 @@ class OpState:
     @property
     def bucket(self) -> BucketState:
         return self.piece.bucket
-
-
-class _JointHandle(Handle):
-    """Several ops that complete together (the two all-gathers of a rows reduction)."""
-
-    def __init__(self, *handles: Handle):
-        self._handles = handles
-        self.op = "+".join(h.op for h in handles)
-
-    def wait(self, timeout=None) -> None:
-        for h in self._handles:
-            h.wait(timeout)
-
-    def synchronize(self, timeout=None) -> None:
-        for h in self._handles:
-            h.synchronize(timeout)
-
-    def is_completed(self) -> bool:
-        return all(h.is_completed() for h in self._handles)
 
 
 class CreditWindow:
@@ -123,7 +104,7 @@ class Issuer:
     def __init__(self, plan: Plan, buckets: Sequence[BucketState], backend: CollectiveBackend,
                  window: CreditWindow, hook: Optional[CommHook], timeline: Timeline,
                  prepare: Callable[[BucketState], None], control: Optional[CollectiveBackend] = None,
-                 rows_reductions: Optional[dict] = None):
+                 rows_reductions: Optional[dict] = None, sparse=None):
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
@@ -131,6 +112,7 @@ class Issuer:
         self.world = backend.size
         self.window = window
         self.hook = hook
+        self.sparse = sparse  # a dearopt.sparsify.SparseExchange: it carries every all-reduce
         self.timeline = timeline
         self._prepare = prepare
         self.cursor = 0
@@ -186,6 +168,8 @@ class Issuer:
                 self.first_reduction_at = time.perf_counter()
         if spec.kind == ROWS:
             self._start_rows(op, where)
+        elif spec.kind == ALL_REDUCE and self.sparse is not None:
+            op.handle, op.ctx = self.sparse.start(piece.bucket, piece.full, backend, self.control, self.step, where)
         elif spec.kind == ALL_GATHER and piece.gather_full is not None:  # parameters: as they are, never encoded
             op.handle = backend.all_gather(piece.gather_full, piece.gather_shard, **where)
         elif hook is None:
@@ -243,7 +227,7 @@ class Issuer:
         values[most * width:] = tail
         all_index = torch.empty(world * most, dtype=torch.int64, device=backend.device)
         all_values = torch.empty(world * length, dtype=values.dtype, device=values.device)
-        op.handle = _JointHandle(backend.all_gather(all_index, index, **where),
+        op.handle = JointHandle(backend.all_gather(all_index, index, **where),
                                  backend.all_gather(all_values, values, **where))
         op.ctx = ("rows", counts, most, length, all_index, all_values)
 
@@ -293,6 +277,8 @@ class Issuer:
         if spec.kind == ROWS:
             if op.ctx is not None:
                 self._complete_rows(op)
+        elif spec.kind == ALL_REDUCE and self.sparse is not None:
+            self.sparse.complete(op.ctx, piece.full, piece.bucket.spec.grad_numel)
         elif spec.kind == ALL_GATHER and piece.gather_full is not None:
             pass  # the parameters are in place
         elif self.hook is not None:

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import warnings
 import weakref
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
@@ -25,6 +25,7 @@ from . import runtime
 from .errors import NotInitializedError, UsageError
 from . import functions
 from .comm_hooks import resolve_comm_hook
+from .sparsify import Sparsify
 from .executor import Executor
 from .options import Options
 from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE
@@ -129,8 +130,9 @@ class DistOptim(torch.optim.Optimizer):
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
         nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"`` for non-finite averaged gradients.
         check_agreement: check that all ranks are at the same step (folded into the buckets' messages).
-        comm_hook: how gradients travel: ``None`` (as they are), ``"fp16"``, ``"bf16"`` or a
-            :class:`dearopt.CommHook`; the same on every rank.
+        comm_hook: how gradients travel: ``None`` (as they are), ``"fp16"``, ``"bf16"``, a
+            :class:`dearopt.CommHook`, or a :class:`dearopt.Sparsify` (DEFT's top-k with error feedback under
+            ``wfbp``/``dear``; not exact; see :mod:`dearopt.sparsify`); the same on every rank.
         debug: compare parameter checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
         tuner: a :class:`dearopt.tuner.BayesianTuner` over any of ``buffer_size``, ``partition_size``
@@ -175,6 +177,7 @@ class DistOptim(torch.optim.Optimizer):
                  backend=None):
         _check_arguments(optimizer, model)
         preserver = _preserver(preserver)
+        hook = resolve_comm_hook(comm_hook)
         if deft_links not in (1, 2):
             raise ValueError(f"deft_links must be 1 or 2, got {deft_links!r}")
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
@@ -183,8 +186,8 @@ class DistOptim(torch.optim.Optimizer):
                           credit=credit, priority=priority, link_check_every=link_check_every,
                           backward_passes_per_step=backward_passes_per_step,
                           broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
-                          nonfinite=nonfinite, check_agreement=check_agreement, timeline=timeline, debug=debug)
-        hook = resolve_comm_hook(comm_hook)
+                          nonfinite=nonfinite, check_agreement=check_agreement, timeline=timeline, debug=debug,
+                          sparsify=isinstance(hook, Sparsify))
         if not runtime.is_initialized():
             raise NotInitializedError("call dearopt.init() before creating a DistOptim")
         self._inner = optimizer
@@ -372,6 +375,14 @@ class DistOptim(torch.optim.Optimizer):
         return getattr(self._executor, "deft", None)
 
     @property
+    def sparse_traffic(self) -> Optional[Dict[str, int]]:
+        """Under ``comm_hook=dearopt.Sparsify(...)``: this rank's elements in the last step that communicated:
+        ``values`` it put into its reductions, ``indices`` it selected, ``received`` selections that reached it
+        from every rank; None without a sparsifier."""
+        sparse = self._executor.sparse
+        return dict(sparse.last_step_sent) if sparse is not None else None
+
+    @property
     def deft_preserved(self):
         """Under ``schedule="deft"`` with a solved, checked schedule: the Preserver's outcome (a
         :class:`dearopt.schedules.deft.Preserved`: ratio, capacity factor, re-solves, passed); else None."""
@@ -405,6 +416,10 @@ class DistOptim(torch.optim.Optimizer):
         the scaler's state, as its own ``unscale_`` would); return whether inf/NaN was found."""
         from torch.amp.grad_scaler import OptState
 
+        if self._executor.sparse is not None:
+            raise UsageError("GradScaler is not supported with comm_hook=dearopt.Sparsify(...): the residuals "
+                             "(error feedback) would carry gradients scaled differently from step to step, and a "
+                             "skipped step would lose what it selected")
         state = scaler._per_optimizer_states[id(self)]
         if state["stage"] is OptState.READY and unscale:
             inv_scale = scaler._scale.double().reciprocal().float()
@@ -474,7 +489,10 @@ class DistOptim(torch.optim.Optimizer):
         """Set how gradients travel (see the ``comm_hook`` argument); before the first backward, on every rank."""
         if self._executor.plan is not None:
             raise UsageError("register_comm_hook() must be called before the first backward(): the plan is made")
-        self._executor.comm_hook = resolve_comm_hook(hook)
+        hook = resolve_comm_hook(hook)
+        if isinstance(hook, Sparsify) or self._executor.sparse is not None:
+            raise UsageError("a dearopt.Sparsify changes the plan's options: pass it as DistOptim(comm_hook=...)")
+        self._executor.comm_hook = hook
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change local accumulation between steps (the same on every rank)."""
@@ -506,6 +524,8 @@ class DistOptim(torch.optim.Optimizer):
             saved = self._inner_state_dict(sharding.gather_state())
         if hasattr(self._executor, "deft_state"):  # schedule="deft": this rank's delayed group sums
             saved["dearopt_deft"] = self._executor.deft_state()
+        if self._executor.sparse is not None:  # comm_hook=Sparsify: this rank's residuals (error feedback)
+            saved["dearopt_sparse"] = self._executor.sparse.state_dict()
         return saved
 
     def _inner_state_dict(self, state) -> dict:
@@ -526,6 +546,12 @@ class DistOptim(torch.optim.Optimizer):
                                  "load it into a DistOptim with schedule='deft'")
             state_dict = dict(state_dict)
             self._executor.load_deft_state(state_dict.pop("dearopt_deft"))
+        if "dearopt_sparse" in state_dict:
+            if self._executor.sparse is None:
+                raise UsageError("this state_dict holds a sparsifier's residuals (comm_hook=dearopt.Sparsify): load "
+                                 "it into a DistOptim with the same comm_hook")
+            state_dict = dict(state_dict)
+            self._executor.sparse.load_state_dict(state_dict.pop("dearopt_sparse"))
         self._inner.load_state_dict(state_dict)
         self._share_inner()
         sharding = self._executor.sharding

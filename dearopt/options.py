@@ -100,6 +100,10 @@ class Options:
     """Write Chrome trace events to this path (one file per rank); default ``DEAROPT_TIMELINE``."""
 
     debug: bool = False
+    sparsify: bool = False
+    """The communication hook is a :class:`dearopt.Sparsify` (set by ``DistOptim`` from ``comm_hook``): ``wfbp``
+    or ``dear`` only, every bucket all-reduced (under ``dear``: in backward, updated before its forward), whole
+    buckets (no ``partition_size``), embeddings reduced as dense gradients."""
     """Extra agreement checks per step (parameter checksums); default ``DEAROPT_DEBUG``."""
 
     def __post_init__(self):
@@ -118,6 +122,29 @@ class Options:
                                          or not 0.0 <= float(self.allreduce) <= 1.0):
             raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {self.allreduce!r}")
         policy.check_options(self)
+        if self.sparsify:
+            if self.shard_optimizer:
+                raise ValueError("comm_hook=dearopt.Sparsify(...) and shard_optimizer=True do not combine (the "
+                                 "sharded update needs each bucket reduce-scattered)")
+            if self.schedule not in ("wfbp", "dear"):
+                raise ValueError(f"comm_hook=dearopt.Sparsify(...) replaces each bucket's all-reduce: it works "
+                                 f"with schedule='wfbp' or 'dear', not {self.schedule!r}")
+            if self.schedule == "dear":
+                if self.allreduce not in ("auto", 1, 1.0):
+                    raise ValueError(f"comm_hook=dearopt.Sparsify(...) under 'dear' all-reduces every bucket in "
+                                     f"backward (a sparse sum is whole on every rank); allreduce={self.allreduce!r} "
+                                     f"must be left 'auto' or 1")
+                object.__setattr__(self, "allreduce", 1.0)
+            if self.partition_size is not None:
+                raise ValueError("comm_hook=dearopt.Sparsify(...) selects over whole buckets: partition_size must "
+                                 "be None")
+            if self.nonfinite == "skip":
+                raise ValueError("comm_hook=dearopt.Sparsify(...) takes each step's gradients into its residuals "
+                                 "as it sends them; nonfinite='skip' would lose them: use 'raise' or 'ignore'")
+            if self.embedding_rows:
+                raise ValueError("comm_hook=dearopt.Sparsify(...) sparsifies embeddings itself (top-k of the "
+                                 "whole gradient); leave embedding_rows unset")
+            object.__setattr__(self, "embedding_rows", False)
         if self.shard_optimizer:
             if self.schedule != "dear":
                 raise ValueError(f"shard_optimizer=True needs schedule='dear' (the reduce-scatter leaves each rank "
