@@ -29,6 +29,7 @@ from typing import Dict, List
 import torch
 
 from dearopt.schedules import names as _dearopt_schedules
+from dearopt.sparsify import Sparsify
 
 VARIANTS = {
     # name: (dearopt schedule, extra DistOptim keywords); the bucket size is --bucket-mb for all
@@ -37,6 +38,10 @@ VARIANTS = {
     "dear-paper": ("dear", {"allreduce": 0.0}),
     "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
     "deft-2links": ("deft", {"deft_links": 2}),
+    "dear+deft1": ("dear", {"comm_hook": Sparsify(0.01)}),
+    "dear+deft10": ("dear", {"comm_hook": Sparsify(0.10)}),
+    "dear+topk1": ("dear", {"comm_hook": Sparsify(0.01, selection="topk")}),
+    "dear+topk10": ("dear", {"comm_hook": Sparsify(0.10, selection="topk")}),
 }
 """Configured variants: ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
 (issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9);
@@ -44,7 +49,8 @@ VARIANTS = {
 ``dear`` all-reduces in backward as many buckets as fit in the link's idle time there (``allreduce="auto"``);
 ``dear-tuned`` tunes its buffer size online (Bayesian optimization, 10 trials of 3 measured steps; untimed
 until tuning and the measured choice are over) instead of --bucket-mb; ``deft-2links`` is deft over two
-concurrent communicators (DeFT's heterogeneous links, issue 16)."""
+concurrent communicators (DeFT's heterogeneous links, issue 16); ``dear+deft1``/``dear+deft10`` sparsify with
+DEFT at 1 %/10 % density and ``dear+topk1``/``dear+topk10`` with the plain top-k baseline (issue 18)."""
 
 SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
 """Known schedules: ``ddp`` is torch DDP (gloo, bucket_cap_mb=25); then dearopt's (``dearopt.schedules.names()``)
@@ -316,6 +322,11 @@ def run_rank(cfg: dict) -> dict:
                 _log(rank, f"  {s:>5}: measured plans (steps/s): "
                            + ", ".join(f"allreduce={k['allreduce']!r} {t:.3f}" for k, t in choice.history)
                            + f"; kept allreduce={choice.current['allreduce']!r}")
+            traffic = getattr(runner.opt, "sparse_traffic", None)
+            if traffic is not None and r == 0:
+                _log(rank, f"  {s:>5}: on the wire (rank 0, last step, elements): {traffic['values']} values into "
+                           f"all-reduces, {traffic['indices']} indices selected, {traffic['received']} selections "
+                           f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent")
             deft = getattr(runner.opt, "deft_schedule", None)
             if deft is not None and r == 0:
                 _log(rank, f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
