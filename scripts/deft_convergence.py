@@ -28,66 +28,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-SEQ, LM_BATCH, EVAL_EVERY = 64, 16, 50
-
-
-def _digits():
-    import torch
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    return x[order[:1400]], y[order[:1400]], x[order[1400:]], y[order[1400:]]
-
-
-def _digits_model():
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def _text():
-    """Characters of three stdlib modules of this Python (fixed by its version): 90 % train, 10 % held out."""
-    import string
-    import textwrap
-
-    import torch
-
-    paths = [argparse.__file__, textwrap.__file__, string.__file__]
-    text = "".join(open(p, encoding="utf-8").read() for p in paths)
-    vocab = sorted(set(text))
-    data = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
-    cut = int(len(data) * 0.9)
-    return data[:cut], data[cut:], len(vocab)
-
-
-class _CharLM:
-    """Embedding, a one-layer GRU, a linear decoder: seven parameters (seven buckets at buffer_size=1)."""
-
-    def __new__(cls, vocab):
-        import torch
-        from torch import nn
-
-        class CharLM(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed = nn.Embedding(vocab, 48)
-                self.rnn = nn.GRU(48, 128, batch_first=True)
-                self.head = nn.Linear(128, vocab)
-
-            def forward(self, x):
-                return self.head(self.rnn(self.embed(x))[0])
-
-        torch.manual_seed(0)
-        return CharLM()
-
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 def fixed_profile(model, world: int, forward: float, backward: float, comm: float):
     """A :class:`dearopt.sim.Profile` that gives every bucket (one per parameter, ``buffer_size=1``) these
@@ -139,70 +82,27 @@ def _summary(opt, steps) -> dict:
 
 
 def _rank_digits(args) -> dict:
-    import torch
-    from torch import nn
-
     import dearopt
+    from convergence_tasks import train_digits
 
     rank, world = dearopt.rank(), dearopt.size()
-    x_train, y_train, x_test, y_test = _digits()
-    x_train, y_train = x_train[rank::world], y_train[rank::world]
-    batch = 32
     out = {}
     for name in ("dear", "deft-late", "deft-merged", "deft-preserved"):
-        model = _digits_model()
-        opt = _optimizer(name, model, world, 2e-3)
-        accuracy, steps = [], 0
-        for epoch in range(args.epochs):
-            model.train()
-            perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
-            for start in range(0, len(perm) - batch + 1, batch):
-                idx = perm[start:start + batch]
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-                loss.backward()
-                opt.step(loss=loss.detach())
-                steps += 1
-            model.eval()
-            with torch.no_grad():
-                accuracy.append(100 * (model(x_test).argmax(1) == y_test).float().mean().item())
+        accuracy, steps, opt = train_digits(lambda model: _optimizer(name, model, world, 2e-3), args.epochs, rank,
+                                            world)
         out[name] = {"accuracy": accuracy, **_summary(opt, steps)}
         opt.close()
     return out
 
 
 def _rank_lm(args) -> dict:
-    import torch
-    from torch import nn
-
     import dearopt
+    from convergence_tasks import train_lm
 
     rank, world = dearopt.rank(), dearopt.size()
-    train, held_out, vocab = _text()
-    g = torch.Generator().manual_seed(1)
-    eval_starts = torch.randint(0, len(held_out) - SEQ - 1, (64,), generator=g)
-    eval_x = torch.stack([held_out[s:s + SEQ] for s in eval_starts])
-    eval_y = torch.stack([held_out[s + 1:s + SEQ + 1] for s in eval_starts])
     out = {}
     for name in ("dear", "deft-merged", "deft-preserved"):
-        model = _CharLM(vocab)
-        opt = _optimizer(name, model, world, 3e-3)
-        curve = []
-        for step in range(args.lm_steps):
-            starts = torch.randint(0, len(train) - SEQ - 1, (LM_BATCH * world,),
-                                   generator=torch.Generator().manual_seed(100 + step))[rank::world]
-            x = torch.stack([train[s:s + SEQ] for s in starts])
-            y = torch.stack([train[s + 1:s + SEQ + 1] for s in starts])
-            model.train()
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
-            loss.backward()
-            opt.step(loss=loss.detach())
-            if (step + 1) % EVAL_EVERY == 0:
-                model.eval()
-                with torch.no_grad():
-                    held = nn.functional.cross_entropy(model(eval_x).reshape(-1, vocab), eval_y.reshape(-1))
-                curve.append(round(float(held), 4))
+        curve, opt = train_lm(lambda model: _optimizer(name, model, world, 3e-3), args.lm_steps, rank, world)
         out[name] = {"held_out_loss": curve, **_summary(opt, args.lm_steps)}
         opt.close()
     return out
@@ -236,7 +136,7 @@ def main() -> int:
             json.dump(result, f, indent=1)
     if args.task in ("lm", "both"):
         result = spawn(_rank_lm, 2, args)[0]
-        print(f"lm: held-out loss every {EVAL_EVERY} steps, 2 ranks, character GRU, Adam")
+        print("lm: held-out loss every 50 steps, 2 ranks, character GRU, Adam")
         for name, r in result.items():
             print(f"{name:>15}: {' '.join(f'{v:6.3f}' for v in r['held_out_loss'])}   {_describe(name, r)}")
         with open(os.path.join(args.out, "convergence_lm.json"), "w") as f:

@@ -39,69 +39,26 @@ def _optimizer(name, model, args, lr):
 
 
 def _rank_digits(args) -> dict:
-    import torch
-    from torch import nn
-
     import dearopt
-    from deft_convergence import _digits, _digits_model
+    from convergence_tasks import train_digits
 
     rank, world = dearopt.rank(), dearopt.size()
-    x_train, y_train, x_test, y_test = _digits()
-    x_train, y_train = x_train[rank::world], y_train[rank::world]
-    batch, out = 32, {}
+    out = {}
     for name in RUNS:
-        model = _digits_model()
-        opt = _optimizer(name, model, args, 2e-3)
-        accuracy = []
-        for epoch in range(args.epochs):
-            model.train()
-            perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
-            for start in range(0, len(perm) - batch + 1, batch):
-                idx = perm[start:start + batch]
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
-                opt.step()
-            model.eval()
-            with torch.no_grad():
-                accuracy.append(100 * (model(x_test).argmax(1) == y_test).float().mean().item())
+        accuracy, _, opt = train_digits(lambda model: _optimizer(name, model, args, 2e-3), args.epochs, rank, world)
         out[name] = {"accuracy": accuracy, "traffic": opt.sparse_traffic}
         opt.close()
     return out
 
 
 def _rank_lm(args) -> dict:
-    import torch
-    from torch import nn
-
     import dearopt
-    from deft_convergence import EVAL_EVERY, LM_BATCH, SEQ, _CharLM, _text
+    from convergence_tasks import train_lm
 
     rank, world = dearopt.rank(), dearopt.size()
-    train, held_out, vocab = _text()
-    g = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, len(held_out) - SEQ - 1, (64,), generator=g)
-    eval_x = torch.stack([held_out[s:s + SEQ] for s in starts])
-    eval_y = torch.stack([held_out[s + 1:s + SEQ + 1] for s in starts])
     out = {}
     for name in ("dense", "deft-10%", "deft-1%"):
-        model = _CharLM(vocab)
-        opt = _optimizer(name, model, args, 3e-3)
-        curve = []
-        for step in range(args.lm_steps):
-            picks = torch.randint(0, len(train) - SEQ - 1, (LM_BATCH * world,),
-                                  generator=torch.Generator().manual_seed(100 + step))[rank::world]
-            x = torch.stack([train[s:s + SEQ] for s in picks])
-            y = torch.stack([train[s + 1:s + SEQ + 1] for s in picks])
-            model.train()
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1)).backward()
-            opt.step()
-            if (step + 1) % EVAL_EVERY == 0:
-                opt.synchronize()
-                model.eval()
-                with torch.no_grad():
-                    held = nn.functional.cross_entropy(model(eval_x).reshape(-1, vocab), eval_y.reshape(-1))
-                curve.append(round(float(held), 4))
+        curve, opt = train_lm(lambda model: _optimizer(name, model, args, 3e-3), args.lm_steps, rank, world)
         out[name] = {"held_out_loss": curve, "traffic": opt.sparse_traffic}
         opt.close()
     return out
