@@ -307,7 +307,7 @@ class Executor:
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
         if self.sparse is not None:  # part of the plan's fingerprint: every rank must sparsify alike
             s = self.sparse.sparsify
-            hook_name = f"sparsify-{s.selection}-{s.density!r}-{s.warmup_steps}"
+            hook_name = f"sparsify-{s.selection}-{s.density!r}-{s.warmup_steps}-{s.momentum!r}"
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, latency=latency, credit=self.window.credit,

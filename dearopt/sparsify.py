@@ -28,6 +28,11 @@ are then all all-reduced in backward and updated before their forward):
    engine averages it, and every rank zeroes its residual at the selected
    indices.
 
+``Sparsify(momentum=0.9)`` adds DGC's momentum correction (not in DEFT's paper):
+the velocity of the sparsified gradients is kept per rank and fed into the
+residual, and zeroed with it where sent (the parameters kept dense send their
+velocity: exact momentum on their average); use it with a momentum-free optimizer.
+
 ``selection="topk"`` is the baseline the paper compares with: every rank
 takes the top-k of its whole bucket and all of them are all-gathered (index
 and value), so what arrives grows with the ranks; each rank zeroes its own
@@ -35,7 +40,7 @@ selection in its residual.
 
 **Contract**: not exact (it is a compressor); what it computes is the above,
 tested against a single-process emulation on 2 and 3 ranks, and equal to
-dense training at ``density=1.0``.  Residuals are part of
+dense training at ``density=1.0``.  Residuals (and velocities) are part of
 ``DistOptim.state_dict()`` (this rank's own: save one per rank); a resumed
 run is bit-identical.  Steps below ``warmup_steps`` are dense (all-reduce).
 """
@@ -68,12 +73,19 @@ class Sparsify:
     ``density``: the fraction of each bucket's sparsified elements sent per step, in (0, 1].
     ``selection``: ``"deft"`` (fragments allocated to ranks, norm-weighted k) or ``"topk"`` (the baseline).
     ``warmup_steps``: the first steps all-reduce densely.  ``dense``: a predicate ``(name, param) -> bool`` for
-    the parameters that always travel dense (default :func:`dense_by_default`)."""
+    the parameters that always travel dense (default :func:`dense_by_default`).  ``momentum``: DGC's momentum
+    correction (Lin et al., ICLR'18; not in DEFT's paper): each rank keeps a velocity ``u = momentum * u + g``
+    of the sparsified parameters and feeds ``u`` (not ``g``) into its residual; both are zeroed where sent
+    (momentum factor masking).  Use it with a momentum-free optimizer (plain SGD): the momentum is then applied
+    before the selection, where unsent gradients keep their momentum, instead of to the sparse sum.  After the
+    reduction ``p.grad`` holds what the optimizer is fed: the averaged velocity of a dense parameter, the
+    averaged sparse sum of a sparsified one."""
 
     density: float
     selection: str = "deft"
     warmup_steps: int = 0
     dense: Callable[[str, torch.Tensor], bool] = dense_by_default
+    momentum: float = 0.0
 
     name = "sparsify"
 
@@ -87,6 +99,9 @@ class Sparsify:
             raise ValueError(f"Sparsify: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not callable(self.dense):
             raise TypeError(f"Sparsify: dense must be a predicate (name, param) -> bool, got {self.dense!r}")
+        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) \
+                or not 0.0 <= float(self.momentum) < 1.0:
+            raise ValueError(f"Sparsify: momentum must be in [0, 1), got {self.momentum!r}")
 
 
 # ------------------------------------------------------------------ the pure parts (the paper's Algorithms 2-4)
@@ -174,10 +189,11 @@ class _Layout:
 
     def __init__(self, bucket, sparsify: Sparsify, world: int):
         spec = bucket.spec
-        dense_idx, sparse = [], []
+        dense_idx, sparse, self.dense_params = [], [], []
         for j, (p, name, offset) in enumerate(zip(bucket.params, bucket.names, spec.offsets)):
             if sparsify.dense(name, p):
                 dense_idx.append(torch.arange(offset, offset + p.numel()))
+                self.dense_params.append((j, offset, p.numel()))
             else:
                 sparse.append((j, offset, p.numel()))
         dense_idx.append(torch.arange(spec.grad_numel, spec.padded_numel))  # flags, step tags, padding
@@ -196,6 +212,7 @@ class SparseExchange:
         self.sparsify = sparsify
         self.rank, self.world = rank, world
         self.residual: Dict[int, torch.Tensor] = {}  # bucket index -> residual, laid out as its gradient region
+        self.velocity: Dict[int, torch.Tensor] = {}  # the same, DGC's momentum correction (Sparsify.momentum)
         self._layouts: Dict[int, _Layout] = {}
         self._params: Dict[int, List[Tuple[int, int, int]]] = {}  # bucket -> (param position, offset, numel)
         # elements over the run and in the last step: "values" this rank puts into its reductions, "indices" it
@@ -209,41 +226,49 @@ class SparseExchange:
     def bind(self, buckets, positions: Sequence[Sequence[int]]) -> None:
         """Lay the residuals out over ``buckets`` (``positions[b]``: the model-order position of each parameter of
         bucket ``b``), keeping what each parameter had under the previous layout."""
-        by_param = self.residual_by_param() if self._pending is None else self._pending
+        kept = self._by_param() if self._pending is None else self._pending
         self._pending = None
-        self.residual, self._layouts, self._params = {}, {}, {}
+        self.residual, self.velocity, self._layouts, self._params = {}, {}, {}, {}
         for bucket, where in zip(buckets, positions):
             spec = bucket.spec
-            res = torch.zeros(spec.grad_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
             self._params[bucket.index] = [(pos, off, p.numel()) for pos, off, p in zip(where, spec.offsets,
                                                                                      bucket.params)]
-            for pos, off, n in self._params[bucket.index]:
-                if pos in by_param:
-                    res[off:off + n].copy_(by_param[pos].reshape(-1).to(res.device, res.dtype))
-            self.residual[bucket.index] = res
+            for name, store in (("residual", self.residual), ("velocity", self.velocity)):
+                flat = torch.zeros(spec.grad_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+                self._lay_out(flat, bucket.index, kept.get(name, {}))
+                store[bucket.index] = flat
             self._layouts[bucket.index] = _Layout(bucket, self.sparsify, self.world)
 
-    def residual_by_param(self) -> Dict[int, torch.Tensor]:
-        """This rank's residual of each parameter (by its position in the model's parameter order)."""
+    def _lay_out(self, flat: torch.Tensor, b: int, by_param: Dict[int, torch.Tensor]) -> None:
+        for pos, off, n in self._params[b]:
+            if pos in by_param:
+                flat[off:off + n].copy_(by_param[pos].reshape(-1).to(flat.device, flat.dtype))
+
+    def _by_param(self) -> Dict[str, Dict[int, torch.Tensor]]:
+        return {"residual": self.residual_by_param(), "velocity": self.residual_by_param(self.velocity)}
+
+    def residual_by_param(self, store: Optional[Dict[int, torch.Tensor]] = None) -> Dict[int, torch.Tensor]:
+        """This rank's residual (or another per-bucket ``store``) of each parameter, by its position in the
+        model's parameter order."""
+        store = self.residual if store is None else store
         out = {}
         for b, entries in self._params.items():
             for pos, off, n in entries:
-                out[pos] = self.residual[b][off:off + n].clone()
+                out[pos] = store[b][off:off + n].clone()
         return out
 
     def state_dict(self) -> dict:
-        return {"residual": self.residual_by_param(), "sent": dict(self.sent)}
+        kept = self._by_param() if self._pending is None else self._pending
+        return {**kept, "sent": dict(self.sent)}
 
     def load_state_dict(self, saved: dict) -> None:
-        self._pending = {int(k): v.clone() for k, v in saved["residual"].items()}
+        self._pending = {name: {int(k): v.clone() for k, v in saved.get(name, {}).items()}
+                         for name in ("residual", "velocity")}
         self.sent = dict(saved.get("sent", self.sent))
         if self._params:  # already bound: lay them out now
-            buckets_positions = self._params
-            by_param = self._pending
-            for b, entries in buckets_positions.items():
-                for pos, off, n in entries:
-                    if pos in by_param:
-                        self.residual[b][off:off + n].copy_(by_param[pos].reshape(-1))
+            for name, store in (("residual", self.residual), ("velocity", self.velocity)):
+                for b in self._params:
+                    self._lay_out(store[b], b, self._pending[name])
             self._pending = None
 
     # ------------------------------------------------------------ exchange
@@ -258,15 +283,24 @@ class SparseExchange:
     def start(self, bucket, full: torch.Tensor, backend, control, step: int, where: dict):
         """Begin bucket ``bucket``'s reduction of ``full`` (its whole buffer): returns ``(handle, ctx)``; the
         handle's completion and :meth:`complete` leave the sum over ranks in ``full``."""
-        if step < self.sparsify.warmup_steps:
+        layout = self._layouts[bucket.index]
+        res, vel, momentum = self.residual[bucket.index], self.velocity[bucket.index], self.sparsify.momentum
+        warm = step < self.sparsify.warmup_steps
+        if momentum:  # what travels dense is the velocity: its average is momentum on the averaged gradient
+            for _, off, n in layout.dense_params + (layout.sparse if warm else []):
+                vel[off:off + n].mul_(momentum).add_(full[off:off + n])
+                full[off:off + n].copy_(vel[off:off + n])
+        if warm:
             self._count(step, full.numel(), 0, 0)
             return backend.all_reduce(full, "sum", **where), None
-        layout = self._layouts[bucket.index]
-        res = self.residual[bucket.index]
         for _, off, n in layout.sparse:  # error feedback: this step's gradient joins what was never sent
-            res[off:off + n].add_(full[off:off + n])
+            if momentum:  # DGC's momentum correction: the velocity is what accumulates
+                vel[off:off + n].mul_(momentum).add_(full[off:off + n])
+                res[off:off + n].add_(vel[off:off + n])
+            else:
+                res[off:off + n].add_(full[off:off + n])
         if self.sparsify.selection == "topk":
-            return self._start_topk(layout, res, full, backend, step, where)
+            return self._start_topk(layout, res, vel, full, backend, step, where)
         frags = layout.fragments
         device = control.device
         norms = torch.tensor([float(torch.linalg.vector_norm(res[f.start:f.start + f.numel])) for f in frags],
@@ -294,6 +328,8 @@ class SparseExchange:
         dense = layout.dense
         values = torch.cat([full.index_select(0, dense), res.index_select(0, selected)])
         res.index_fill_(0, selected, 0.0)  # sent: every rank's residual at the selected indices
+        if momentum:
+            vel.index_fill_(0, selected, 0.0)  # momentum factor masking
         self._count(step, values.numel(), index.numel(), selected.numel())
         return backend.all_reduce(values, "sum", **where), ("deft", dense, selected, values)
 
@@ -302,8 +338,8 @@ class SparseExchange:
         part = res[f.start:f.start + f.numel]
         return torch.topk(part.abs(), k, sorted=False).indices.sort().values + f.start
 
-    def _start_topk(self, layout: _Layout, res: torch.Tensor, full: torch.Tensor, backend, step: int,
-                    where: dict):
+    def _start_topk(self, layout: _Layout, res: torch.Tensor, vel: torch.Tensor, full: torch.Tensor, backend,
+                    step: int, where: dict):
         """The baseline: the top-k of the whole bucket's residual on each rank, every rank's (index, value) pairs
         all-gathered; the dense part all-reduced beside them."""
         pieces = [res[o:o + n] for _, o, n in layout.sparse]
@@ -317,6 +353,8 @@ class SparseExchange:
             index = torch.zeros(0, dtype=torch.int64, device=res.device)
         values = res.index_select(0, index)
         res.index_fill_(0, index, 0.0)  # each rank zeroes what it sent
+        if self.sparsify.momentum:
+            vel.index_fill_(0, index, 0.0)
         k = index.numel()
         gathered_idx = torch.empty(self.world * k, dtype=torch.int64, device=res.device)
         gathered_val = torch.empty(self.world * k, dtype=res.dtype, device=res.device)

@@ -1,7 +1,8 @@
 """DEFT sparsification against dense training: digits and a small language model (issue 18's convergence check).
 
     python scripts/sparsify_convergence.py [--task digits|lm|both] [--epochs 8] [--lm-steps 600]
-                                           [--optimizer adam|sgd] [--warmup STEPS] [--out bench-out/sparsify]
+                                           [--optimizer adam|sgd|sgd-dgc] [--warmup STEPS]
+                                           [--out bench-out/sparsify]
 
 Two local ranks train the models of scripts/deft_convergence.py (the digits CNN; the character GRU on Python's
 own sources) under ``dear``, densely and with ``comm_hook=dearopt.Sparsify(density)``: DEFT at 10 % and 1 %,
@@ -29,12 +30,13 @@ def _optimizer(name, model, args, lr):
 
     import dearopt
 
+    dgc = args.optimizer == "sgd-dgc" and RUNS[name] is not None  # the momentum moves into the compressor
     if args.optimizer == "adam":
         inner = torch.optim.Adam(model.parameters(), lr=lr)
     else:
-        inner = torch.optim.SGD(model.parameters(), lr=lr * 50, momentum=0.9)
+        inner = torch.optim.SGD(model.parameters(), lr=lr * 50, momentum=0.0 if dgc else 0.9)
     hook = None if RUNS[name] is None else dearopt.Sparsify(RUNS[name][1], selection=RUNS[name][0],
-                                                            warmup_steps=args.warmup)
+                                                            warmup_steps=args.warmup, momentum=0.9 if dgc else 0.0)
     return dearopt.DistOptim(inner, model, schedule="dear", comm_hook=hook)
 
 
@@ -69,7 +71,9 @@ def main() -> int:
     ap.add_argument("--task", choices=("digits", "lm", "both"), default="both")
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lm-steps", type=int, default=600)
-    ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    ap.add_argument("--optimizer", choices=("adam", "sgd", "sgd-dgc"), default="adam",
+                    help="sgd-dgc: SGD whose momentum 0.9 is applied by Sparsify(momentum=0.9) before the selection "
+                         "(DGC's momentum correction) in the sparse runs, by SGD in the dense one")
     ap.add_argument("--warmup", type=int, default=0, help="dense steps first (Sparsify(warmup_steps=...))")
     ap.add_argument("--out", default="bench-out/sparsify")
     args = ap.parse_args()

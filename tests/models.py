@@ -127,6 +127,7 @@ OPTIMIZERS = {
 
 EXTRA_OPTIMIZERS = {  # for single tests; not in every optimizer loop
     "sgd-plain-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "sgd-plain": lambda ps: torch.optim.SGD(ps, lr=0.1),
 }
 
 

@@ -60,15 +60,17 @@ def test_the_default_keeps_vectors_dense():
 
 
 # ----------------------------------------------------------------------------------------- emulation
-def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", warmup=0):
-    """One process: every rank's gradient of its shard, the residuals, DEFT's selection and sum, then the
-    update with the average.  ``layout``: per bucket, ``(model position, offset)`` of each parameter."""
+def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", warmup=0, momentum=0.0):
+    """One process: every rank's gradient of its shard, the residuals (fed by a DGC velocity with ``momentum``),
+    DEFT's selection and sum, then the update with the average.  ``layout``: per bucket, ``(model position,
+    offset)`` of each parameter."""
     model = make_model("mlp")
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
     opt = make_optimizer(opt_name, model)
     residual = [[torch.zeros(sum(params[i].numel() for i, _ in bucket) + 64) for bucket in layout]
                 for _ in range(world)]
+    velocity = copy.deepcopy(residual)
     for t in range(steps):
         x, y = global_batch(t, "mlp")
         own = []
@@ -82,10 +84,21 @@ def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", war
                       if not dense_by_default(names[i], params[i])]
             for i, off in bucket:
                 if t < warmup or dense_by_default(names[i], params[i]):
-                    result[i] = sum(own[r][i] for r in range(world)) / world
+                    if momentum:  # the velocity travels dense
+                        where = slice(off, off + params[i].numel())
+                        for r in range(world):
+                            velocity[r][b][where] = momentum * velocity[r][b][where] + own[r][i].reshape(-1)
+                        result[i] = (sum(velocity[r][b][where] for r in range(world)) / world).view_as(params[i])
+                    else:
+                        result[i] = sum(own[r][i] for r in range(world)) / world
                 else:
                     for r in range(world):
-                        residual[r][b][off:off + params[i].numel()] += own[r][i].reshape(-1)
+                        where = slice(off, off + params[i].numel())
+                        if momentum:
+                            velocity[r][b][where] = momentum * velocity[r][b][where] + own[r][i].reshape(-1)
+                            residual[r][b][where] += velocity[r][b][where]
+                        else:
+                            residual[r][b][where] += own[r][i].reshape(-1)
             if t < warmup or not sparse:
                 continue
             budget = math.ceil(density * sum(n for _, _, n in sparse))
@@ -105,12 +118,14 @@ def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", war
                 flat_sum[chosen] = sum(residual[r][b][chosen] for r in range(world))
                 for r in range(world):
                     residual[r][b][chosen] = 0.0
+                    velocity[r][b][chosen] = 0.0
             else:  # every rank its own top-k of the whole bucket; all of them summed
                 idx = torch.cat([torch.arange(o, o + n) for _, o, n in sparse])
                 for r in range(world):
                     top = idx[torch.topk(residual[r][b][idx].abs(), budget).indices]
                     flat_sum.index_add_(0, top, residual[r][b][top])
                     residual[r][b][top] = 0.0
+                    velocity[r][b][top] = 0.0
             for i, off in bucket:
                 if not dense_by_default(names[i], params[i]):
                     result[i] = (flat_sum[off:off + params[i].numel()] / world).view_as(params[i])
@@ -128,10 +143,11 @@ def _layout(opt):
 def _runs(cases):
     rank, world = dearopt.rank(), dearopt.size()
     out = {}
-    for schedule, buffer_size, density, opt_name, selection in cases:
+    for case in cases:
+        schedule, buffer_size, density, opt_name, selection, momentum = case
         model = make_model("mlp")
         opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, buffer_size=buffer_size,
-                                comm_hook=dearopt.Sparsify(density, selection=selection))
+                                comm_hook=dearopt.Sparsify(density, selection=selection, momentum=momentum))
         sent = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -140,15 +156,16 @@ def _runs(cases):
             opt.step()
             opt.synchronize()
             sent.append(dict(opt.sparse_traffic))
-        out[(schedule, buffer_size, density, opt_name, selection)] = (
+        out[case] = (
             [p.detach().clone() for p in model.parameters()], _layout(opt), sent)
         opt.close()
     return out
 
 
-CASES = [("wfbp", 64, 0.1, "sgd", "deft"), ("dear", 64, 0.1, "adam", "deft"),
-         ("dear", 1 << 20, 0.25, "sgd", "deft"), ("wfbp", 1 << 20, 0.1, "sgd", "topk"),
-         ("dear", 1 << 20, 1.0, "adam", "deft")]
+CASES = [("wfbp", 64, 0.1, "sgd", "deft", 0.0), ("dear", 64, 0.1, "adam", "deft", 0.0),
+         ("dear", 1 << 20, 0.25, "sgd", "deft", 0.0), ("wfbp", 1 << 20, 0.1, "sgd", "topk", 0.0),
+         ("dear", 1 << 20, 1.0, "adam", "deft", 0.0), ("dear", 1 << 20, 0.1, "sgd-plain", "deft", 0.9),
+         ("wfbp", 1 << 20, 0.1, "sgd-plain", "topk", 0.9)]
 
 
 @pytest.mark.timeout(180)
@@ -156,9 +173,9 @@ CASES = [("wfbp", 64, 0.1, "sgd", "deft"), ("dear", 64, 0.1, "adam", "deft"),
 def test_sparsified_training_equals_its_single_process_emulation(world):
     outcomes = run_workers(_runs, world, CASES, timeout=160)
     for case in CASES:
-        schedule, buffer_size, density, opt_name, selection = case
+        schedule, buffer_size, density, opt_name, selection, momentum = case
         layout = outcomes[0].value[case][1]
-        want = emulate(layout, world, density, opt_name, selection=selection)
+        want = emulate(layout, world, density, opt_name, selection=selection, momentum=momentum)
         for o in outcomes:
             params, got_layout, _ = o.value[case]
             assert got_layout == layout
@@ -171,16 +188,16 @@ def test_sparsified_training_equals_its_single_process_emulation(world):
         x, y = global_batch(t, "mlp")
         loss_fn("mlp", exact(x), y).backward()
         opt.step()
-    assert_params_match(outcomes[0].value[("dear", 1 << 20, 1.0, "adam", "deft")][0],
+    assert_params_match(outcomes[0].value[("dear", 1 << 20, 1.0, "adam", "deft", 0.0)][0],
                         [p.detach() for p in exact.parameters()])
     # and a sparse run is not the dense one (the compression is real)
-    sparse = outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft")][0]
-    dense = emulate(outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft")][1], world, 1.0, "sgd")
+    sparse = outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft", 0.0)][0]
+    dense = emulate(outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft", 0.0)][1], world, 1.0, "sgd")
     assert not torch.allclose(sparse[0], dense[0])
 
 
 def test_what_each_rank_sends_does_not_grow_with_the_ranks():
-    cases = [("wfbp", 1 << 20, 0.1, "sgd", "deft"), ("wfbp", 1 << 20, 0.1, "sgd", "topk")]
+    cases = [("wfbp", 1 << 20, 0.1, "sgd", "deft", 0.0), ("wfbp", 1 << 20, 0.1, "sgd", "topk", 0.0)]
     sent = {world: run_workers(_runs, world, cases, timeout=100) for world in (2, 3)}
     # one bucket: fc1.weight 48 + fc2.weight 64 + fc3.weight 24 = 136 sparsified elements, budget ceil(13.6) = 14;
     # the biases (19), flags, tags and padding travel dense
@@ -200,8 +217,8 @@ def _resume():
 
     def run(steps, start=0, load=None):
         model = make_model("mlp")
-        opt = dearopt.DistOptim(make_optimizer("adam", model), model, schedule="dear", buffer_size=64,
-                                comm_hook=dearopt.Sparsify(0.1))
+        opt = dearopt.DistOptim(make_optimizer("sgd-plain", model), model, schedule="dear", buffer_size=64,
+                                comm_hook=dearopt.Sparsify(0.1, momentum=0.9))
         if load is not None:
             model.load_state_dict(load[0])
             opt.load_state_dict(load[1])
@@ -221,15 +238,15 @@ def _resume():
 
     whole, at3 = run(STEPS)
     resumed, _ = run(STEPS - 3, 3, at3)
-    residual = at3[1]["dearopt_sparse"]["residual"]
-    return whole, resumed, sum(float(v.abs().sum()) for v in residual.values())
+    saved = at3[1]["dearopt_sparse"]
+    return whole, resumed, [sum(float(v.abs().sum()) for v in saved[k].values()) for k in ("residual", "velocity")]
 
 
 @pytest.mark.timeout(90)
-def test_residuals_are_checkpointed_and_a_resume_is_bit_identical():
+def test_residuals_and_velocities_are_checkpointed_and_a_resume_is_bit_identical():
     for o in run_workers(_resume, 2, timeout=80):
-        whole, resumed, residual_mass = o.value
-        assert residual_mass > 0  # the checkpoint holds unsent gradient
+        whole, resumed, (residual_mass, velocity_mass) = o.value
+        assert residual_mass > 0 and velocity_mass > 0  # the checkpoint holds unsent gradient and momentum
         for a, b in zip(whole, resumed):
             assert torch.equal(a, b)
 
