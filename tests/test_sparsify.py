@@ -292,3 +292,41 @@ def test_what_sparsification_cannot_do_is_refused_by_name():
     assert got["late"][0] == "UsageError" and "comm_hook" in got["late"][1]
     assert got["skip"][0] == "ValueError" and "nonfinite='skip'" in got["skip"][1]
     assert got["scaler"][0] == "UsageError" and "GradScaler" in got["scaler"][1]
+
+
+def _poisoned(schedule):
+    """Step 2: the last rank's last sample is inf, so its gradients are NaN (the biases travel dense, the weights'
+    NaN sit in the residual and are selected first)."""
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule=schedule, buffer_size=64,
+                            comm_hook=dearopt.Sparsify(0.1))
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            x, y = global_batch(step, "mlp")
+            if step == 2:
+                x = x.clone()
+                x[-1, 0] = float("inf")
+            loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+            opt.synchronize()
+    except dearopt.NonFiniteGradientError as exc:
+        return step, str(exc)
+    finally:
+        opt.close()
+    return None
+
+
+def _poisoned_both():
+    return {s: _poisoned(s) for s in ("wfbp", "dear")}
+
+
+@pytest.mark.timeout(90)
+def test_the_nonfinite_check_still_names_the_step_and_the_parameter():
+    for o in run_workers(_poisoned_both, 3, timeout=80):
+        for schedule, got in o.value.items():
+            assert got is not None, schedule
+            step, message = got
+            # as for any all-reduced bucket: the step, the parameter, this rank (where it came from is not kept)
+            assert step == 2 and "'fc1.weight' is not finite" in message and "step 2]" in message, message
