@@ -137,3 +137,24 @@ def run_workers(
         if failed:
             raise AssertionError("\n".join(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}" for o in failed))
     return [outcomes[r] for r in range(world_size)]
+
+
+class Attempts(dict):
+    """What a rank's refusal cases raised: ``attempts.attempt(name, fn)`` records ``(error type, message)`` under
+    ``name`` (None if ``fn`` raised nothing); :meth:`expect` checks them in the test process."""
+
+    def attempt(self, name: str, fn: Callable[[], Any]) -> None:
+        import dearopt
+
+        try:
+            fn()
+            self[name] = None
+        except (dearopt.DearoptError, ValueError, TypeError) as exc:
+            self[name] = (type(exc).__name__, str(exc))
+
+    @staticmethod
+    def expect(got: Dict[str, Any], expected: Dict[str, tuple]) -> None:
+        """``expected``: name -> (error type, text its message contains)."""
+        for name, (kind, text) in expected.items():
+            assert got.get(name) is not None, f"{name}: nothing was raised"
+            assert got[name][0] == kind and text in got[name][1], (name, got[name])

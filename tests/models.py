@@ -144,3 +144,24 @@ def make_scheduler(name, opt):
     if name == "groups+scheduler":
         return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     return None
+
+
+def resumable_run(make_opt, steps, rank, world, start=0, load=None, save_at=2):
+    """Train the MLP on this rank's shards for ``steps`` steps from ``start``, after loading ``load`` (model and
+    optimizer states) if given, keeping copies of both states after step ``save_at`` (torch's state_dict() holds
+    live tensors, which later steps change).  Returns (parameters, saved states, the optimizer: close it)."""
+    import copy
+
+    model = make_model("mlp")
+    opt = make_opt(model)
+    if load is not None:
+        model.load_state_dict(load[0])
+        opt.load_state_dict(load[1])
+    saved = None
+    for step in range(start, start + steps):
+        train_step(opt, model, step, rank, world)
+        if step == save_at:
+            opt.synchronize()
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()], saved, opt

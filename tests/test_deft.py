@@ -1,16 +1,15 @@
 """``schedule="deft"`` (issue 16): delayed, merged updates carried out across iterations, against a
 single-process emulation of exactly those updates (1e-5), with a given schedule and with the solver's own."""
 
-import copy
 
 import pytest
 import torch
 
 import dearopt
 from dearopt.schedules.deft import DeftIteration, DeftSchedule, Preserver, deft_schedule
-from harness import run_workers
-from models import global_batch, loss_fn, make_model, make_optimizer, shard
-from test_distoptim import assert_params_match
+from harness import Attempts, run_workers
+from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard
+from test_distoptim import assert_params_match, reference
 
 STEPS = 7
 N_BUCKETS = 6  # the MLP's six parameters, one bucket each at buffer_size=64
@@ -102,15 +101,8 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
                 assert applied == want_applied, name
                 assert_params_match(params, want)
     # and it is not the exact result: the delays change the training (that is the trade)
-    exact = make_model("mlp")
-    opt = make_optimizer("sgd", exact)
-    for t in range(STEPS):
-        opt.zero_grad()
-        x, y = global_batch(t, "mlp")
-        loss_fn("mlp", exact(x), y).backward()
-        opt.step()
     got = outcomes[0].value[("given: one step late", "sgd")][0]
-    assert not torch.allclose(got[0], exact.fc1.weight.detach())
+    assert not torch.allclose(got[0], reference("mlp", "sgd", world, STEPS)[0][0])
 
 
 def _synthetic_profile():
@@ -148,22 +140,10 @@ def _from_profile_and_resume():
     profile = _synthetic_profile()
 
     def run(steps, start=0, load=None):
-        model = make_model("mlp")
-        opt = dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
-                                profile=profile, preserver=False)
-        if load is not None:
-            model.load_state_dict(load[0])
-            opt.load_state_dict(load[1])
-        saved = None
-        for step in range(start, start + steps):
-            opt.zero_grad()
-            x, y = global_batch(step, "mlp")
-            loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-            opt.step()
-            if step == 2:
-                # a copy: torch's state_dict() holds the live state tensors, which the next steps change
-                saved = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
-        params = [p.detach().clone() for p in model.parameters()]
+        params, saved, opt = resumable_run(
+            lambda model: dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
+                                            profile=profile, preserver=False),
+            steps, rank, world, start, load)
         schedule = opt.deft_schedule
         opt.close()
         return params, saved, schedule
@@ -188,14 +168,8 @@ def test_the_solver_schedule_from_a_profile_and_a_bit_identical_resume(world):
 
 def _refusals():
     model = make_model("mlp")
-    out = {}
-
-    def attempt(name, fn):
-        try:
-            fn()
-            out[name] = None
-        except (dearopt.DearoptError, ValueError, TypeError) as exc:
-            out[name] = (type(exc).__name__, str(exc))
+    out = Attempts()
+    attempt = out.attempt
 
     attempt("auto buffer", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                                      schedule="deft", buffer_size="auto"))
@@ -237,15 +211,13 @@ def _refusals():
 @pytest.mark.timeout(60)
 def test_what_deft_cannot_do_is_refused_by_name():
     got = run_workers(_refusals, 2, timeout=50)[0].value
-    assert got["auto buffer"][0] == "ValueError" and "cannot re-plan" in got["auto buffer"][1]
-    assert got["clip"][0] == "UsageError" and "not supported yet" in got["clip"][1]
-    assert got["torch clip"][0] == "UsageError" and "already taken into a delayed group" in got["torch clip"][1]
-    assert got["wrong bucket count"][0] == "UsageError" and "6 buckets" in got["wrong bucket count"][1]
-    assert got["preserver type"][0] == "TypeError" and "preserver=" in got["preserver type"][1]
-    assert got["second link not asked for"][0] == "UsageError" and "deft_links=2" in got["second link not asked for"][1]
-    assert got["three links"][0] == "ValueError" and "deft_links" in got["three links"][1]
-    # named at the step that solves the schedule: the third, after the exact measuring steps
-    assert got["no loss"][0] == "UsageError" and "optimizer.step(loss=loss)" in got["no loss"][1]
+    Attempts.expect(got, {
+        "auto buffer": ("ValueError", "cannot re-plan"), "clip": ("UsageError", "not supported yet"),
+        "torch clip": ("UsageError", "already taken into a delayed group"),
+        "wrong bucket count": ("UsageError", "6 buckets"), "preserver type": ("TypeError", "preserver="),
+        "second link not asked for": ("UsageError", "deft_links=2"), "three links": ("ValueError", "deft_links"),
+        # named at the step that solves the schedule: the third, after the exact measuring steps
+        "no loss": ("UsageError", "optimizer.step(loss=loss)")})
     assert got["steps before"] == 2
 
 

@@ -12,9 +12,9 @@ import torch
 
 import dearopt
 from dearopt.sparsify import Fragment, allocate, assign_k, dense_by_default, fragments, selection_cost
-from harness import run_workers
-from models import global_batch, loss_fn, make_model, make_optimizer, shard
-from test_distoptim import assert_params_match
+from harness import Attempts, run_workers
+from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard
+from test_distoptim import assert_params_match, reference
 
 STEPS = 6
 
@@ -181,15 +181,8 @@ def test_sparsified_training_equals_its_single_process_emulation(world):
             assert got_layout == layout
             assert_params_match(params, want)
     # density 1.0 is dense training: against one process on the global batch
-    exact = make_model("mlp")
-    opt = make_optimizer("adam", exact)
-    for t in range(STEPS):
-        opt.zero_grad()
-        x, y = global_batch(t, "mlp")
-        loss_fn("mlp", exact(x), y).backward()
-        opt.step()
     assert_params_match(outcomes[0].value[("dear", 1 << 20, 1.0, "adam", "deft", 0.0)][0],
-                        [p.detach() for p in exact.parameters()])
+                        reference("mlp", "adam", world, STEPS)[0])
     # and a sparse run is not the dense one (the compression is real)
     sparse = outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft", 0.0)][0]
     dense = emulate(outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft", 0.0)][1], world, 1.0, "sgd")
@@ -216,23 +209,10 @@ def _resume():
     rank, world = dearopt.rank(), dearopt.size()
 
     def run(steps, start=0, load=None):
-        model = make_model("mlp")
-        opt = dearopt.DistOptim(make_optimizer("sgd-plain", model), model, schedule="dear", buffer_size=64,
-                                comm_hook=dearopt.Sparsify(0.1, momentum=0.9))
-        if load is not None:
-            model.load_state_dict(load[0])
-            opt.load_state_dict(load[1])
-        saved = None
-        for step in range(start, start + steps):
-            opt.zero_grad()
-            x, y = global_batch(step, "mlp")
-            loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-            opt.step()
-            if step == 2:
-                opt.synchronize()
-                saved = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
-        opt.synchronize()
-        params = [p.detach().clone() for p in model.parameters()]
+        params, saved, opt = resumable_run(
+            lambda model: dearopt.DistOptim(make_optimizer("sgd-plain", model), model, schedule="dear",
+                                            buffer_size=64, comm_hook=dearopt.Sparsify(0.1, momentum=0.9)),
+            steps, rank, world, start, load)
         opt.close()
         return params, saved
 
@@ -253,14 +233,8 @@ def test_residuals_and_velocities_are_checkpointed_and_a_resume_is_bit_identical
 
 def _refusals():
     model = make_model("mlp")
-    out = {}
-
-    def attempt(name, fn):
-        try:
-            fn()
-            out[name] = None
-        except (dearopt.DearoptError, ValueError, TypeError) as exc:
-            out[name] = (type(exc).__name__, str(exc))
+    out = Attempts()
+    attempt = out.attempt
 
     hook = dearopt.Sparsify(0.1)
     for name, kwargs in [("rsag", dict(schedule="rsag")), ("dear half", dict(allreduce=0.5)),
@@ -283,15 +257,11 @@ def _refusals():
 
 @pytest.mark.timeout(60)
 def test_what_sparsification_cannot_do_is_refused_by_name():
-    got = run_workers(_refusals, 2, timeout=50)[0].value
-    assert got["rsag"][0] == "ValueError" and "'wfbp' or 'dear'" in got["rsag"][1]
-    assert got["dear half"][0] == "ValueError" and "allreduce=0.5" in got["dear half"][1]
-    assert got["partitions"][0] == "ValueError" and "partition_size" in got["partitions"][1]
-    assert got["rows"][0] == "ValueError" and "embedding_rows" in got["rows"][1]
-    assert got["sharded"][0] == "ValueError" and "shard_optimizer" in got["sharded"][1]
-    assert got["late"][0] == "UsageError" and "comm_hook" in got["late"][1]
-    assert got["skip"][0] == "ValueError" and "nonfinite='skip'" in got["skip"][1]
-    assert got["scaler"][0] == "UsageError" and "GradScaler" in got["scaler"][1]
+    Attempts.expect(run_workers(_refusals, 2, timeout=50)[0].value, {
+        "rsag": ("ValueError", "'wfbp' or 'dear'"), "dear half": ("ValueError", "allreduce=0.5"),
+        "partitions": ("ValueError", "partition_size"), "rows": ("ValueError", "embedding_rows"),
+        "sharded": ("ValueError", "shard_optimizer"), "late": ("UsageError", "comm_hook"),
+        "skip": ("ValueError", "nonfinite='skip'"), "scaler": ("UsageError", "GradScaler")})
 
 
 def _poisoned(schedule):
