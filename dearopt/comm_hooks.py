@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .sparsify import Sparsify
+
 __all__ = ["CommHook", "CastHook", "fp16_compress", "bf16_compress", "resolve_comm_hook"]
 
 
@@ -85,8 +87,6 @@ def resolve_comm_hook(hook) -> "CommHook | None":
         if hook not in _BY_NAME:
             raise ValueError(f"comm_hook must be None, 'fp16', 'bf16' or a dearopt.CommHook, got {hook!r}")
         return _BY_NAME[hook]()
-    from .sparsify import Sparsify
-
     if not isinstance(hook, (CommHook, Sparsify)):
         raise TypeError(f"comm_hook must be None, 'fp16', 'bf16', a dearopt.CommHook or a dearopt.Sparsify, got "
                         f"{type(hook).__name__}")

@@ -111,8 +111,6 @@ class DelayedExecutor(Executor):
     def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None,
                  preserver: Optional[Preserver] = None, links: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        if links not in (1, 2):
-            raise ValueError(f"deft_links must be 1 or 2, got {links!r}")
         if schedule is not None and links == 1 and any(it.second_old or it.second_new
                                                        for it in schedule.warmup + schedule.period):
             raise UsageError("the given DeFT schedule sends on a second link: pass deft_links=2")
@@ -287,8 +285,13 @@ class DelayedExecutor(Executor):
             return
         if self._measuring(1):
             self._marks = {"start": time.perf_counter()}
+        self._send_forward_stage()
+
+    def _send_forward_stage(self) -> None:
+        """Case 1: the old group's buckets the schedule sends while the forward computes, once per step (at the
+        forward's start; or at backward's start where the plan was made only then, after a resume)."""
         if self._forward_sent_at != self.step_count and self.iteration.forward:
-            self._forward_sent_at = self.step_count  # Case 1: old buckets go while the forward computes
+            self._forward_sent_at = self.step_count
             for b in self.iteration.forward:
                 self._all_reduce(self.group, b)
 
@@ -311,10 +314,7 @@ class DelayedExecutor(Executor):
         for b in self.buckets:
             b.start_round()
         it = self.iteration
-        if self._forward_sent_at != self.step_count and it.forward:  # the plan was made only now (the first
-            self._forward_sent_at = self.step_count  # backward after a resume): the forward stage's sends go now
-            for b in it.forward:
-                self._all_reduce(self.group, b)
+        self._send_forward_stage()
         if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
             self._wait(self.group)
             for b in it.backward_old:  # Cases 2 and 3: old gradients, ready now

@@ -212,15 +212,18 @@ class SparseExchange:
         self.sparsify = sparsify
         self.rank, self.world = rank, world
         self.residual: Dict[int, torch.Tensor] = {}  # bucket index -> residual, laid out as its gradient region
-        self.velocity: Dict[int, torch.Tensor] = {}  # the same, DGC's momentum correction (Sparsify.momentum)
+        # the same for DGC's momentum correction, only with Sparsify.momentum (else empty)
+        self.velocity: Dict[int, torch.Tensor] = {}
+        self._stores = {"residual": self.residual, "velocity": self.velocity} if sparsify.momentum else \
+            {"residual": self.residual}
         self._layouts: Dict[int, _Layout] = {}
         self._params: Dict[int, List[Tuple[int, int, int]]] = {}  # bucket -> (param position, offset, numel)
-        # elements over the run and in the last step: "values" this rank puts into its reductions, "indices" it
-        # selected, "received" the selections (index, value) that reach it from every rank
-        self.sent: Dict[str, int] = {"values": 0, "indices": 0, "received": 0}
+        # elements in the last step that communicated: "values" this rank put into its reductions, "indices" it
+        # selected, "received" the selections (index, value) that reached it from every rank
         self.last_step_sent: Dict[str, int] = {"values": 0, "indices": 0, "received": 0}
         self._step_of_count = -1
-        self._pending: Optional[Dict[int, torch.Tensor]] = None  # loaded residuals by parameter position
+        # a loaded state_dict() not laid out yet (no plan): store name -> parameter position -> tensor
+        self._pending: Optional[Dict[str, Dict[int, torch.Tensor]]] = None
 
     # ------------------------------------------------------------ binding
     def bind(self, buckets, positions: Sequence[Sequence[int]]) -> None:
@@ -228,12 +231,14 @@ class SparseExchange:
         bucket ``b``), keeping what each parameter had under the previous layout."""
         kept = self._by_param() if self._pending is None else self._pending
         self._pending = None
-        self.residual, self.velocity, self._layouts, self._params = {}, {}, {}, {}
+        for store in self._stores.values():
+            store.clear()
+        self._layouts, self._params = {}, {}
         for bucket, where in zip(buckets, positions):
             spec = bucket.spec
             self._params[bucket.index] = [(pos, off, p.numel()) for pos, off, p in zip(where, spec.offsets,
                                                                                      bucket.params)]
-            for name, store in (("residual", self.residual), ("velocity", self.velocity)):
+            for name, store in self._stores.items():
                 flat = torch.zeros(spec.grad_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
                 self._lay_out(flat, bucket.index, kept.get(name, {}))
                 store[bucket.index] = flat
@@ -245,28 +250,18 @@ class SparseExchange:
                 flat[off:off + n].copy_(by_param[pos].reshape(-1).to(flat.device, flat.dtype))
 
     def _by_param(self) -> Dict[str, Dict[int, torch.Tensor]]:
-        return {"residual": self.residual_by_param(), "velocity": self.residual_by_param(self.velocity)}
-
-    def residual_by_param(self, store: Optional[Dict[int, torch.Tensor]] = None) -> Dict[int, torch.Tensor]:
-        """This rank's residual (or another per-bucket ``store``) of each parameter, by its position in the
-        model's parameter order."""
-        store = self.residual if store is None else store
-        out = {}
-        for b, entries in self._params.items():
-            for pos, off, n in entries:
-                out[pos] = store[b][off:off + n].clone()
-        return out
+        """Each store (residual, velocity) as a copy per parameter, by its position in the model's parameter
+        order: what survives a re-plan and goes into a checkpoint."""
+        return {name: {pos: store[b][off:off + n].clone() for b, entries in self._params.items()
+                       for pos, off, n in entries} for name, store in self._stores.items()}
 
     def state_dict(self) -> dict:
-        kept = self._by_param() if self._pending is None else self._pending
-        return {**kept, "sent": dict(self.sent)}
+        return self._by_param() if self._pending is None else self._pending
 
     def load_state_dict(self, saved: dict) -> None:
-        self._pending = {name: {int(k): v.clone() for k, v in saved.get(name, {}).items()}
-                         for name in ("residual", "velocity")}
-        self.sent = dict(saved.get("sent", self.sent))
+        self._pending = {name: {int(k): v.clone() for k, v in saved.get(name, {}).items()} for name in self._stores}
         if self._params:  # already bound: lay them out now
-            for name, store in (("residual", self.residual), ("velocity", self.velocity)):
+            for name, store in self._stores.items():
                 for b in self._params:
                     self._lay_out(store[b], b, self._pending[name])
             self._pending = None
@@ -278,13 +273,12 @@ class SparseExchange:
             self.last_step_sent = {"values": 0, "indices": 0, "received": 0}
         for key, n in (("values", values), ("indices", indices), ("received", received)):
             self.last_step_sent[key] += n
-            self.sent[key] = self.sent.get(key, 0) + n
 
     def start(self, bucket, full: torch.Tensor, backend, control, step: int, where: dict):
         """Begin bucket ``bucket``'s reduction of ``full`` (its whole buffer): returns ``(handle, ctx)``; the
         handle's completion and :meth:`complete` leave the sum over ranks in ``full``."""
         layout = self._layouts[bucket.index]
-        res, vel, momentum = self.residual[bucket.index], self.velocity[bucket.index], self.sparsify.momentum
+        res, vel, momentum = self.residual[bucket.index], self.velocity.get(bucket.index), self.sparsify.momentum
         warm = step < self.sparsify.warmup_steps
         if momentum:  # what travels dense is the velocity: its average is momentum on the averaged gradient
             for _, off, n in layout.dense_params + (layout.sparse if warm else []):
@@ -338,7 +332,7 @@ class SparseExchange:
         part = res[f.start:f.start + f.numel]
         return torch.topk(part.abs(), k, sorted=False).indices.sort().values + f.start
 
-    def _start_topk(self, layout: _Layout, res: torch.Tensor, vel: torch.Tensor, full: torch.Tensor, backend,
+    def _start_topk(self, layout: _Layout, res: torch.Tensor, vel: Optional[torch.Tensor], full: torch.Tensor, backend,
                     step: int, where: dict):
         """The baseline: the top-k of the whole bucket's residual on each rank, every rank's (index, value) pairs
         all-gathered; the dense part all-reduced beside them."""

@@ -187,7 +187,8 @@ def _refusals():
     attempt("wrong bucket count", lambda: loss_fn("mlp", model(x), y).backward())
     opt.close()
     attempt("second link not asked for", lambda: dearopt.DistOptim(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", deft_schedule=SCHEDULES["solver: two links"]))
+        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft",
+        deft_schedule=SCHEDULES["solver: two links"]))
     attempt("three links", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                                      schedule="deft", deft_links=3))
     attempt("preserver type", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
