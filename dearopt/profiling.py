@@ -1,11 +1,16 @@
 """The one-time profile a priority plan is ordered by.
 
-With ``priority=True`` (or ``dear``'s ``allreduce="auto"``), rank 0 records
-during step :data:`ReadyProfile.STEP` when each gradient becomes ready
-(seconds after backward starts), how long backward took and the bandwidth its
-reductions achieved while the link was busy.  At that step's ``step()`` it broadcasts
-the numbers once over the control channel; every rank then re-plans from the
-same numbers at the next backward, so the order stays identical everywhere.
+With ``priority=True``, ``dear``'s ``allreduce="auto"`` or a schedule that forms
+its buckets from the profile (``prophet``), rank 0 records during the
+:data:`ReadyProfile.STEPS` steps from :data:`ReadyProfile.STEP` on when each
+gradient becomes ready (seconds after backward starts), how long backward took
+and the bandwidth its reductions achieved while the link was busy.  One step
+is one sample of a noisy machine (the same ResNet-50 cell formed 20 to 43
+Prophet blocks from single steps), so the measurement is their per-gradient
+median, and the bandwidth and fixed cost are fitted over every reduction of
+the window.  At the window's last ``step()`` rank 0 broadcasts the numbers once
+over the control channel; every rank then re-plans from the same numbers at
+the next backward, so the order stays identical everywhere.
 """
 
 from __future__ import annotations
@@ -41,11 +46,16 @@ def fit_latency(services: Sequence[Tuple[int, float]], bandwidth: float) -> floa
 
 class ReadyProfile:
     STEP = 1
-    """The step that is profiled (step 0 builds the plan and is not typical)."""
+    """The first step that is profiled (step 0 builds the plan and is not typical)."""
+    STEPS = 3
+    """Steps per measurement: the first one's, and each of the link monitor's."""
 
-    def __init__(self, enabled: bool, every: Optional[int] = None):
+    def __init__(self, enabled: bool, every: Optional[int] = None, steps: int = STEPS):
+        if steps < 1:
+            raise ValueError(f"a measurement needs at least one step, got steps={steps!r}")
         self.enabled = enabled
-        self.every = every  # re-measure every this many steps after STEP (the link monitor), or never
+        self.every = every  # start a new measurement every this many steps after STEP (the link monitor), or never
+        self.steps = steps
         self.result: Optional[Measurement] = None  # what the plan uses
         self.fresh = False  # a result arrived that the plan does not use yet
         self.latest: Optional[Measurement] = None  # the newest measurement shared
@@ -53,17 +63,24 @@ class ReadyProfile:
         self._times: Optional[List[float]] = None
         self._t0 = 0.0
         self._backward = 0.0
+        self._left = 0  # steps of the measurement under way still to record
+        self._window: List[Tuple[List[float], float, Sequence[Tuple[int, float]]]] = []  # (ready, backward, services)
 
     @property
     def recording(self) -> bool:
         return self._times is not None
 
     def begin_backward(self, step: int, n_params: int) -> None:
-        again = (self.every is not None and self.result is not None and step > self.STEP
-                 and (step - self.STEP) % self.every == 0)
-        if self.enabled and (self.result is None and step == self.STEP or again):
-            self._times = [math.inf] * n_params
-            self._t0 = time.perf_counter()
+        if not self.enabled:
+            return
+        if self._left == 0:
+            again = (self.every is not None and self.result is not None and step > self.STEP
+                     and (step - self.STEP) % self.every == 0)
+            if not (self.result is None and step == self.STEP or again):
+                return
+            self._left, self._window = self.steps, []
+        self._times = [math.inf] * n_params
+        self._t0 = time.perf_counter()
 
     def grad_ready(self, position: int) -> None:
         if self._times is not None:
@@ -81,21 +98,33 @@ class ReadyProfile:
         """
         if self._times is None:
             return
-        ready = [t if math.isfinite(t) else 0.0 for t in self._times]
+        self._window.append(([t if math.isfinite(t) else 0.0 for t in self._times], self._backward, list(services)))
+        self._times = None
+        self._left -= 1
+        if self._left > 0:
+            return  # the measurement goes on at the next step; nothing is shared before its last
+        ready, backward, services = _summarise(self._window)
+        self._window = []
         nbytes, busy = sum(n for n, _ in services), sum(t for _, t in services)
         bandwidth = nbytes / busy if busy > 0 else 1e9
         latency = fit_latency(services, bandwidth)
-        profile = torch.tensor(ready + [bandwidth, self._backward, latency], dtype=torch.float64,
+        profile = torch.tensor(ready + [bandwidth, backward, latency], dtype=torch.float64,
                                device=control.device)
         control.broadcast(profile, 0, step=step).wait()
         values = profile.tolist()
         self.latest = Measurement(values[:-3], values[-3], values[-2], values[-1])
-        self._times = None
         if self.result is None:
             self.result = self.latest
             self.fresh = True
         else:
             self.remeasured = True
+
+
+def _summarise(window):
+    """One measurement from several steps': each gradient's median ready time, the median backward, and every
+    step's reductions together (the bandwidth and the fixed cost are fitted over all of them)."""
+    ready = [statistics.median(times) for times in zip(*(w[0] for w in window))]
+    return ready, statistics.median(w[1] for w in window), [s for w in window for s in w[2]]
 
 
 class LinkMonitor:

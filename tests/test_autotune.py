@@ -83,8 +83,10 @@ def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
     """dear's allreduce="auto" runs each distinct rule (predicted, none, all) for a few steps after the
     profile, keeps the fastest on rank 0's clock on every rank, and trains as one process would throughout."""
     from dearopt.optimizer import PLAN_CHOICE_STEPS
+    from dearopt.profiling import ReadyProfile
 
-    steps = 2 + 3 * (1 + PLAN_CHOICE_STEPS) + 2
+    profiled = ReadyProfile.STEP + ReadyProfile.STEPS  # the steps up to the end of the profile's window
+    steps = profiled + 1 + 3 * (1 + PLAN_CHOICE_STEPS) + 2
     outcomes = run_workers(_train_with_plan_choice, world, "adamw", steps, timeout=150)
     want, _ = reference("mlp", "adamw", world, steps=steps)
     first = outcomes[0].value
@@ -104,7 +106,7 @@ def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
             assert chosen in plans
         settle = settled.index(True)
         assert all(settled[settle:]) and len(set(plans[settle:])) == 1, "settled: the plan no longer changes"
-        assert settle == 1 + len(choices) * (1 + PLAN_CHOICE_STEPS)  # profile at step 1, then the trials
+        assert settle == profiled - 1 + len(choices) * (1 + PLAN_CHOICE_STEPS)  # the profile's steps, the trials
 
 
 def test_choice_tuner_under_the_controller_tries_each_candidate_once_and_keeps_the_best():

@@ -236,7 +236,7 @@ def test_prophet_replans_when_the_link_slows_down_and_stays_exact():
         assert_params_match(params, want)
         assert seen == changes  # the same decisions on every rank
         assert buckets == blocks  # the plan in force is made from the measurement the monitor adopted
-    # measured at steps 7 and 9 (the first two checks on the slow link), adopted at step 10's backward
+    # measured over steps 5-7 and 9-11 (the first two windows mostly on the slow link), adopted at step 12's backward
     slow = [(step, planned, now) for step, planned, now in changes if step >= 8 and now < planned / 2]
     assert slow, changes
 
@@ -249,3 +249,50 @@ def test_the_fixed_cost_per_collective_is_fitted_from_the_reductions():
     assert fit_latency(services, 1e6) == pytest.approx(0.002)
     assert fit_latency([(1000, 0.0005)], 1e6) == 0.0  # never negative
     assert fit_latency([], 1e6) == 0.0
+
+
+class _Control:
+    """A control channel of one rank: the broadcast leaves the tensor as it is."""
+    device = torch.device("cpu")
+
+    def broadcast(self, tensor, root=0, **where):
+        class Done:
+            def wait(self, timeout=None):
+                return None
+        return Done()
+
+
+def test_the_profile_is_the_median_of_a_window_of_steps_and_is_shared_once_at_its_end(monkeypatch):
+    from dearopt import profiling
+
+    clock = [0.0]
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+    profile = profiling.ReadyProfile(True, every=10, steps=3)
+    # per step: (ready times of parameters 0, 1, backward's end, its reductions' (bytes, seconds))
+    steps = {1: ([0.9, 0.2], 1.0, [(100, 0.1)]), 2: ([0.5, 0.1], 0.6, [(100, 0.3)]), 3: ([0.7, 0.9], 2.0, [(200, 0.1)]),
+             11: ([0.4, 0.4], 0.5, [(300, 0.1)]), 12: ([0.4, 0.4], 0.5, [(300, 0.1)]), 13: ([0.4, 0.4], 0.5, [(300, 0.1)])}
+    shared_at = []
+    for step in range(16):
+        clock[0] = 100.0 * step
+        profile.begin_backward(step, 2)
+        assert profile.recording == (step in steps), step
+        if step in steps:
+            times, end, services = steps[step]
+            for position in (1, 0):
+                clock[0] = 100.0 * step + times[position]
+                profile.grad_ready(position)
+            clock[0] = 100.0 * step + end
+            profile.end_backward()
+            fresh_before = profile.latest
+            profile.share(_Control(), services, step)
+            if profile.latest is not fresh_before:
+                shared_at.append(step)
+    assert shared_at == [3, 13]  # once per window, at its last step
+    first = profile.result
+    assert first.ready == pytest.approx([0.7, 0.2]) and first.backward == pytest.approx(1.0)  # medians
+    assert first.bandwidth == pytest.approx(400 / 0.5)  # every reduction of the window: bytes / busy seconds
+    assert first.latency == pytest.approx(profiling.fit_latency([(100, 0.1), (100, 0.3), (200, 0.1)], 800.0))
+    assert profile.remeasured and profile.latest.bandwidth == pytest.approx(3000.0)  # the monitor's window
+    assert profile.result is first  # adopted only when the monitor says so
+    with pytest.raises(ValueError, match="at least one step"):
+        profiling.ReadyProfile(True, steps=0)
