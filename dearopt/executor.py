@@ -451,7 +451,7 @@ class Executor:
                                       bandwidth=bandwidth, latency=self.profile.result.latency)
         if groups is not None:  # the schedule forms its buckets from the profile (Prophet's blocks)
             return [list(b.params) for b in self.plan.buckets] != groups
-        chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth) \
+        chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth, self.profile.result.latency) \
             if policy.mixes_allreduce else frozenset()
         return tuple(sorted(chosen)) != tuple(self.plan.allreduce)
 
@@ -466,7 +466,7 @@ class Executor:
         ready, bandwidth = self.profile.result.ready, self.profile.result.bandwidth
         choices, seen = [], set()
         for rule in ("predicted", 0.0, 1.0):
-            chosen = allreduce_buckets(self.plan.buckets, rule, ready, bandwidth)
+            chosen = allreduce_buckets(self.plan.buckets, rule, ready, bandwidth, self.profile.result.latency)
             if chosen not in seen:
                 seen.add(chosen)
                 choices.append((rule, chosen))

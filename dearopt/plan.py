@@ -444,8 +444,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
             raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
         bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
         probes = [CommOp(policy.reduction, b, k, buckets[b].piece_nbytes(k)) for b, k in backward]
-        backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth)]
-    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth) \
+        backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth, latency or 0.0)]
+    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth, latency) \
         if policy.mixes_allreduce else frozenset()
     layout = Layout(buckets, tuple(backward), credit, chosen)
     ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
@@ -460,7 +460,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
 
 
 def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequence[int]], ready_times: Optional[Sequence[float]],
-                      bandwidth: Optional[float]) -> FrozenSet[int]:
+                      bandwidth: Optional[float], latency: Optional[float] = None) -> FrozenSet[int]:
     """Which buckets ``dear`` all-reduces in backward instead of reduce-scattering them (twins and rows aside).
 
     An all-reduce moves the bytes of a reduce-scatter and an all-gather in one
@@ -471,7 +471,8 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
     * bucket indices (a tuple or set, e.g. a plan's ``allreduce`` that ran): those buckets;
     * ``"auto"`` or ``"predicted"`` (the same here; the executor measures ``"auto"``'s choice against
       others, see :meth:`dearopt.executor.Executor.allreduce_choices`): from a profile (each parameter's ``ready_times`` after backward
-      starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter): walking the buckets in the order backward completes
+      starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter and its fixed ``latency`` in seconds per op):
+      walking the buckets in the order backward completes
       them, a bucket is all-reduced (twice a reduce-scatter's time) while the
       link, which carries one op at a time, still finishes *every* reduction
       of backward (the all-reduces and the remaining buckets' reduce-scatters,
@@ -493,7 +494,8 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
             return frozenset()
         # the link in backward also carries each twin's reduce-scatter and its all-gather right after it (a tied
         # decoder's gradient: large, and ready early); row-sparse buckets move few bytes and are left out
-        order = [(max(ready_times[p] for p in b.params), b.index, b.padded_numel * b.element_size / bandwidth,
+        order = [(max(ready_times[p] for p in b.params), b.index,
+                  (latency or 0.0) + b.padded_numel * b.element_size / bandwidth,
                   b.twin_of is not None) for b in reversed(buckets) if not b.row_numel]
 
         def link_end(whole) -> float:

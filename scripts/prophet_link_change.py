@@ -82,7 +82,10 @@ def _rank(args) -> dict:
 def _summary(result: dict, change_at: int, steps: int) -> dict:
     replans = [s for s, _, _ in result["monitored"]["link_changes"] if s > change_at]
     replan_at = replans[0] if replans else steps
-    windows = {"before the change": (3, change_at), "after it, before the re-plan": (change_at + 1, replan_at),
+    from dearopt.profiling import ReadyProfile
+
+    blocks_from = ReadyProfile.STEP + ReadyProfile.STEPS + 1  # the step after the first re-plan to the blocks
+    windows = {"before the change": (blocks_from, change_at), "after it, before the re-plan": (change_at + 1, replan_at),
                "after the re-plan": (replan_at + 1, steps)}
     table = {}
     for label, (a, b) in windows.items():

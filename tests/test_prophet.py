@@ -251,6 +251,23 @@ def test_the_fixed_cost_per_collective_is_fitted_from_the_reductions():
     assert fit_latency([], 1e6) == 0.0
 
 
+def test_the_link_fit_does_not_depend_on_how_the_bytes_are_cut():
+    from dearopt.profiling import fit_link
+
+    def ops(sizes, late=()):  # seconds = 0.004 + bytes / 2e8; the ops in ``late`` were seen 0.5 s late
+        return [(n, 0.004 + n / 2e8 + (0.5 if k in late else 0.0)) for k, n in enumerate(sizes)]
+
+    few, many = ops([2**24, 2**25, 3 * 2**23]), ops([2**20, 2**21, 3 * 2**20, 2**22, 2**23, 5 * 2**20])
+    for services in (few, many, ops([2**20, 2**21, 3 * 2**20, 2**22, 2**23], late={3})):  # one outlier
+        bandwidth, latency = fit_link(services)
+        assert bandwidth == pytest.approx(2e8, rel=1e-6) and latency == pytest.approx(0.004, rel=1e-6)
+    # bytes / busy seconds counts the fixed cost as link time: the smaller ops make the link look slower
+    assert sum(n for n, _ in many) / sum(t for _, t in many) < 0.9 * sum(n for n, _ in few) / sum(t for _, t in few)
+    # sizes that cannot tell a slope: bytes / busy seconds, the fixed cost fitted to it (here none)
+    assert fit_link([(1000, 0.01), (1000, 0.03)]) == (pytest.approx(2000 / 0.04), 0.0)
+    assert fit_link([]) == (1e9, 0.0)
+
+
 class _Control:
     """A control channel of one rank: the broadcast leaves the tensor as it is."""
     device = torch.device("cpu")
