@@ -106,7 +106,7 @@ class DistOptim(torch.optim.Optimizer):
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
         first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
         allreduce: under ``dear``, which buckets are all-reduced in backward instead of reduce-scattered and
-            gathered in the next forward.  ``"predicted"``: from a profile of step 1, as many as fit in the
+            gathered in the next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the
             link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
             prediction, then measured against none (DeAR's plan) and all (DDP's) for
             :data:`PLAN_CHOICE_STEPS` steps each, and the fastest is kept (``optimizer.plan_choice``): on

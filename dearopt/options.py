@@ -21,7 +21,7 @@ class Options:
     backward, update at ``step()`` (Horovod/DDP).  ``"rsag"``: reduce-scatter then all-gather, both
     during backward (the paper's baseline).  ``"bytescheduler"``: all-reduce per partition, each bucket
     finished and updated just before its layers run in the next forward.  ``"prophet"`` /
-    ``"prophet-allreduce"``: buckets are Prophet's gradient blocks, formed from a profile of step 1
+    ``"prophet-allreduce"``: buckets are Prophet's gradient blocks, formed from a profile of steps 1-3
     (:mod:`dearopt.schedules.prophet`), reduce-scattered (all-reduced) in backward and gathered (waited for)
     just before their layers in the next forward."""
 
@@ -37,7 +37,7 @@ class Options:
     """``dear``: which buckets are all-reduced in backward (as ``wfbp``: one collective, less CPU than a
     reduce-scatter plus an all-gather, nothing to gather in the next forward) instead of DeAR's
     reduce-scatter in backward and all-gather in the next forward.  ``"predicted"``: from a profile of
-    step 1 taken on rank 0 and shared once, the buckets (output side first) whose all-reduce still fits in
+    steps 1-3 taken on rank 0 and shared once, the buckets (output side first) whose all-reduce still fits in
     the link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
     prediction, then measured: the predicted choice, none (DeAR's) and all (DDP's) run a few steps each
     (those that pick the same buckets once) and the fastest on rank 0's clock is kept by every rank, because
@@ -68,7 +68,7 @@ class Options:
 
     priority: bool = False
     """Order reductions by priority (layers near the input first) where the data
-    allows, from a profile of step 1 taken on rank 0 and shared once; the order
+    allows, from a profile of steps 1-3 taken on rank 0 and shared once; the order
     is part of the plan, identical on every rank."""
 
     link_check_every: Union[int, str, None] = "auto"

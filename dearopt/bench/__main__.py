@@ -41,7 +41,7 @@ def parse_args(argv):
     p.add_argument("--iterations", "-k", type=int, default=8, help="timed iterations per schedule (default 8)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed iterations before the first timed block (default 3); a dearopt schedule whose plan "
-                        "still changes by itself then (dear's allreduce='auto' profiles step 1 and measures its "
+                        "still changes by itself then (dear's allreduce='auto' profiles steps 1-3 and measures its "
                         "candidate plans for a few steps) runs untimed until it settles")
     p.add_argument("--rounds", type=int, default=2,
                    help="interleave: split the timed iterations into this many rounds of parts + every schedule")

@@ -34,7 +34,7 @@ class Schedule(abc.ABC):
     """Whether a step's gradients may be applied at a later step (DeFT): carried out by
     :class:`dearopt.delayed.DelayedExecutor` instead of the exact executor."""
     needs_profile: ClassVar[bool] = False
-    """Whether the plan is made from rank 0's step-1 profile (gradient ready times, the link's bandwidth)."""
+    """Whether the plan is made from rank 0's profile of steps 1-3 (gradient ready times, the link's bandwidth)."""
 
     def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
                       ready_times: Optional[Sequence[float]], bandwidth: Optional[float],

@@ -39,11 +39,11 @@ start at ``step()``, back to back in the order the next forward needs them
 ahead as ``dear`` issues them; ``prophet-allreduce`` all-reduces
 each block as soon as it is complete and waits for it just before its layers
 in the next forward (ByteScheduler's op placement, Prophet's own, push/pull
-being an all-reduce).  The plan is made from rank 0's step-1 profile (the
+being an all-reduce).  The plan is made from rank 0's profile of steps 1-3 (the
 bandwidth measured on the job's own reductions), shared once, so every rank
-builds the same blocks; before the profile exists (steps 0 and 1) the buckets
+builds the same blocks; before the profile exists (steps 0-3) the buckets
 are fused by ``buffer_size``.  The fixed cost per collective in ``E`` is
-fitted from the same step's reductions; ``link_check_every`` re-measures and
+fitted from the same steps' reductions (:func:`dearopt.profiling.fit_link`); ``link_check_every`` re-measures and
 re-plans when the bandwidth changes (:class:`dearopt.profiling.LinkMonitor`).
 """
 
@@ -61,7 +61,7 @@ __all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks"]
 
 DEFAULT_LATENCY = 1e-3
 """Seconds of fixed cost per collective at least (``E = latency + s / B``: the paper's throughput loss of small
-blocks, its Eq. 10); the step-1 profile fits it from the job's own reductions
+blocks, its Eq. 10); the profile fits it from the job's own reductions
 (:func:`dearopt.profiling.fit_latency`), which on a link that is rarely busy finds about nothing."""
 
 

@@ -25,14 +25,14 @@ __all__ = ["Profile", "record_profile", "simulate", "predict", "plan_for", "best
 def plan_for(profile: Profile, schedule: str, ranks: Optional[int] = None, *, buffer_size=DEFAULT_BUFFER_SIZE,
              first_bucket_size=DEFAULT_FIRST_BUCKET_SIZE, **knobs) -> Plan:
     """The plan ``DistOptim`` would make for the profiled model (``knobs``: partition_size, credit, priority,
-    allreduce; ``allreduce="auto"`` decides from the profile, as the executor does from its step-1 profile)."""
+    allreduce; ``allreduce="auto"`` decides from the profile, as the executor does from its profile of steps 1-3)."""
     world = ranks or profile.world
     if knobs.get("allreduce", "auto") == "auto" and profile.comm:
         from ..plan import layout_buckets
         from ..schedules import get_schedule
 
         buckets = layout_buckets(profile.params, buffer_size, world, None, first_bucket_size)
-        # the bandwidth the executor's step-1 profile measures: of the schedule's own reduction
+        # the bandwidth the executor's profile measures: of the schedule's own reduction
         rs = profile.comm.get(get_schedule(schedule).reduction, profile.comm["reduce_scatter"])
         nbytes = sum(b.padded_numel * b.element_size for b in buckets)
         seconds = sum(rs.time(b.padded_numel * b.element_size, world) for b in buckets)
