@@ -557,6 +557,24 @@ class Executor:
             self.issuer.start_round(self.step_count)
             self.profile.begin_backward(self.step_count, len(self.plan.params))
 
+    def _show_predicted_sends(self) -> None:
+        """Under a schedule whose buckets come from the profile (Prophet's blocks), each bucket's reduction as the
+        link model predicted it, placed in the timeline from this backward's start (the measured ones are on
+        the communication lane)."""
+        policy = get_schedule(self.options.schedule)
+        measured = self.profile.result
+        if not policy.needs_profile or measured is None or self.plan is None:
+            return
+        from .schedules.prophet import predicted_sends
+
+        sizes = [p.nbytes for p in self.plan.params]
+        blocks = [b.params for b in self.plan.buckets]
+        times = predicted_sends(blocks, measured.ready, sizes, measured.bandwidth,
+                                policy.block_latency(measured.latency))
+        for bucket, (start, end) in zip(self.plan.buckets, times):
+            self.timeline.span_at(f"predicted {policy.reduction}", "predicted", self._backward_start + start * 1e6,
+                                  (end - start) * 1e6, bucket=bucket.index)
+
     def _located_in_backward(self, p) -> Optional[Tuple[BucketState, int]]:
         """A gradient hook's first part: the plan made (first backward), the pass begun; ``p``'s bucket and
         position, or None if ``p`` was not trainable when the plan was made."""
@@ -591,6 +609,8 @@ class Executor:
 
     def _end_backward(self) -> None:
         self.timeline.span("backward", "compute", self._backward_start)
+        if self.timeline.enabled:
+            self._show_predicted_sends()
         if self.round is None:
             self.state = TrainingState.ACCUMULATED
             self.accumulated += 1

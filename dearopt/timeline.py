@@ -3,7 +3,8 @@
 Enabled by ``DEAROPT_TIMELINE=path.json`` or ``DistOptim(..., timeline=path)``.
 Rank ``r`` writes ``path`` with ``.rank<r>`` before the suffix.  Events: forward
 and backward phases, each collective from start to completion (as seen by the
-waiting side), every wait, and each bucket's optimizer update.  When disabled,
+waiting side), every wait, and each bucket's optimizer update; for ``prophet``,
+each block's reduction as its link model predicted it (``predicted`` lane).  When disabled,
 every method is a no-op costing one attribute check.
 """
 
@@ -49,6 +50,11 @@ class Timeline:
         if self.enabled:
             self._add(name, cat, start_us, self._now_us() - start_us, args)
 
+    def span_at(self, name: str, cat: str, start_us: float, dur_us: float, **args) -> None:
+        """A span at given times (microseconds on this timeline's clock): a prediction placed beside what ran."""
+        if self.enabled:
+            self._add(name, cat, start_us, dur_us, args)
+
     def now(self) -> float:
         return self._now_us() if self.enabled else 0.0
 
@@ -59,7 +65,7 @@ class Timeline:
                                      "pid": self.rank, "tid": 0, "args": args})
 
     def _add(self, name, cat, start, dur, args):
-        tid = {"compute": 0, "wait": 0, "update": 0, "comm": 1}.get(cat, 0)
+        tid = {"compute": 0, "wait": 0, "update": 0, "comm": 1, "predicted": 2}.get(cat, 0)
         with self._lock:
             self._events.append({"name": name, "cat": cat, "ph": "X", "ts": start, "dur": max(dur, 0.0),
                                  "pid": self.rank, "tid": tid, "args": args})
@@ -72,7 +78,8 @@ class Timeline:
             events = list(self._events)
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
                 {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "compute"}},
-                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "communication"}}]
+                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "communication"}},
+                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 2, "args": {"name": "predicted"}}]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as fh:
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, fh)

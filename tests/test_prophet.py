@@ -313,3 +313,52 @@ def test_the_profile_is_the_median_of_a_window_of_steps_and_is_shared_once_at_it
     assert profile.result is first  # adopted only when the monitor says so
     with pytest.raises(ValueError, match="at least one step"):
         profiling.ReadyProfile(True, steps=0)
+
+
+def test_predicted_sends_walk_the_link_from_the_output_side():
+    from dearopt.schedules.prophet import predicted_sends
+
+    # blocks in forward order; the output-side block goes first, each when its last gradient exists and the
+    # link is free, for latency + bytes / bandwidth
+    times = predicted_sends([[0], [1, 2], [3]], [0.5, 0.1, 0.1, 0.0], [100] * 4, 1000.0, latency=0.01)
+    assert times == [pytest.approx(t) for t in [(0.5, 0.61), (0.11, 0.32), (0.0, 0.11)]]
+
+
+def _prophet_timeline(path, steps):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule="prophet", buffer_size=4096, timeline=path)
+    for step in range(steps):
+        train_step(opt, model, step, rank, world)
+    opt.synchronize()
+    measured = opt._executor.profile.result
+    out = ([b.params for b in opt.plan.buckets], [p.nbytes for p in opt.plan.params], measured)
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_the_timeline_shows_each_block_as_predicted_beside_the_measured_reductions(tmp_path):
+    import json
+
+    from dearopt.profiling import ReadyProfile
+    from dearopt.schedules.prophet import Prophet, predicted_sends
+    from dearopt.timeline import timeline_path_for_rank
+
+    path, steps = str(tmp_path / "trace.json"), 7
+    outcomes = run_workers(_prophet_timeline, 2, path, steps, timeout=80)
+    blocks, sizes, measured = outcomes[0].value
+    want = predicted_sends(blocks, measured.ready, sizes, measured.bandwidth, Prophet.block_latency(measured.latency))
+    planned = steps - (ReadyProfile.STEP + ReadyProfile.STEPS)  # the backwards after the profile was shared
+    for rank in range(2):
+        with open(timeline_path_for_rank(path, rank)) as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+        predicted = sorted((e for e in events if e["name"] == "predicted reduce_scatter"), key=lambda e: e["ts"])
+        assert len(predicted) == planned * len(blocks) and all(e["tid"] == 2 for e in predicted)
+        last_backward = max((e for e in events if e["name"] == "backward"), key=lambda e: e["ts"])
+        last = {e["args"]["bucket"]: e for e in predicted[-len(blocks):]}
+        for b, (start, end) in enumerate(want):  # placed from that backward's start, as the link model says
+            assert last[b]["ts"] - last_backward["ts"] == pytest.approx(start * 1e6, abs=1.0)
+            assert last[b]["dur"] == pytest.approx((end - start) * 1e6, abs=1.0)
+        measured_spans = {e["args"]["bucket"] for e in events if e["name"] == "reduce_scatter"}
+        assert measured_spans == set(range(len(blocks)))  # and the measured reductions of the same blocks

@@ -56,9 +56,9 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=1e-3, help="SGD (momentum 0.9) learning rate")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--out", default=None, help="directory for results.json, chart.png (and timeline files)")
-    p.add_argument("--timeline", action="store_true",
-                   help="record the timeline of the dear run (or of the first dearopt schedule listed, without "
-                        "dear); render DIR/timeline.png")
+    p.add_argument("--timeline", nargs="?", const=True, default=None, metavar="SCHEDULE",
+                   help="record the timeline of the named dearopt run (default: dear, or the first dearopt schedule "
+                        "listed without dear); render DIR/timeline.png")
     p.add_argument("--rebuild", action=argparse.BooleanOptionalAction, default=None,
                    help="build each schedule's model at the start of each round and drop it after (all of them at "
                         "once do not fit in memory for BERT-Base on 24 GiB); default: on for bert, off otherwise. "
@@ -88,7 +88,10 @@ def parse_args(argv):
     dearopt_runs = [s for s in schedules if s != "ddp"]
     if args.timeline and not dearopt_runs:
         p.error("--timeline records a dearopt run: list one in --schedules")
-    args.timeline_schedule = ("dear" if "dear" in schedules else dearopt_runs[0]) if args.timeline else None
+    if isinstance(args.timeline, str) and args.timeline not in dearopt_runs:
+        p.error(f"--timeline {args.timeline}: not a dearopt schedule of this run ({','.join(dearopt_runs)})")
+    args.timeline_schedule = (args.timeline if isinstance(args.timeline, str) else "dear" if "dear" in schedules
+                              else dearopt_runs[0]) if args.timeline else None
     if args.timeline and not args.out:
         p.error("--timeline needs --out DIR")
     if args.rounds < 1 or args.iterations < args.rounds:
@@ -168,7 +171,8 @@ def main(argv=None) -> int:
         if timeline:
             paths = sorted(glob.glob(os.path.join(out, "timeline.rank*.json")))
             if paths and report.have_matplotlib():
-                idx = report.render_timeline(paths, os.path.join(out, "timeline.png"))
+                idx = report.render_timeline(paths, os.path.join(out, "timeline.png"),
+                                             schedule=args.timeline_schedule or "dear")
                 doc["timeline"] = {"files": [os.path.basename(p) for p in paths], "png": "timeline.png",
                                    "iteration_shown": idx}
         if doc.get("profile"):

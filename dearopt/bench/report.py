@@ -334,7 +334,7 @@ _COLORS = {"forward": "#e9a23b", "loss.backward()": "#d1603d", "opt.step()": "#9
            "backward": "#f0b49e", "update": "#6a4c93", "step": "#cccccc",
            "wait reduce": "#bbbbbb", "wait all_gather": "#bbbbbb", "reduce": "#1982c4", "reduce_scatter": "#1982c4",
            "all_reduce": "#1982c4",
-           "all_gather": "#8ac926"}
+           "all_gather": "#8ac926", "predicted reduce_scatter": "#a8d1ef", "predicted all_reduce": "#a8d1ef"}
 
 
 def load_trace(path: str) -> List[dict]:
@@ -354,8 +354,10 @@ def pick_iteration(events: List[dict], which: Optional[int] = None) -> Optional[
     return iters[-2] if len(iters) >= 2 else iters[-1]
 
 
-def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> Optional[int]:
-    """One iteration per rank (each on its own clock, from its iteration start) as a PNG; returns its index."""
+def render_timeline(paths: List[str], out: str, which: Optional[int] = None, schedule: str = "dear") -> Optional[int]:
+    """One iteration per rank (each on its own clock, from its iteration start) as a PNG; returns its index.
+
+    Under ``prophet`` a fourth lane shows each block's reduction as its link model predicted it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,8 +367,12 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> 
     traces = [load_trace(p) for p in paths]
     chosen = pick_iteration(traces[0], which)
     index = chosen.get("args", {}).get("iteration") if chosen else None
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 1.3 * len(traces)))
+    predicted = any(e.get("tid") == 2 for events in traces for e in events)
     lanes = {"compute": 0.0, "detail": 0.33, "comm": 0.66}
+    if predicted:
+        lanes["predicted"] = 0.99
+    pitch = 1.2 if not predicted else 1.55
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 1.1 * pitch * len(traces)))
     ticks, labels = [], []
     for r, events in enumerate(traces):
         it = pick_iteration(events, index)
@@ -380,29 +386,32 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None) -> 
             if e["name"] == "iteration" or e["ts"] + e["dur"] < start or e["ts"] > end:
                 continue
             name = e["name"]
-            if e.get("tid") == 1:
+            if e.get("tid") == 2:
+                lane = "predicted"
+            elif e.get("tid") == 1:
                 lane = "comm"
             elif name in ("forward", "loss.backward()", "opt.step()"):
                 lane = "compute"
             else:
                 lane = "detail"
-            y = r * 1.2 + lanes[lane]
+            y = r * pitch + lanes[lane]
             s0 = max(e["ts"], start) - start
             s1 = min(e["ts"] + e["dur"], end) - start
             ax.broken_barh([(s0 / 1e6, max(s1 - s0, 1.0) / 1e6)], (y, 0.3),
                            facecolors=_COLORS.get(name, "#444"), edgecolors="k", linewidth=0.3)
             b = e.get("args", {}).get("bucket")
-            if b is not None and lane == "comm" and (s1 - s0) / (end - start) > 0.04:
+            if b is not None and lane in ("comm", "predicted") and (s1 - s0) / (end - start) > 0.04:
                 ax.text((s0 + s1) / 2e6, y + 0.15, str(b), ha="center", va="center", fontsize=6)
         for lane, off in lanes.items():
-            ticks.append(r * 1.2 + off + 0.15)
-            labels.append(f"rank {r} {'benchmark' if lane == 'compute' else 'dearopt' if lane == 'detail' else 'comm'}")
+            ticks.append(r * pitch + off + 0.15)
+            labels.append(f"rank {r} " + {"compute": "benchmark", "detail": "dearopt"}.get(lane, lane))
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlabel("seconds from the iteration's start (each rank on its own clock); comm labels: bucket")
-    ax.set_title(f"dear, iteration {index}: benchmark calls; dearopt's backward (from the first gradient), step, "
+    ax.set_title(f"{schedule}, iteration {index}: benchmark calls; dearopt's backward (from the first gradient), step, "
                  f"waits, updates; collectives (start to completion as seen by the waiting side)", fontsize=9)
     ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()
-                       if n not in ("wait all_gather", "all_reduce", "reduce")], fontsize=7, ncol=8, loc="upper center",
+                       if n not in ("wait all_gather", "all_reduce", "reduce", "predicted all_reduce")
+                       and (predicted or not n.startswith("predicted"))], fontsize=7, ncol=8, loc="upper center",
               bbox_to_anchor=(0.5, -0.25))
     fig.tight_layout()
     fig.savefig(out, dpi=110)

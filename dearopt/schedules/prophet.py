@@ -50,14 +50,14 @@ re-plans when the bandwidth changes (:class:`dearopt.profiling.LinkMonitor`).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..plan import (ALL_GATHER, ALL_REDUCE, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, Layout, ParamSpec,
                     forward_of, must_split)
 from .base import Schedule, mark_updates
 from .bytescheduler import ByteScheduler
 
-__all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks"]
+__all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks", "predicted_sends"]
 
 DEFAULT_LATENCY = 1e-3
 """Seconds of fixed cost per collective at least (``E = latency + s / B``: the paper's throughput loss of small
@@ -115,6 +115,22 @@ def prophet_blocks(ready: Sequence[float], nbytes: Sequence[int], bandwidth: flo
     return blocks
 
 
+def predicted_sends(blocks: Sequence[Sequence[int]], ready: Sequence[float], nbytes: Sequence[int], bandwidth: float,
+                    latency: float = 0.0) -> List[Tuple[float, float]]:
+    """When the link model behind :func:`prophet_blocks` expects each block's reduction to start and end
+    (seconds after backward starts), in the order of ``blocks``: walking from the output side, a block
+    goes when its last gradient exists and the link is free, and holds the link ``latency + bytes /
+    bandwidth``.  For the blocks :func:`prophet_blocks` formed from the same numbers these are the times
+    it planned them for; the timeline shows them beside the measured reductions."""
+    times: List[Tuple[float, float]] = [(0.0, 0.0)] * len(blocks)
+    link_free = 0.0
+    for b in sorted(range(len(blocks)), key=lambda b: -max(blocks[b])):
+        start = max(link_free, max(ready[p] for p in blocks[b]))
+        link_free = start + latency + sum(nbytes[p] for p in blocks[b]) / bandwidth
+        times[b] = (start, link_free)
+    return times
+
+
 def _next_generation(ready: Sequence[float]):
     """``later(j, t)``: the earliest ready time after ``t`` among positions ``< j`` (the gradients still to come
     on the input side), or infinity: the end of the block interval ``A``."""
@@ -138,9 +154,14 @@ class Prophet(Schedule):
         if len(ready_times) != len(params):
             raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
         split = [i for i in range(len(params) - 1) if must_split(params, i)]
-        latency = max(DEFAULT_LATENCY, latency or 0.0)
+        latency = self.block_latency(latency)
         return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth, latency=latency,
                               max_bytes=buffer_size, min_bytes=int(latency * bandwidth), split_after=split)
+
+    @staticmethod
+    def block_latency(measured: Optional[float]) -> float:
+        """The fixed cost per collective the blocks are formed with: the measured one, at least the default."""
+        return max(DEFAULT_LATENCY, measured or 0.0)
 
     def ops(self, layout: Layout):
         """Reduce-scatters as blocks complete in backward; then every all-gather starts at ``step()``, back to
