@@ -8,7 +8,8 @@ and the bandwidth its reductions achieved while the link was busy.  One step
 is one sample of a noisy machine (the same ResNet-50 cell formed 20 to 43
 Prophet blocks from single steps), so the measurement is their per-gradient
 median, and the bandwidth and fixed cost are fitted over every reduction of
-the window (:func:`fit_link`).  At the window's last ``step()`` rank 0 broadcasts the numbers once
+the window (:func:`fit_link`); the fixed cost is at least that of a few
+tiny collectives timed at the window's end.  At the window's last ``step()`` rank 0 broadcasts the numbers once
 over the control channel; every rank then re-plans from the same numbers at
 the next backward, so the order stays identical everywhere.
 """
@@ -114,6 +115,22 @@ class ReadyProfile:
         if self._times is not None:
             self._backward = time.perf_counter() - self._t0
 
+    PROBES = 3
+    """Tiny collectives timed at the end of each measurement (their median is the fixed cost per op at least)."""
+
+    def _probe(self, control: CollectiveBackend, step: int) -> float:
+        """The fixed cost of one collective, timed directly: the median of :data:`PROBES` one-element
+        all-reduces (every rank runs them).  A fit over the job's own reductions cannot tell it where their
+        sizes are alike (25 MB buckets), and on the degraded machine of 2026-11-25 it is 22 ms, not the
+        1 ms floor: Prophet then formed 35 blocks where 11 ran faster."""
+        one = torch.zeros(1, device=control.device)
+        times = []
+        for _ in range(self.PROBES):
+            t0 = time.perf_counter()
+            control.all_reduce(one, step=step).wait()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
     def share(self, control: CollectiveBackend, services: Sequence[Tuple[int, float]], step: int) -> None:
         """Broadcast rank 0's profile (called on every rank at the profiled step's ``step()``).
 
@@ -130,6 +147,7 @@ class ReadyProfile:
         ready, backward, services = _summarise(self._window)
         self._window = []
         bandwidth, latency = fit_link(services)
+        latency = max(latency, self._probe(control, step))
         profile = torch.tensor(ready + [bandwidth, backward, latency], dtype=torch.float64,
                                device=control.device)
         control.broadcast(profile, 0, step=step).wait()

@@ -269,8 +269,11 @@ def test_the_link_fit_does_not_depend_on_how_the_bytes_are_cut():
 
 
 class _Control:
-    """A control channel of one rank: the broadcast leaves the tensor as it is."""
+    """A control channel of one rank: the broadcast leaves the tensor as it is; an all-reduce takes no time."""
     device = torch.device("cpu")
+
+    def all_reduce(self, tensor, op="sum", **where):
+        return self.broadcast(tensor)
 
     def broadcast(self, tensor, root=0, **where):
         class Done:
@@ -313,6 +316,16 @@ def test_the_profile_is_the_median_of_a_window_of_steps_and_is_shared_once_at_it
     assert profile.result is first  # adopted only when the monitor says so
     with pytest.raises(ValueError, match="at least one step"):
         profiling.ReadyProfile(True, steps=0)
+
+    class SlowControl(_Control):  # each tiny all-reduce takes 50 ms: the fixed cost per op is at least that
+        def all_reduce(self, tensor, op="sum", **where):
+            clock[0] += 0.05
+            return self.broadcast(tensor)
+
+    profile = profiling.ReadyProfile(True, steps=1)
+    profile.begin_backward(profiling.ReadyProfile.STEP, 2)
+    profile.share(SlowControl(), [(100, 0.1), (200, 0.2)], profiling.ReadyProfile.STEP)  # the fit alone: 0
+    assert profile.result.latency == pytest.approx(0.05) and profile.result.bandwidth == pytest.approx(1000.0)
 
 
 def test_predicted_sends_walk_the_link_from_the_output_side():
