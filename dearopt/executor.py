@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
 import math
 import weakref
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
@@ -339,6 +340,8 @@ class Executor:
             position = {id(p): i for i, p in enumerate(self.model.parameters())}
             self.sparse.bind(self.buckets, [[position.get(id(p), -1 - i) for i, p in enumerate(b.params)]
                                             for b in self.buckets])
+        if self.issuer is not None:  # a re-plan (nothing in flight): buffers kept for the old buckets go
+            self.backend.release_workspace()
         self.issuer = Issuer(plan, self.buckets, self.backend, self.window, self.comm_hook, self.timeline,
                              prepare=self._write_meta, control=self.control,
                              rows_reductions=self.issuer.rows_reductions if self.issuer is not None else None,
@@ -522,6 +525,10 @@ class Executor:
                 # at a step boundary the stamps belong to the finished pass and nothing is ready yet
                 b.ready += self.state is TrainingState.BACKWARD and b.stamp[j] == self.pass_id
             b.mark_seen()
+        # The old buckets, their ops and handles refer to each other: only the cycle collector frees them, and
+        # it runs by object count, not bytes, so a tuner's re-plans kept a model's worth of buffers alive each
+        # (BERT-Base: ~0.5 GiB per re-plan, out of memory after about twenty).  Re-plans are rare: collect now.
+        gc.collect()
 
     # ------------------------------------------------------------- backward
     def _begin_backward(self) -> None:

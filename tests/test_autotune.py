@@ -1,5 +1,7 @@
 """Online tuning inside DistOptim: re-planning at trial boundaries never changes the mathematics."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -22,11 +24,19 @@ def _train_tuned(opt_name, schedule, knob_names):
     opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule,
                             tuner=tuner, tuning_steps=1)
     plans = []
+    old, current, plan = [], [], None  # weak references to the buffers of the plans replaced, of the one in force
     for step in range(STEPS):
         train_step(opt, model, step, rank, world)
         plans.append((opt.plan.buffer_size, opt.plan.partition_size, len(opt.plan.buckets)))
+        if opt.plan is not plan:
+            old += current
+            plan = opt.plan
+        executor = opt._executor
+        current = [weakref.ref(b.buffer) for b in executor.buckets] + [
+            weakref.ref(t) for t in getattr(executor.backend, "_workspace", {}).values()]
     opt.synchronize()
-    return [p.detach().clone() for p in model.parameters()], plans, opt.tuning.history, opt.tuning.finished
+    kept = sum(ref() is not None for ref in old)  # a re-plan frees the old buckets' buffers and workspaces
+    return [p.detach().clone() for p in model.parameters()], plans, opt.tuning.history, opt.tuning.finished, kept
 
 
 @pytest.mark.timeout(180)
@@ -40,8 +50,9 @@ def test_tuning_replans_exactly(world, schedule, knob_names):
     outcomes = run_workers(_train_tuned, world, "adamw", schedule, knob_names, timeout=150)
     want, _ = reference("mlp", "adamw", world, steps=STEPS)
     for o in outcomes:
-        params, plans, history, finished = o.value
+        params, plans, history, finished, kept = o.value
         assert_params_match(params, want)
+        assert kept == 0, f"{kept} buffers of replaced plans still alive"
         assert plans == outcomes[0].value[1], "every rank re-planned at the same step with the same knobs"
         assert len(history) >= 3 and finished
         assert len({p[:2] for p in plans}) >= 2, "the knobs really changed during the run"

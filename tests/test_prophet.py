@@ -96,6 +96,11 @@ def test_the_plan_takes_the_blocks_with_a_profile_and_fuses_by_size_without():
 STEPS = 6
 
 
+KNOBS = {"prophet": {}, "prophet-allreduce": {},
+         # ByteScheduler's knobs still apply to the blocks: priority order, partitions, a credit window
+         "prophet+pc": {"priority": True, "partition_size": 128, "credit": 512}}
+
+
 def _prophet_training(opt_names, schedules):
     """Each optimizer under each Prophet schedule; a forced re-plan (a smaller block cap) after step 3."""
     rank, world = dearopt.rank(), dearopt.size()
@@ -103,7 +108,8 @@ def _prophet_training(opt_names, schedules):
     for schedule in schedules:
         for opt_name in opt_names:
             model = make_model("mlp")
-            opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, buffer_size=4096)
+            opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule.split("+")[0],
+                                    buffer_size=4096, **KNOBS[schedule])
             plans = []
             for step in range(STEPS):
                 train_step(opt, model, step, rank, world)
@@ -111,7 +117,7 @@ def _prophet_training(opt_names, schedules):
                 if step == 3:
                     opt._executor.replan(buffer_size=400)  # the re-plan path the tuner takes
             measured = opt._executor.profile.result  # rank 0's step-1 profile, shared
-            blocks = get_schedule(schedule).bucket_groups(opt.plan.params, buffer_size=400,
+            blocks = get_schedule(schedule.split("+")[0]).bucket_groups(opt.plan.params, buffer_size=400,
                                                           ready_times=measured.ready, bandwidth=measured.bandwidth,
                                                           latency=measured.latency)
             opt.synchronize()
@@ -125,7 +131,7 @@ def _prophet_training(opt_names, schedules):
 @pytest.mark.parametrize("world", [2, 3])
 def test_prophet_training_equals_single_process_with_a_replan_in_the_middle(world):
     opt_names = ["adamw", "sgd"]
-    schedules = ["prophet", "prophet-allreduce"]
+    schedules = list(KNOBS)
     outcomes = run_workers(_prophet_training, world, opt_names, schedules, timeout=150)
     for opt_name in opt_names:
         want, _ = reference("mlp", opt_name, world, steps=STEPS)
@@ -134,8 +140,8 @@ def test_prophet_training_equals_single_process_with_a_replan_in_the_middle(worl
             for o in outcomes:
                 params, plans, blocks, fingerprint = o.value[(schedule, opt_name)]
                 assert_params_match(params, want)
-                # steps 0-1 fuse by size (one bucket: 620 bytes < 4096); from step 2 the plan is made of the blocks
-                # of rank 0's step-1 profile; after the re-plan, of blocks of at most 400 bytes: several
+                # steps 0-3 fuse by size (one bucket: 620 bytes < 4096); then the plan is made of the blocks of
+                # rank 0's profile of steps 1-3; after the re-plan, of blocks of at most 400 bytes: several
                 assert len(plans[0]) == 1 and [list(b) for b in plans[-1]] == blocks and len(blocks) > 1
                 fingerprints.add(fingerprint)
             assert len(fingerprints) == 1
