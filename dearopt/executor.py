@@ -454,7 +454,8 @@ class Executor:
                                       bandwidth=bandwidth, latency=self.profile.result.latency)
         if groups is not None:  # the schedule forms its buckets from the profile (Prophet's blocks)
             return [list(b.params) for b in self.plan.buckets] != groups
-        chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth, self.profile.result.latency) \
+        latency = self.profile.result.latency
+        chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth, latency) \
             if policy.mixes_allreduce else frozenset()
         return tuple(sorted(chosen)) != tuple(self.plan.allreduce)
 
@@ -570,8 +571,8 @@ class Executor:
         the communication lane)."""
         policy = get_schedule(self.options.schedule)
         measured = self.profile.result
-        if not policy.needs_profile or measured is None or self.plan is None:
-            return
+        if not hasattr(policy, "block_latency") or measured is None or self.plan is None:
+            return  # not Prophet's blocks (a registered schedule may form buckets its own way)
         from .schedules.prophet import predicted_sends
 
         sizes = [p.nbytes for p in self.plan.params]

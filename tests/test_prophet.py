@@ -296,7 +296,7 @@ def test_the_profile_is_the_median_of_a_window_of_steps_and_is_shared_once_at_it
     profile = profiling.ReadyProfile(True, every=10, steps=3)
     # per step: (ready times of parameters 0, 1, backward's end, its reductions' (bytes, seconds))
     steps = {1: ([0.9, 0.2], 1.0, [(100, 0.1)]), 2: ([0.5, 0.1], 0.6, [(100, 0.3)]), 3: ([0.7, 0.9], 2.0, [(200, 0.1)]),
-             11: ([0.4, 0.4], 0.5, [(300, 0.1)]), 12: ([0.4, 0.4], 0.5, [(300, 0.1)]), 13: ([0.4, 0.4], 0.5, [(300, 0.1)])}
+             **{step: ([0.4, 0.4], 0.5, [(300, 0.1)]) for step in (11, 12, 13)}}
     shared_at = []
     for step in range(16):
         clock[0] = 100.0 * step
