@@ -104,6 +104,8 @@ class ReadyProfile:
             if not (self.result is None and step == self.STEP or again):
                 return
             self._left, self._window = self.steps, []
+        elif self._window and len(self._window[0][0]) != n_params:  # a parameter was unfrozen: start again
+            self._left, self._window = self.steps, []
         self._times = [math.inf] * n_params
         self._t0 = time.perf_counter()
 

@@ -323,6 +323,15 @@ def test_the_profile_is_the_median_of_a_window_of_steps_and_is_shared_once_at_it
     with pytest.raises(ValueError, match="at least one step"):
         profiling.ReadyProfile(True, steps=0)
 
+    # a parameter unfrozen in the middle of a window: the window starts again with the new count
+    profile = profiling.ReadyProfile(True, steps=2)
+    for step, n in ((1, 2), (2, 3), (3, 3)):
+        profile.begin_backward(step, n)
+        profile.end_backward()
+        profile.share(_Control(), [(100, 0.1)], step)
+        assert (profile.result is None) == (step < 3)
+    assert len(profile.result.ready) == 3
+
     class SlowControl(_Control):  # each tiny all-reduce takes 50 ms: the fixed cost per op is at least that
         def all_reduce(self, tensor, op="sum", **where):
             clock[0] += 0.05
