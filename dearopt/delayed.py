@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,7 +58,7 @@ from .errors import NonFiniteGradientError, UsageError
 from .executor import Executor, TrainingState
 from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
-__all__ = ["DelayedExecutor", "deft_times", "MEASURED_STEPS"]
+__all__ = ["DelayedExecutor", "deft_times", "plan_units", "MEASURED_STEPS"]
 
 MEASURED_STEPS = 3
 """Without a profile or a schedule, the first steps are exact (every bucket all-reduced in backward and applied
@@ -68,11 +68,40 @@ schedule, which starts at this step."""
 
 REPARTITIONS = 3
 """Where a measured bucket takes longer on the link than a whole stage computes (DeFT's partition constraint),
-the job re-plans with smaller buckets and measures again, at most this many times, then raises."""
+the job re-plans with smaller buckets, and a parameter larger than them in pieces (``partition_size``), and
+measures again, at most this many times, then raises."""
+
+
+def plan_units(plan) -> List[Tuple[int, int]]:
+    """DeFT's items: ``(bucket, piece)`` of ``plan`` in forward order.  A bucket is one item unless
+    ``partition_size`` splits it (the paper's partition: a parameter too large for the smallest knapsack is
+    sent in pieces, each scheduled on its own)."""
+    return [(b.index, k) for b in plan.buckets for k in range(len(b.pieces or ((0, b.padded_numel),)))]
+
+
+def unit_times(forward_b: Sequence[float], ready_b: Sequence[float], end: float,
+               units: Sequence[Tuple[int, int]]) -> Tuple[List[float], List[float]]:
+    """Per unit: forward seconds (a bucket's to its first piece) and backward seconds (the time from the
+    output-side unit before it becoming ready to it becoming ready; the compute after the last, ``end`` minus
+    the latest ready time, to unit 0), from per-bucket forward seconds and ready times after backward starts.
+    The pieces of one bucket are ready together: the first of them in backward's order carries the wait."""
+    n = len(units)
+    forward = [0.0] * n
+    for u, (b, k) in enumerate(units):
+        if k == 0:
+            forward[u] = forward_b[b]
+    backward, done = [0.0] * n, 0.0
+    for u in range(n - 1, -1, -1):  # backward makes the output side first
+        ready = ready_b[units[u][0]]
+        backward[u] = max(ready - done, 0.0)
+        done = max(done, ready)
+    backward[0] += max(end - done, 0.0)
+    return forward, backward
 
 
 def deft_times(profile, plan):
-    """Per bucket of ``plan``: (forward, backward, all-reduce) seconds from a :class:`dearopt.sim.Profile`."""
+    """Per unit of ``plan`` (:func:`plan_units`): (forward, backward, all-reduce) seconds from a
+    :class:`dearopt.sim.Profile`."""
     if [p.numel for p in profile.params] != [p.numel for p in plan.params]:
         raise UsageError("the profile's parameters are not the plan's: record it with the same model and "
                          "optimizer, and embedding_rows=False (deft reduces a tied weight as one gradient)")
@@ -85,18 +114,21 @@ def deft_times(profile, plan):
             forward[min(owned)] += seconds
     forward[n - 1] += profile.forward_tail
     ready = [max(profile.ready[p] for p in b.params) for b in plan.buckets]
-    backward, done = [0.0] * n, 0.0
-    for b in range(n - 1, -1, -1):  # backward makes the output side first
-        backward[b] = max(ready[b] - done, 0.0)
-        done = max(done, ready[b])
-    backward[0] += max(profile.t_bp - done, 0.0)
+    units = plan_units(plan)
+    forward, backward = unit_times(forward, ready, profile.t_bp, units)
     cost = profile.comm["all_reduce"]
-    comm = [cost.time(b.padded_numel * plan.params[b.params[0]].element_size, plan.world_size) for b in plan.buckets]
+    comm = [cost.time(_unit_nbytes(plan.buckets[b], k), plan.world_size) for b, k in units]
     return forward, backward, comm
 
 
+def _unit_nbytes(bucket, piece: int) -> int:
+    start, end = (bucket.pieces or ((0, bucket.padded_numel),))[piece]
+    return (end - start) * bucket.element_size
+
+
 class _Group:
-    """One group's gradients on this rank: a sum per bucket, reduced in place when sent."""
+    """One group's gradients on this rank: a sum per bucket, reduced in place when sent (``sent``: the units,
+    pieces of buckets, sent so far)."""
 
     def __init__(self, storage: Dict[int, torch.Tensor], covers: int):
         self.storage = storage
@@ -148,18 +180,21 @@ class DelayedExecutor(Executor):
     def _build_plan(self) -> None:
         super()._build_plan()
         self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
+        # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
+        self.units = plan_units(self.plan)
         if self.deft is None and self._deft_profile is not None and not self.offset:
             self._solve(deft_times(self._deft_profile, self.plan))
-        if self.deft is not None and self.deft.buckets != len(self.buckets):
+        if self.deft is not None and self.deft.buckets != len(self.units):
+            pieces = "" if len(self.units) == len(self.buckets) else f" in {len(self.units)} pieces"
             raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
-                             f"{len(self.buckets)} (buffer_size decides them)")
+                             f"{len(self.buckets)}{pieces} (buffer_size and partition_size decide them)")
         if self._loaded is not None:
             self._restore(self._loaded)
 
     @property
     def iteration(self) -> DeftIteration:
-        if self.step_count < self.offset:  # measuring: exact, every bucket sent in backward, applied now
-            n = len(self.buckets)
+        if self.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
+            n = len(self.units)
             alone = self.step_count == self.offset - 1 and self._times_alone  # timed in _end_backward
             send = () if alone else tuple(range(n - 1, -1, -1))
             return DeftIteration(4, (), (), send, False, 0, 1)
@@ -184,7 +219,8 @@ class DelayedExecutor(Executor):
                     self._marks.setdefault(("forward", self._where[id(p)][0].index), now)
 
     def _measured_times(self) -> tuple:
-        """Per bucket: forward and backward seconds from step 1's marks, all-reduce seconds from step 2."""
+        """Per unit: forward and backward seconds from step 1's marks (per bucket), all-reduce seconds from
+        step 2."""
         n, marks = len(self.buckets), self._marks
         forward = [0.0] * n
         reached = sorted((marks[("forward", b)], b) for b in range(n) if ("forward", b) in marks)
@@ -194,12 +230,8 @@ class DelayedExecutor(Executor):
         if reached:
             forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
         ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
-        backward, done = [0.0] * n, 0.0
-        for b in range(n - 1, -1, -1):
-            backward[b] = max(ready[b] - done, 0.0)
-            done = max(done, ready[b])
-        backward[0] += max(marks["end"] - marks["backward"] - done, 0.0)
-        return forward, backward, [self._comm[b] for b in range(n)]
+        forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], self.units)
+        return forward, backward, [self._comm[u] for u in range(len(self.units))]
 
     def _solve_measured(self) -> None:
         """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
@@ -214,16 +246,29 @@ class DelayedExecutor(Executor):
         forward, backward, comm = self.measured
         too_long = check_partition(forward, backward, comm)
         if too_long and len(self.repartitions) < REPARTITIONS:
-            # split: buckets whose bytes take at most 80 % of the shortest stage (the same numbers on every rank)
+            # split: buckets, and pieces of any larger parameter, whose bytes take at most 80 % of the shortest
+            # stage at the too-long units' measured rate (the same numbers on every rank)
             shortest = min(sum(forward), sum(backward))
-            size = int(self.buffer_size * 0.8 * shortest / max(comm[b] for b in too_long))
-            if 0 < size < self.buffer_size and self._deft_profile is None:
+            size = int(min(self._unit_nbytes(u) * 0.8 * shortest / comm[u] for u in too_long))
+            if size > 0 and self._deft_profile is None:
                 self.repartitions.append(size)
-                Executor.replan(self, buffer_size=size)  # nothing in flight: every measuring step was applied
+                # nothing in flight: every measuring step was applied
+                Executor.replan(self, buffer_size=min(self.buffer_size, size),
+                                partition_size=min(self.partition_size or size, size))
                 self._measure_from, self.offset = self.step_count, self.step_count + MEASURED_STEPS
                 self._marks, self._comm, self._comm_second, self._losses, self._dots = {}, {}, {}, {}, {}
                 return
         self._solve(self.measured)
+
+    def _unit_nbytes(self, u: int) -> int:
+        b, k = self.units[u]
+        return _unit_nbytes(self.buckets[b].spec, k)
+
+    def _unit_tensor(self, group: _Group, u: int) -> torch.Tensor:
+        """Unit ``u``'s part of ``group``'s sum for its bucket (a view: reduced in place)."""
+        b, k = self.units[u]
+        start, end = self.buckets[b].spec.pieces[k] if self.buckets[b].spec.pieces else (0, None)
+        return group.storage[b][start:end]
 
     def _measured_mu(self) -> Optional[float]:
         """The second link's all-reduce time over the first's, over all buckets measured alone (None: one link)."""
@@ -270,13 +315,14 @@ class DelayedExecutor(Executor):
                              f"where bandwidth dominates the bucket's time; where the fixed cost per collective "
                              f"does, this model computes too little per step for DeFT") from None
 
-    def _all_reduce(self, group: _Group, b: int, new: bool = False) -> None:
-        """Start bucket ``b``'s all-reduce of ``group`` (the group formed in this backward: ``new``) on the link
+    def _all_reduce(self, group: _Group, u: int, new: bool = False) -> None:
+        """Start unit ``u``'s all-reduce of ``group`` (the group formed in this backward: ``new``) on the link
         the schedule gives it (measuring steps: the first)."""
-        group.sent.add(b)
-        on_second = self.second is not None and self.step_count >= self.offset and self.iteration.link(b, new)
+        group.sent.add(u)
+        on_second = self.second is not None and self.step_count >= self.offset and self.iteration.link(u, new)
         backend = self.second if on_second else self.backend
-        group.handles.append(backend.all_reduce(group.storage[b], "sum", bucket=b, step=self.step_count))
+        b = self.units[u][0]
+        group.handles.append(backend.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count))
 
     # ----------------------------------------------------------- forward
     def _root_pre_hook(self, module, args) -> None:
@@ -292,8 +338,8 @@ class DelayedExecutor(Executor):
         forward's start; or at backward's start where the plan was made only then, after a resume)."""
         if self._forward_sent_at != self.step_count and self.iteration.forward:
             self._forward_sent_at = self.step_count
-            for b in self.iteration.forward:
-                self._all_reduce(self.group, b)
+            for u in self.iteration.forward:
+                self._all_reduce(self.group, u)
 
     # ----------------------------------------------------------- backward
     def _begin_backward(self) -> None:
@@ -317,8 +363,8 @@ class DelayedExecutor(Executor):
         self._send_forward_stage()
         if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
             self._wait(self.group)
-            for b in it.backward_old:  # Cases 2 and 3: old gradients, ready now
-                self._all_reduce(self.group, b)
+            for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
+                self._all_reduce(self.group, u)
         self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
         self._new_cursor = 0
 
@@ -355,16 +401,18 @@ class DelayedExecutor(Executor):
         bucket.mark_seen()
 
     def _start_new(self, force: bool) -> None:
-        """Send the new group's buckets the schedule sends in this backward, in its order, as they are ready."""
+        """Send the new group's units the schedule sends in this backward, in its order, as they are ready."""
         if self.forming is None:
             return
         order = self.iteration.backward_new
         while self._new_cursor < len(order):
-            b = order[self._new_cursor]
+            u = order[self._new_cursor]
+            b = self.units[u][0]
             if not (force or self.buckets[b].complete):
                 return
-            self.forming.storage[b] = self._take(b)
-            self._all_reduce(self.forming, b, new=True)
+            if b not in self.forming.storage:
+                self.forming.storage[b] = self._take(b)
+            self._all_reduce(self.forming, u, new=True)
             self._new_cursor += 1
 
     def _end_backward(self) -> None:
@@ -383,17 +431,19 @@ class DelayedExecutor(Executor):
         if self._measuring(1):
             self._marks["end"] = time.perf_counter()
         if self._measuring(MEASURED_STEPS - 1) and self._times_alone:  # each all-reduce alone, in turn
-            for b in range(len(self.buckets) - 1, -1, -1):
-                self.forming.storage[b] = self._take(b)
+            for u in range(len(self.units) - 1, -1, -1):
+                b = self.units[u][0]
+                if b not in self.forming.storage:
+                    self.forming.storage[b] = self._take(b)
                 if self.second is not None:  # the same bytes on the second link (a scratch copy), alone
-                    scratch = self.forming.storage[b].clone()
+                    scratch = self._unit_tensor(self.forming, u).clone()
                     t0 = time.perf_counter()
                     self.second.all_reduce(scratch, "sum", bucket=b, step=self.step_count).wait()
-                    self._comm_second[b] = time.perf_counter() - t0
+                    self._comm_second[u] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                self._all_reduce(self.forming, b)
+                self._all_reduce(self.forming, u)
                 self.forming.handles[-1].wait()
-                self._comm[b] = time.perf_counter() - t0
+                self._comm[u] = time.perf_counter() - t0
         self._start_new(force=True)
         for b in range(len(self.buckets)):  # the new group's other buckets wait on this rank for a later stage
             if b not in self.forming.storage:
@@ -442,7 +492,7 @@ class DelayedExecutor(Executor):
     def _apply(self, group: _Group, measure: bool = False) -> None:
         """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
         ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
-        if group is None or len(group.sent) != len(self.buckets):
+        if group is None or len(group.sent) != len(self.units):
             raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
                                "and the executor disagree")
         scale = 1.0 / (self.world * group.covers)
@@ -531,6 +581,9 @@ class DelayedExecutor(Executor):
                 if b >= len(self.buckets) or t.shape != self.buckets[b].buffer.shape:
                     raise UsageError(f"the checkpoint's DeFT group does not fit this plan's bucket {b}: save and "
                                      f"resume with the same model and buffer_size")
+            if any(not 0 <= u < len(self.units) for u in entry["sent"]):
+                raise UsageError(f"the checkpoint's DeFT group was sent in more pieces than this plan has "
+                                 f"({len(self.units)}): resume with the same buffer_size and partition_size")
             group = _Group({b: t.clone().to(self.buckets[b].buffer.device) for b, t in entry["storage"].items()},
                            entry["covers"])
             group.sent = set(entry["sent"])

@@ -26,6 +26,19 @@ SCHEDULES = {
     "solver: two links": deft_schedule([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, mu=1.3),
 }
 
+PIECES = "solver: pieces (partition_size=64)"  # every parameter of more than 16 floats sent in several pieces
+
+
+def pieces_schedule(world):
+    """The communication-bound solver schedule over the MLP's buckets split at 64 bytes (the pieces depend on
+    the world size: each a multiple of it)."""
+    from dearopt.delayed import plan_units
+    from dearopt.plan import build_plan
+
+    n = len(plan_units(build_plan(_synthetic_profile().params, 64, world, "deft", partition_size=64)))
+    assert n > N_BUCKETS
+    return deft_schedule([1.0] * n, [1.0] * n, [2.5] * n)
+
 
 def emulate(schedule, opt_name, steps=STEPS):
     """One process, global batch: the gradients of each step grouped, held and applied as ``schedule`` says."""
@@ -70,8 +83,10 @@ def _deft_runs(names, opt_names):
     for name in names:
         for opt_name in opt_names:
             model = make_model("mlp")
+            schedule = pieces_schedule(world) if name == PIECES else SCHEDULES[name]
             opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule="deft", buffer_size=64,
-                                    deft_schedule=SCHEDULES[name], deft_links=2 if SCHEDULES[name].mu else 1)
+                                    partition_size=64 if name == PIECES else None, deft_schedule=schedule,
+                                    deft_links=2 if schedule.mu else 1)
             for step in range(STEPS):
                 opt.zero_grad()
                 x, y = global_batch(step, "mlp")
@@ -86,15 +101,16 @@ def _deft_runs(names, opt_names):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 3])
 def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
-    names, opt_names = list(SCHEDULES), ["adamw", "sgd"]
+    names, opt_names = list(SCHEDULES) + [PIECES], ["adamw", "sgd"]
     outcomes = run_workers(_deft_runs, world, names, opt_names, timeout=130)
+    assert any(it.held for it in pieces_schedule(world).period)
     held = [t for t in range(STEPS) if SCHEDULES["solver: communication-bound"].iteration(t).held]
     assert held, "the communication-bound schedule must hold some steps' gradients"
     two = [SCHEDULES["solver: two links"].iteration(t) for t in range(STEPS)]
     assert any(it.second_old for it in two) and any(it.second_new for it in two)  # both groups use the 2nd link
     for name in names:
         for opt_name in opt_names:
-            want, want_applied = emulate(SCHEDULES[name], opt_name)
+            want, want_applied = emulate(pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name)
             for o in outcomes:
                 params, applied, n_buckets = o.value[(name, opt_name)]
                 assert n_buckets == N_BUCKETS
@@ -133,6 +149,18 @@ def test_bucket_times_from_a_profile_by_hand():
     assert backward == pytest.approx([0.01, 0.02, 0, 0.02, 0, 0.01])
     # ring all-reduce on 2 ranks: 2 steps of alpha + the bucket's bytes once (padded, with flags and tags)
     assert comm == pytest.approx([2 * 0.004 + b.padded_numel * 4 * 1e-5 for b in plan.buckets])
+
+    # split at 64 bytes (16 floats): bucket 0 (48 floats, 1 flag, 2 tags: 52) in 4 pieces, 1 in one, 2 (64 + 1
+    # + 2: 68) in 5, 3 in one, 4 (24 + 3: 28) in 2, 5 in one; each piece is a unit of the schedule
+    plan = build_plan(profile.params, 64, 2, "deft", partition_size=64)
+    forward, backward, comm = deft_times(profile, plan)
+    # a bucket's forward time goes to its first piece
+    assert forward == pytest.approx([{0: 0.01, 5: 0.01, 11: 0.01, 13: 0.001}.get(u, 0.0) for u in range(14)])
+    # the pieces of a bucket are ready together: the first of them in backward's order (its last piece) waits;
+    # the compute after the last gradient (0.01 s) goes to unit 0
+    assert backward == pytest.approx([{0: 0.01, 4: 0.02, 10: 0.02, 13: 0.01}.get(u, 0.0) for u in range(14)])
+    sizes = [16, 16, 16, 4, 12, 16, 16, 16, 16, 4, 12, 16, 12, 6]
+    assert comm == pytest.approx([2 * 0.004 + n * 4 * 1e-5 for n in sizes])
 
 
 def _from_profile_and_resume():
@@ -272,7 +300,7 @@ def _measured(buffer_size, steps, preserver=False, links=1):
 
     def times():  # rank 0's real measurement is kept; the schedule is solved from fixed times, so that the
         real["times"] = measured()  # test does not depend on this machine's speed
-        n = len(executor.buckets)
+        n = len(executor.units)
         if n == 1:  # one bucket: 1 s on the link, 0.1 s of compute per stage: must be split
             return [0.1], [0.1], [1.0]
         return [1.0] * n, [1.0] * n, [2.5] * n
@@ -285,8 +313,8 @@ def _measured(buffer_size, steps, preserver=False, links=1):
         loss.backward()
         opt.step(loss=loss)
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
-           executor.measured, opt.applied_steps, executor.repartitions, len(executor.buckets), opt.deft_preserved,
-           executor.mu)
+           executor.measured, opt.applied_steps, executor.repartitions, len(executor.units), opt.deft_preserved,
+           executor.mu, len(executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))])
     opt.close()
     return out
 
@@ -296,8 +324,8 @@ def _measured(buffer_size, steps, preserver=False, links=1):
 def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserver_checks_the_schedule(world, links):
     outcomes = run_workers(_measured, world, 64, STEPS + 2, True, links, timeout=100)
     loss, drift, noise = preserver_inputs("adamw", world)
-    mu = outcomes[0].value[-1]  # two links: the second's time over the first's, measured alone on rank 0
-    assert (mu is None) == (links == 1) and all(o.value[-1] == mu for o in outcomes)
+    mu = outcomes[0].value[9]  # two links: the second's time over the first's, measured alone on rank 0
+    assert (mu is None) == (links == 1) and all(o.value[9] == mu for o in outcomes)
     assert mu is None or mu > 0
     want_preserved = Preserver().solve([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, loss=loss,
                                        drift=drift, noise=noise, mu=mu)
@@ -308,7 +336,7 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
     elif mu < 2.0:  # (measured on this machine) the second link takes a 2.5 s bucket within a 6 s stage
         assert any(it.second_old or it.second_new for it in want_preserved.schedule.period)
     for o in outcomes:
-        params, offset, schedule, real, shared, applied, repartitions, _, preserved, _ = o.value
+        params, offset, schedule, real, shared, applied, repartitions, _, preserved, *_ = o.value
         assert offset == 3 and applied[:3] == [0, 1, 2] and not repartitions  # the measuring steps are exact
         assert shared == ([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS)  # rank 0's, on every rank
         assert preserved.ratio == pytest.approx(want_preserved.ratio, rel=1e-6)
@@ -326,16 +354,20 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
 
 
 @pytest.mark.timeout(120)
-def test_a_bucket_longer_than_a_stage_is_split_and_measured_again():
+def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measured_again():
     steps = 11
     for o in run_workers(_measured, 2, 4096, steps, timeout=100):
-        params, offset, schedule, _, shared, applied, repartitions, n_buckets, preserved, _ = o.value
+        params, offset, schedule, _, shared, applied, repartitions, n_units, preserved, _, n_buckets, nbytes = o.value
         assert preserved is None  # preserver=False
         assert schedule == deft_schedule(*shared)
-        # one 4096-byte bucket measured 1 s on the link against 0.1 s stages: re-planned to 0.8 * 0.1 / 1 of it
-        assert repartitions == [int(4096 * 0.8 * 0.1 / 1.0)] and n_buckets > 1
+        # one bucket (the MLP's 155 floats, 6 used flags and 2 step tags: 164 floats, 656 bytes) measured 1 s on
+        # the link against 0.1 s stages: re-planned to buckets and pieces of at most 0.8 * 0.1 / 1 of its bytes
+        size = int(656 * 0.8 * 0.1 / 1.0)
+        assert repartitions == [size] and n_buckets > 1
+        # fc1.weight (192 bytes) is larger than that: its bucket is sent in pieces, each scheduled on its own
+        assert n_units > n_buckets and max(nbytes) <= size and len(nbytes) == n_units
         assert offset == 6 and applied[:6] == list(range(6))  # measured twice, exact meanwhile
-        assert shared == ([1.0] * n_buckets, [1.0] * n_buckets, [2.5] * n_buckets)
+        assert shared == ([1.0] * n_units, [1.0] * n_units, [2.5] * n_units)
         want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", steps)
         assert applied == want_applied
         assert_params_match(params, want)

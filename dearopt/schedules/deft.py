@@ -412,13 +412,13 @@ class Preserver:
 
 
 class DeFT(Schedule):
-    """``deft``: the plan gives the buckets (fused by ``buffer_size``, one all-reduce each, listed as ``wfbp``'s
-    for the plan's fingerprint); when each is sent is the :class:`DeftSchedule`'s, carried out by
+    """``deft``: the plan gives the buckets (fused by ``buffer_size``, split into pieces by ``partition_size``,
+    one all-reduce per piece, listed as ``wfbp``'s for the plan's fingerprint); when each piece is sent is the :class:`DeftSchedule`'s, carried out by
     :class:`dearopt.delayed.DelayedExecutor`."""
 
     name = "deft"
     reduction = ALL_REDUCE
-    takes_ordering_knobs = False
+    takes_ordering_knobs = False  # partition_size is taken (check_options): pieces are the solver's items
     reduces_before_step = False
     delays_updates = True
 
@@ -426,11 +426,13 @@ class DeFT(Schedule):
         if options.nonfinite == "skip":
             raise ValueError("schedule='deft' applies groups of several steps' gradients at later steps; "
                              "nonfinite='skip' is not supported: use 'raise' or 'ignore'")
-        super().check_options(options)
         for knob in ("buffer_size", "partition_size", "credit"):
             if getattr(options, knob) == "auto":
                 raise ValueError(f"schedule='deft' cannot re-plan (its groups span iterations): {knob}='auto' is "
                                  f"not supported")
+        if options.credit is not None or options.priority:  # the schedule decides what goes when
+            raise ValueError("schedule='deft' takes no credit or priority (its schedule decides what is sent "
+                             "when); partition_size splits buckets into pieces it schedules one by one")
 
     def ops(self, layout):
         return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,
