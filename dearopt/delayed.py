@@ -58,7 +58,15 @@ from .errors import NonFiniteGradientError, UsageError
 from .executor import Executor, TrainingState
 from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
-__all__ = ["DelayedExecutor", "deft_times", "plan_units", "MEASURED_STEPS"]
+__all__ = ["DelayedExecutor", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE",
+           "RSAG"]
+
+ALL_REDUCE = "all_reduce"
+RSAG = "reduce_scatter+all_gather"
+"""How a unit is summed over ranks: one all-reduce, or a reduce-scatter then an all-gather on a second
+communicator (:class:`dearopt.collectives.ReduceScatterThenGather`; same bytes, faster on gloo here).  The job
+measures both for each unit alone while measuring (one link, gloo) and keeps the faster; with a profile, its
+fitted costs decide; a given schedule uses the all-reduce."""
 
 MEASURED_STEPS = 3
 """Without a profile or a schedule, the first steps are exact (every bucket all-reduced in backward and applied
@@ -99,9 +107,9 @@ def unit_times(forward_b: Sequence[float], ready_b: Sequence[float], end: float,
     return forward, backward
 
 
-def deft_times(profile, plan):
-    """Per unit of ``plan`` (:func:`plan_units`): (forward, backward, all-reduce) seconds from a
-    :class:`dearopt.sim.Profile`."""
+def deft_times(profile, plan, reduction: str = ALL_REDUCE):
+    """Per unit of ``plan`` (:func:`plan_units`): (forward, backward, communication) seconds from a
+    :class:`dearopt.sim.Profile`; communication by ``reduction`` (:data:`ALL_REDUCE` or :data:`RSAG`)."""
     if [p.numel for p in profile.params] != [p.numel for p in plan.params]:
         raise UsageError("the profile's parameters are not the plan's: record it with the same model and "
                          "optimizer, and embedding_rows=False (deft reduces a tied weight as one gradient)")
@@ -116,9 +124,18 @@ def deft_times(profile, plan):
     ready = [max(profile.ready[p] for p in b.params) for b in plan.buckets]
     units = plan_units(plan)
     forward, backward = unit_times(forward, ready, profile.t_bp, units)
-    cost = profile.comm["all_reduce"]
-    comm = [cost.time(_unit_nbytes(plan.buckets[b], k), plan.world_size) for b, k in units]
+    kinds = ("all_reduce",) if reduction == ALL_REDUCE else ("reduce_scatter", "all_gather")
+    comm = [sum(profile.comm[kind].time(_unit_nbytes(plan.buckets[b], k), plan.world_size) for kind in kinds)
+            for b, k in units]
     return forward, backward, comm
+
+
+def profile_reduction(profile, plan) -> str:
+    """The faster way to sum a plan's units over ranks by a profile's fitted costs (all-reduce without fits of
+    both halves)."""
+    if not {"reduce_scatter", "all_gather"} <= set(profile.comm):
+        return ALL_REDUCE
+    return RSAG if sum(deft_times(profile, plan, RSAG)[2]) < sum(deft_times(profile, plan)[2]) else ALL_REDUCE
 
 
 def _unit_nbytes(bucket, piece: int) -> int:
@@ -151,6 +168,14 @@ class DelayedExecutor(Executor):
         self.mu: Optional[float] = None if schedule is None else schedule.mu  # its time per bucket over the first's
         if self.comm_hook is not None:
             raise UsageError("schedule='deft' does not take a comm_hook yet")
+        # the second half of a reduce-scatter + all-gather runs on a communicator of its own (one link, on a
+        # backend whose host waits for an op, i.e. gloo: where all-reduce is slow)
+        self._rsag = None
+        if links == 1 and schedule is None and self.world > 1 and getattr(self.backend, "host_waits", False):
+            from .collectives import ReduceScatterThenGather
+            self._rsag = ReduceScatterThenGather(self.backend, self.backend.fork())
+        self.reduction = ALL_REDUCE  # how a unit is summed (RSAG once measured or profiled faster)
+        self._shards: Dict[int, torch.Tensor] = {}  # per unit: the reduce-scatter's output (RSAG)
         if self.options.backward_passes_per_step != 1:
             raise UsageError("schedule='deft' accumulates across steps itself; backward_passes_per_step must be 1")
         self.deft: Optional[DeftSchedule] = schedule
@@ -167,6 +192,7 @@ class DelayedExecutor(Executor):
         self._marks: Dict[object, float] = {}  # step 1: forward/backward start and end, per bucket reached/ready
         self._comm: Dict[int, float] = {}
         self._comm_second: Dict[int, float] = {}
+        self._comm_rsag: Dict[int, float] = {}
         self._deft_profile = profile
         self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
         self.forming: Optional[_Group] = None  # the group this backward starts
@@ -182,8 +208,10 @@ class DelayedExecutor(Executor):
         self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(self.plan)
+        self._shards = {}
         if self.deft is None and self._deft_profile is not None and not self.offset:
-            self._solve(deft_times(self._deft_profile, self.plan))
+            self._choose_profiled_reduction()
+            self._solve(deft_times(self._deft_profile, self.plan, self.reduction))
         if self.deft is not None and self.deft.buckets != len(self.units):
             pieces = "" if len(self.units) == len(self.buckets) else f" in {len(self.units)} pieces"
             raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
@@ -231,17 +259,31 @@ class DelayedExecutor(Executor):
             forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
         ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
         forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], self.units)
-        return forward, backward, [self._comm[u] for u in range(len(self.units))]
+        comm = self._comm_rsag if self._measured_reduction() == RSAG else self._comm
+        return forward, backward, [comm[u] for u in range(len(self.units))]
+
+    def _measured_reduction(self) -> str:
+        """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
+        if self._rsag is not None and len(self._comm_rsag) == len(self._comm) and \
+                sum(self._comm_rsag.values()) < sum(self._comm.values()):
+            return RSAG
+        return ALL_REDUCE
+
+    def _choose_profiled_reduction(self) -> None:
+        if self._rsag is not None:
+            self.reduction = profile_reduction(self._deft_profile, self.plan)
 
     def _solve_measured(self) -> None:
         """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
         from .functions import broadcast_object
 
         if self._times_alone:  # rank 0's numbers for everyone
-            measured, self.mu = broadcast_object((self._measured_times(), self._measured_mu()) if self.rank == 0
-                                                 else None, 0, backend=self.control)
+            measured, self.mu, self.reduction = broadcast_object(
+                (self._measured_times(), self._measured_mu(), self._measured_reduction()) if self.rank == 0 else None,
+                0, backend=self.control)
         if self._deft_profile is not None:
-            measured = deft_times(self._deft_profile, self.plan)
+            self._choose_profiled_reduction()
+            measured = deft_times(self._deft_profile, self.plan, self.reduction)
         self.measured = measured
         forward, backward, comm = self.measured
         too_long = check_partition(forward, backward, comm)
@@ -257,6 +299,7 @@ class DelayedExecutor(Executor):
                                 partition_size=min(self.partition_size or size, size))
                 self._measure_from, self.offset = self.step_count, self.step_count + MEASURED_STEPS
                 self._marks, self._comm, self._comm_second, self._losses, self._dots = {}, {}, {}, {}, {}
+                self._comm_rsag = {}
                 return
         self._solve(self.measured)
 
@@ -320,9 +363,22 @@ class DelayedExecutor(Executor):
         the schedule gives it (measuring steps: the first)."""
         group.sent.add(u)
         on_second = self.second is not None and self.step_count >= self.offset and self.iteration.link(u, new)
-        backend = self.second if on_second else self.backend
         b = self.units[u][0]
-        group.handles.append(backend.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count))
+        if on_second:
+            handle = self.second.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count)
+        elif self.reduction == RSAG and self.step_count >= self.offset:
+            handle = self._rsag.start(self._unit_tensor(group, u), self._shard(u), bucket=b, step=self.step_count)
+        else:
+            handle = self.backend.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count)
+        group.handles.append(handle)
+
+    def _shard(self, u: int) -> torch.Tensor:
+        """Unit ``u``'s reduce-scatter output (allocated once per plan)."""
+        if u not in self._shards:
+            b, k = self.units[u]
+            start, end = self.buckets[b].spec.pieces[k]
+            self._shards[u] = self.buckets[b].buffer.new_empty((end - start) // self.world)
+        return self._shards[u]
 
     # ----------------------------------------------------------- forward
     def _root_pre_hook(self, module, args) -> None:
@@ -440,6 +496,11 @@ class DelayedExecutor(Executor):
                     t0 = time.perf_counter()
                     self.second.all_reduce(scratch, "sum", bucket=b, step=self.step_count).wait()
                     self._comm_second[u] = time.perf_counter() - t0
+                if self._rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
+                    scratch = self._unit_tensor(self.forming, u).clone()
+                    t0 = time.perf_counter()
+                    self._rsag.start(scratch, self._shard(u), bucket=b, step=self.step_count).wait()
+                    self._comm_rsag[u] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._all_reduce(self.forming, u)
                 self.forming.handles[-1].wait()
@@ -554,7 +615,7 @@ class DelayedExecutor(Executor):
         if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
             return dict(self._loaded)
         return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
-                "preserved": self.preserved, "mu": self.mu,
+                "preserved": self.preserved, "mu": self.mu, "reduction": self.reduction,
                 "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
 
     def load_deft_state(self, saved: dict) -> None:
@@ -566,6 +627,10 @@ class DelayedExecutor(Executor):
         self.offset, self.measured = saved.get("offset", 0), saved.get("measured")
         self.preserved = saved.get("preserved")
         self.mu = saved.get("mu")
+        self.reduction = saved.get("reduction", ALL_REDUCE)
+        if self.reduction == RSAG and self._rsag is None:
+            raise UsageError("this checkpoint's DeFT schedule sums by reduce-scatter + all-gather, which needs one "
+                             "link on gloo and no given deft_schedule=")
         if self.second is None and self.deft is not None and self.deft.mu is not None:
             raise UsageError("this checkpoint's DeFT schedule uses a second link: resume with deft_links=2")
         self.applied_steps = list(saved.get("applied_steps", []))
@@ -602,6 +667,8 @@ class DelayedExecutor(Executor):
         self.finish_averaging()
 
     def close(self) -> None:
+        if self._rsag is not None:
+            self._rsag.close()
         super().close()
         if self.second is not None:
             self.second.close()

@@ -63,6 +63,17 @@ def _reductions():
     backend.broadcast(b, root=1).wait()
     results["broadcast"] = b
     results["metric"] = dearopt.allreduce(float(r))
+    # a sum as reduce-scatter then all-gather on a second communicator, several in flight at once
+    from dearopt.collectives import ReduceScatterThenGather
+    chain = ReduceScatterThenGather(backend, backend.fork())
+    w = dearopt.size()
+    fulls = [torch.arange(padded_numel(n, w), dtype=torch.float64) * (r + 1) + n for n in (1, 10, 1001)]
+    handles = [chain.start(f, torch.empty(f.numel() // w, dtype=f.dtype), bucket=i) for i, f in enumerate(fulls)]
+    for h in handles:
+        h.wait(timeout=20)
+    assert all(h.is_completed() for h in handles)
+    chain.close()
+    results["chained"] = fulls
     return results
 
 
@@ -83,6 +94,9 @@ def test_all_reduce_ops_and_broadcast(world_size):
         for key, want in expected.items():
             torch.testing.assert_close(o.value[key], want)
         assert o.value["metric"] == pytest.approx(sum(range(world_size)) / world_size)
+        for n, got in zip((1, 10, 1001), o.value["chained"]):  # by hand: sum over ranks of arange * (r + 1) + n
+            base = torch.arange(padded_numel(n, world_size), dtype=torch.float64)
+            torch.testing.assert_close(got, base * sum(range(1, world_size + 1)) + n * world_size, rtol=0, atol=0)
 
 
 def _broadcast_state(seed_offset):
@@ -134,6 +148,25 @@ def test_wait_times_out_with_named_error():
     err = outcomes[0]
     assert err.error_type == "CollectiveTimeoutError", err.message
     assert "rank 0" in err.message and "all_reduce" in err.message and "bucket 3" in err.message and "step 7" in err.message
+    assert err.seconds < 5
+
+
+def _lonely_chained_sum():
+    from dearopt.collectives import ReduceScatterThenGather
+    backend = dearopt.get_backend()
+    chain = ReduceScatterThenGather(backend, backend.fork())
+    if dearopt.rank() == 0:
+        chain.start(torch.ones(4), torch.empty(2), bucket=5, step=2).wait(timeout=1.0)
+    else:
+        import time
+        time.sleep(3)
+
+
+@pytest.mark.timeout(60)
+def test_a_chained_sum_times_out_with_named_error():
+    err = run_workers(_lonely_chained_sum, 2, expect_errors=True)[0]
+    assert err.error_type == "CollectiveTimeoutError", err.message
+    assert "rank 0" in err.message and "reduce_scatter" in err.message and "bucket 5" in err.message
     assert err.seconds < 5
 
 

@@ -289,7 +289,7 @@ def preserver_inputs(opt_name, world, steps=3):
     return sum(losses) / len(losses), -sum(dots) / steps, (sum(variances) / steps / world) ** 0.5
 
 
-def _measured(buffer_size, steps, preserver=False, links=1):
+def _measured(buffer_size, steps, preserver=False, links=1, reduction=None):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
     opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size,
@@ -306,6 +306,8 @@ def _measured(buffer_size, steps, preserver=False, links=1):
         return [1.0] * n, [1.0] * n, [2.5] * n
 
     executor._measured_times = times
+    if reduction is not None:  # as if rank 0 had measured this one faster
+        executor._measured_reduction = lambda: reduction
     for step in range(steps):
         opt.zero_grad()
         x, y = global_batch(step, "mlp")
@@ -314,7 +316,8 @@ def _measured(buffer_size, steps, preserver=False, links=1):
         opt.step(loss=loss)
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
            executor.measured, opt.applied_steps, executor.repartitions, len(executor.units), opt.deft_preserved,
-           executor.mu, len(executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))])
+           executor.mu, len(executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))],
+           executor.reduction)
     opt.close()
     return out
 
@@ -327,6 +330,7 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
     mu = outcomes[0].value[9]  # two links: the second's time over the first's, measured alone on rank 0
     assert (mu is None) == (links == 1) and all(o.value[9] == mu for o in outcomes)
     assert mu is None or mu > 0
+    assert len({o.value[-1] for o in outcomes}) == 1  # the reduction rank 0 measured faster, on every rank
     want_preserved = Preserver().solve([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, loss=loss,
                                        drift=drift, noise=noise, mu=mu)
     assert want_preserved.passed
@@ -355,9 +359,12 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
 
 @pytest.mark.timeout(120)
 def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measured_again():
-    steps = 11
-    for o in run_workers(_measured, 2, 4096, steps, timeout=100):
-        params, offset, schedule, _, shared, applied, repartitions, n_units, preserved, _, n_buckets, nbytes = o.value
+    from dearopt.delayed import RSAG
+    steps = 11  # (and the units are summed by reduce-scatter + all-gather, as if measured faster)
+    for o in run_workers(_measured, 2, 4096, steps, False, 1, RSAG, timeout=100):
+        params, offset, schedule, _, shared, applied, repartitions, n_units, preserved, _, n_buckets, nbytes, \
+            reduction = o.value
+        assert reduction == RSAG
         assert preserved is None  # preserver=False
         assert schedule == deft_schedule(*shared)
         # one bucket (the MLP's 155 floats, 6 used flags and 2 step tags: 164 floats, 656 bytes) measured 1 s on

@@ -328,9 +328,11 @@ def run_rank(cfg: dict) -> dict:
                            f"all-reduces, {traffic['indices']} indices selected, {traffic['received']} selections "
                            f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent")
             deft = getattr(runner.opt, "deft_schedule", None)
-            if deft is not None and r == 0:
+            if deft is not None and (rebuild or r == 0):  # a new optimizer (and schedule) per round with rebuild
+                split = [round(x / 2**20, 2) for x in getattr(runner.opt._executor, "repartitions", [])]
                 _log(rank, f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
-                           f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets")
+                           f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets sent in "
+                           f"{deft.buckets} pieces" + (f" (re-partitioned to {split} MiB)" if split else ""))
                 if deft.mu is not None:
                     _log(rank, f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
                 kept = runner.opt.deft_preserved
@@ -344,6 +346,13 @@ def run_rank(cfg: dict) -> dict:
                     "allreduce": list(plan.allreduce), "buckets": len(plan.buckets), "buffer_size": plan.buffer_size,
                     "measured": [[k["allreduce"], t] for k, t in choice.history] if choice is not None else [],
                     "kept": choice.current["allreduce"] if choice is not None else None})
+                if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
+                    kept = runner.opt.deft_preserved
+                    plans[s][-1]["deft"] = {
+                        "pieces": deft.buckets, "updates_per_step": deft.updates_per_iteration,
+                        "period": len(deft.period), "repartitions": list(runner.opt._executor.repartitions),
+                        "preserver": None if kept is None else {"ratio": kept.ratio, "factor": kept.capacity_factor,
+                                                                "resolves": kept.resolves, "passed": kept.passed}}
             if plan is not None and plan.allreduce:
                 _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
             if plan is not None and getattr(runner.opt, "tuning", None) is not None:

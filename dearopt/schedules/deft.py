@@ -413,8 +413,8 @@ class Preserver:
 
 class DeFT(Schedule):
     """``deft``: the plan gives the buckets (fused by ``buffer_size``, split into pieces by ``partition_size``,
-    one all-reduce per piece, listed as ``wfbp``'s for the plan's fingerprint); when each piece is sent is the :class:`DeftSchedule`'s, carried out by
-    :class:`dearopt.delayed.DelayedExecutor`."""
+    one all-reduce per piece, listed as ``wfbp``'s for the plan's fingerprint); when each piece is sent is the
+    :class:`DeftSchedule`'s, carried out by :class:`dearopt.delayed.DelayedExecutor`."""
 
     name = "deft"
     reduction = ALL_REDUCE
