@@ -35,6 +35,14 @@ over the first's) turns every knapsack into the paper's Problem 2.  Whether it
 helps depends on the links being distinct: two gloo groups on one network
 share its bandwidth, which the solver does not model.
 
+**Units**: the solver's items are the plan's pieces of buckets
+(:func:`plan_units`): one per bucket, or several where ``partition_size``
+splits it, so a parameter larger than the smallest knapsack (BERT's tied
+94 MB embedding) can still be scheduled; the measuring steps re-partition
+buckets and pieces where one outlasts a stage.  Each unit is summed by one
+all-reduce or, where that measured faster (gloo), a reduce-scatter and an
+all-gather on a second communicator (:data:`RSAG`).
+
 **Status** (issue 16): no comm hook, no clipping or loss scaling of a delayed
 group (refused by name), ``backward_passes_per_step`` 1 only.
 
