@@ -297,10 +297,13 @@ class DelayedExecutor(Executor):
         too_long = check_partition(forward, backward, comm)
         if too_long and len(self.repartitions) < REPARTITIONS:
             # split: buckets, and pieces of any larger parameter, whose bytes take at most 80 % of the shortest
-            # stage at the too-long units' measured rate (the same numbers on every rank)
+            # stage at the link's measured rate over all units (the same numbers on every rank); only where that
+            # shrinks a unit that is too long: one outlasting a stage by its fixed cost (or a slow sample) alone
+            # would not get shorter, and a rate from one small unit would cut the model into thousands
             shortest = min(sum(forward), sum(backward))
-            size = int(min(self._unit_nbytes(u) * 0.8 * shortest / comm[u] for u in too_long))
-            if size > 0 and self._deft_profile is None:
+            nbytes = [self._unit_nbytes(u) for u in range(len(self.units))]
+            size = int(0.8 * shortest * sum(nbytes) / max(sum(comm), 1e-12))
+            if 0 < size < max(nbytes[u] for u in too_long) and self._deft_profile is None:
                 self.repartitions.append(size)
                 # nothing in flight: every measuring step was applied
                 Executor.replan(self, buffer_size=min(self.buffer_size, size),

@@ -33,6 +33,7 @@ BOUND_FORMULAS = {
     "ddp": "t_ff + max(t_bp, t_ar)",
     "wfbp": "t_ff + max(t_bp, t_ar)",
     "rsag": "t_ff + max(t_bp, t_rs + t_ag)",
+    "deft": "max(t_ff + t_bp, min(t_ar, t_rs + t_ag)) (one update per step)",
 }
 
 
@@ -47,6 +48,9 @@ def bound(schedule: str, p: Dict[str, float]) -> float:
         return max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"])
     if schedule == "rsag":
         return p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"])
+    if schedule == "deft":  # every byte hidden under all of the compute, by the faster reduction; fewer updates
+        # per step than one (merged groups) can go below it
+        return max(p["t_ff"] + p["t_bp"], min(p["t_ar"], p["t_rs"] + p["t_ag"]))
     return p["t_ff"] + max(p["t_bp"], p["t_ar"])
 
 

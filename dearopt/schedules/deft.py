@@ -135,14 +135,20 @@ def _ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Seque
                     capacities: Sequence[float], links: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
     """Algorithm 1 over one or two links: ``(bucket, link)`` in the order of ``items``."""
     items = list(items)
-    if not items or max(capacities) <= 0:
-        return ()
-    first = link_knapsack([comm[b] for b in items], [max(c, 0.0) for c in capacities], links)
-    rest = _ready_knapsack(items[1:], comm, backward, [c - backward[items[1]] for c in capacities], links) \
-        if len(items) > 1 else ()
-    if sum(comm[items[i]] for i, _ in first) > sum(comm[b] for b, _ in rest) + RESOLUTION / 2:
-        return tuple(sorted(((items[i], k) for i, k in first), key=lambda pair: items.index(pair[0])))
-    return rest
+    # suffix j (its head ready first) has the capacity left after items[1..j]'s backward; solved from the last
+    # suffix to the first (a loop, not the recursion as printed: a re-partitioned model has hundreds of items)
+    caps = [list(capacities)]
+    for j in range(1, len(items)):
+        caps.append([c - backward[items[j]] for c in caps[-1]])
+    best: Tuple[Tuple[int, int], ...] = ()
+    for j in range(len(items) - 1, -1, -1):
+        if max(caps[j]) <= 0:  # and so every later suffix: nothing fits
+            continue
+        suffix = items[j:]
+        first = link_knapsack([comm[b] for b in suffix], [max(c, 0.0) for c in caps[j]], links)
+        if sum(comm[suffix[i]] for i, _ in first) > sum(comm[b] for b, _ in best) + RESOLUTION / 2:
+            best = tuple(sorted(((suffix[i], k) for i, k in first), key=lambda pair: suffix.index(pair[0])))
+    return best
 
 
 def recursive_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequence[float],
