@@ -267,8 +267,14 @@ class DelayedExecutor(Executor):
             forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
         ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
         forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], self.units)
-        comm = self._comm_rsag if self._measured_reduction() == RSAG else self._comm
-        return forward, backward, [comm[u] for u in range(len(self.units))]
+        measured = self._comm_rsag if self._measured_reduction() == RSAG else self._comm
+        # one sample per unit, on a machine that computes and communicates at once: the solver takes the line
+        # fitted through them (Theil-Sen, robust to the one slow sample that would otherwise break the
+        # partition constraint), not each sample
+        from .profiling import fit_link
+        nbytes = [self._unit_nbytes(u) for u in range(len(self.units))]
+        bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(self.units))])
+        return forward, backward, [latency + n / bandwidth for n in nbytes]
 
     def _measured_reduction(self) -> str:
         """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
@@ -296,13 +302,14 @@ class DelayedExecutor(Executor):
         forward, backward, comm = self.measured
         too_long = check_partition(forward, backward, comm)
         if too_long and len(self.repartitions) < REPARTITIONS:
-            # split: buckets, and pieces of any larger parameter, whose bytes take at most 80 % of the shortest
-            # stage at the link's measured rate over all units (the same numbers on every rank); only where that
-            # shrinks a unit that is too long: one outlasting a stage by its fixed cost (or a slow sample) alone
-            # would not get shorter, and a rate from one small unit would cut the model into thousands
+            # split: buckets, and pieces of any larger parameter, that take at most 80 % of the shortest stage
+            # by the link's line through the units' (bytes, seconds) (the same numbers on every rank); only where
+            # that shrinks a unit that is too long (one outlasting a stage by its fixed cost would not get shorter)
+            from .profiling import fit_link
             shortest = min(sum(forward), sum(backward))
             nbytes = [self._unit_nbytes(u) for u in range(len(self.units))]
-            size = int(0.8 * shortest * sum(nbytes) / max(sum(comm), 1e-12))
+            bandwidth, latency = fit_link(list(zip(nbytes, comm)))
+            size = int((0.8 * shortest - latency) * bandwidth)
             if 0 < size < max(nbytes[u] for u in too_long) and self._deft_profile is None:
                 self.repartitions.append(size)
                 # nothing in flight: every measuring step was applied
