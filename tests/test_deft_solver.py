@@ -177,3 +177,22 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
     # no re-solve allowed: kept, marked as failed
     stuck = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, max_resolves=0)
     assert not stuck.passed and stuck.schedule.updates_per_iteration == 0.5
+
+
+def test_the_solver_takes_hundreds_of_pieces_without_recursing():
+    """Algorithm 1 tries every suffix of the ready order; as printed it recurses once per item, and a BERT-Base
+    job re-partitioned into ~1000 pieces overflowed Python's stack.  Under a recursion limit far below the
+    item count the loop solves it, and the schedule is the one the same times give with six pieces (each
+    piece 2.5x as long on the link as it computes in either stage: two updates every three steps)."""
+    import sys
+
+    n, limit = 300, sys.getrecursionlimit()
+    sys.setrecursionlimit(150)
+    try:
+        schedule = deft_schedule([0.001] * n, [0.001] * n, [0.0025] * n)
+    finally:
+        sys.setrecursionlimit(limit)
+    six = deft_schedule([1.0] * 6, [1.0] * 6, [2.5] * 6)
+    assert schedule.buckets == n
+    assert schedule.updates_per_iteration == six.updates_per_iteration == pytest.approx(2 / 3)
+    assert [it.held for it in schedule.period] == [it.held for it in six.period]
