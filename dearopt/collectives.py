@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import abc
 import datetime
+import queue
 import re
+import threading
 import time
 import weakref
 from typing import Callable, Dict, Optional
@@ -303,9 +305,6 @@ class ReduceScatterThenGather:
     """
 
     def __init__(self, scatter: "CollectiveBackend", gather: "CollectiveBackend"):
-        import queue
-        import threading
-
         self.scatter, self.gather = scatter, gather
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="dearopt-rs-then-ag", daemon=True)
@@ -342,8 +341,6 @@ class _ChainedHandle(Handle):
     op = "reduce_scatter+all_gather"
 
     def __init__(self, first: Handle, backend: "CollectiveBackend", where: dict):
-        import threading
-
         self.first, self.second = first, None
         self.error: Optional[BaseException] = None
         self.started = threading.Event()  # the all-gather was started (or the reduce-scatter failed)

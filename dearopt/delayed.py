@@ -64,6 +64,7 @@ import torch
 
 from .errors import NonFiniteGradientError, UsageError
 from .executor import Executor, TrainingState
+from .profiling import fit_link
 from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
 __all__ = ["DelayedExecutor", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE",
@@ -87,12 +88,15 @@ REPARTITIONS = 3
 the job re-plans with smaller buckets, and a parameter larger than them in pieces (``partition_size``), and
 measures again, at most this many times, then raises."""
 
+GROWTH = 4
+"""A re-partition makes at most about this many times as many pieces as the plan had."""
+
 
 def plan_units(plan) -> List[Tuple[int, int]]:
     """DeFT's items: ``(bucket, piece)`` of ``plan`` in forward order.  A bucket is one item unless
     ``partition_size`` splits it (the paper's partition: a parameter too large for the smallest knapsack is
     sent in pieces, each scheduled on its own)."""
-    return [(b.index, k) for b in plan.buckets for k in range(len(b.pieces or ((0, b.padded_numel),)))]
+    return [(b.index, k) for b in plan.buckets for k in range(len(b.pieces))]
 
 
 def unit_times(forward_b: Sequence[float], ready_b: Sequence[float], end: float,
@@ -133,7 +137,7 @@ def deft_times(profile, plan, reduction: str = ALL_REDUCE):
     units = plan_units(plan)
     forward, backward = unit_times(forward, ready, profile.t_bp, units)
     kinds = ("all_reduce",) if reduction == ALL_REDUCE else ("reduce_scatter", "all_gather")
-    comm = [sum(profile.comm[kind].time(_unit_nbytes(plan.buckets[b], k), plan.world_size) for kind in kinds)
+    comm = [sum(profile.comm[kind].time(plan.buckets[b].piece_nbytes(k), plan.world_size) for kind in kinds)
             for b, k in units]
     return forward, backward, comm
 
@@ -144,11 +148,6 @@ def profile_reduction(profile, plan) -> str:
     if not {"reduce_scatter", "all_gather"} <= set(profile.comm):
         return ALL_REDUCE
     return RSAG if sum(deft_times(profile, plan, RSAG)[2]) < sum(deft_times(profile, plan)[2]) else ALL_REDUCE
-
-
-def _unit_nbytes(bucket, piece: int) -> int:
-    start, end = (bucket.pieces or ((0, bucket.padded_numel),))[piece]
-    return (end - start) * bucket.element_size
 
 
 class _Group:
@@ -271,7 +270,6 @@ class DelayedExecutor(Executor):
         # one sample per unit, on a machine that computes and communicates at once: the solver takes the line
         # fitted through them (Theil-Sen, robust to the one slow sample that would otherwise break the
         # partition constraint), not each sample
-        from .profiling import fit_link
         nbytes = [self._unit_nbytes(u) for u in range(len(self.units))]
         bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(self.units))])
         return forward, backward, [latency + n / bandwidth for n in nbytes]
@@ -303,14 +301,15 @@ class DelayedExecutor(Executor):
         too_long = check_partition(forward, backward, comm)
         if too_long and len(self.repartitions) < REPARTITIONS:
             # split: buckets, and pieces of any larger parameter, that take at most 80 % of the shortest stage
-            # by the link's line through the units' (bytes, seconds) (the same numbers on every rank); only where
-            # that shrinks a unit that is too long (one outlasting a stage by its fixed cost would not get shorter)
-            from .profiling import fit_link
+            # by the link's line through the units' (bytes, seconds) (``comm`` lies on it: fitted above, shared);
+            # at most GROWTH times as many pieces per re-partition, since the line cannot always see the fixed
+            # cost per collective (a tiny model was cut into ~700 pieces of mostly fixed cost); and only where it
+            # shrinks a unit that is too long
             shortest = min(sum(forward), sum(backward))
             nbytes = [self._unit_nbytes(u) for u in range(len(self.units))]
             bandwidth, latency = fit_link(list(zip(nbytes, comm)))
-            size = int((0.8 * shortest - latency) * bandwidth)
-            if 0 < size < max(nbytes[u] for u in too_long) and self._deft_profile is None:
+            size = max(int((0.8 * shortest - latency) * bandwidth), -(-sum(nbytes) // (GROWTH * len(nbytes))))
+            if size < max(nbytes[u] for u in too_long) and self._deft_profile is None:
                 self.repartitions.append(size)
                 # nothing in flight: every measuring step was applied
                 Executor.replan(self, buffer_size=min(self.buffer_size, size),
@@ -323,12 +322,12 @@ class DelayedExecutor(Executor):
 
     def _unit_nbytes(self, u: int) -> int:
         b, k = self.units[u]
-        return _unit_nbytes(self.buckets[b].spec, k)
+        return self.buckets[b].spec.piece_nbytes(k)
 
     def _unit_tensor(self, group: _Group, u: int) -> torch.Tensor:
         """Unit ``u``'s part of ``group``'s sum for its bucket (a view: reduced in place)."""
         b, k = self.units[u]
-        start, end = self.buckets[b].spec.pieces[k] if self.buckets[b].spec.pieces else (0, None)
+        start, end = self.buckets[b].spec.pieces[k]
         return group.storage[b][start:end]
 
     def _measured_mu(self) -> Optional[float]:
@@ -372,9 +371,11 @@ class DelayedExecutor(Executor):
                               f"1 +- {self.preserver.epsilon}); it is used as the last re-solve left it "
                               f"({self.deft.updates_per_iteration:.2f} updates per step)", RuntimeWarning)
         except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
-            raise UsageError(f"schedule='deft' cannot schedule these buckets: {exc}. A smaller buffer_size helps "
-                             f"where bandwidth dominates the bucket's time; where the fixed cost per collective "
-                             f"does, this model computes too little per step for DeFT") from None
+            raise UsageError(f"schedule='deft' cannot schedule these {len(self.buckets)} buckets (sent in "
+                             f"{len(self.units)} pieces, numbered from the input side): {exc}. A smaller "
+                             f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
+                             f"the fixed cost per collective does, this model computes too little per step for "
+                             f"DeFT [rank {self.rank}, step {self.step_count}]") from None
 
     def _all_reduce(self, group: _Group, u: int, new: bool = False) -> None:
         """Start unit ``u``'s all-reduce of ``group`` (the group formed in this backward: ``new``) on the link

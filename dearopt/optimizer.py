@@ -389,6 +389,19 @@ class DistOptim(torch.optim.Optimizer):
         return getattr(self._executor, "preserved", None)
 
     @property
+    def deft_reduction(self) -> Optional[str]:
+        """Under ``schedule="deft"``: how each piece is summed over ranks, ``"all_reduce"`` or
+        ``"reduce_scatter+all_gather"`` (measured faster, or a profile's fits); None under every other schedule."""
+        return getattr(self._executor, "reduction", None) if hasattr(self._executor, "deft_state") else None
+
+    @property
+    def deft_repartitions(self) -> Optional[List[int]]:
+        """Under ``schedule="deft"``: the sizes in bytes the measuring steps re-partitioned buckets and pieces to,
+        where one outlasted a stage (empty: none); None under every other schedule."""
+        sizes = getattr(self._executor, "repartitions", None)
+        return list(sizes) if sizes is not None else None
+
+    @property
     def applied_steps(self) -> Optional[List[int]]:
         """Under ``schedule="deft"``: the steps at which a group of gradients was applied; None under every other
         schedule (each step's gradients are applied at that step, unless skipped: :attr:`skipped_steps`)."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dearopt
+from dearopt.delayed import RSAG
 from dearopt.schedules.deft import DeftIteration, DeftSchedule, Preserver, deft_schedule
 from harness import Attempts, run_workers
 from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard
@@ -121,8 +122,9 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
     assert not torch.allclose(got[0], reference("mlp", "sgd", world, STEPS)[0][0])
 
 
-def _synthetic_profile():
-    """A hand-made profile of the MLP (one bucket per parameter at buffer_size=64)."""
+def _synthetic_profile(halves=False):
+    """A hand-made profile of the MLP (one bucket per parameter at buffer_size=64); with ``halves``, also
+    reduce-scatter and all-gather fits that make the pair slightly cheaper than the all-reduce."""
     from dearopt.plan import ParamSpec
     from dearopt.sim.cost import CommCost
     from dearopt.sim.profile import Profile
@@ -132,7 +134,10 @@ def _synthetic_profile():
     return Profile(params=[ParamSpec(n, k, "float32", 4) for n, k in sizes],
                    forward_segments=[([0, 1], 0.01), ([2, 3], 0.01), ([4, 5], 0.01)], forward_tail=0.001,
                    ready=[0.05, 0.05, 0.03, 0.03, 0.01, 0.01], t_bp=0.06, update_per_element=0.0,
-                   update_per_call=0.0, comm={"all_reduce": CommCost("all_reduce", 0.004, 1e-5)},
+                   update_per_call=0.0, comm={"all_reduce": CommCost("all_reduce", 0.004, 1e-5),
+                                              **({"reduce_scatter": CommCost("reduce_scatter", 0.0039, 1e-5),
+                                                  "all_gather": CommCost("all_gather", 0.0039, 1e-5)}
+                                                 if halves else {})},
                    comm_samples={}, contention={}, world=2)
 
 
@@ -165,28 +170,30 @@ def test_bucket_times_from_a_profile_by_hand():
 
 def _from_profile_and_resume():
     rank, world = dearopt.rank(), dearopt.size()
-    profile = _synthetic_profile()
+    profile = _synthetic_profile(halves=True)  # its fits choose reduce-scatter + all-gather
 
     def run(steps, start=0, load=None):
         params, saved, opt = resumable_run(
             lambda model: dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
                                             profile=profile, preserver=False),
             steps, rank, world, start, load)
-        schedule = opt.deft_schedule
+        schedule, reduction = opt.deft_schedule, opt.deft_reduction
         opt.close()
-        return params, saved, schedule
+        return params, saved, (schedule, reduction)
 
-    whole, at3, schedule = run(STEPS)
-    resumed, _, _ = run(STEPS - 3, 3, at3)
-    return whole, resumed, schedule, at3[1]["dearopt_deft"]["held"] is not None or at3[1]["dearopt_deft"]["group"]
+    whole, at3, (schedule, reduction) = run(STEPS)
+    resumed, _, (_, resumed_reduction) = run(STEPS - 3, 3, at3)
+    return whole, resumed, schedule, at3[1]["dearopt_deft"]["held"] is not None or at3[1]["dearopt_deft"]["group"], \
+        (reduction, resumed_reduction, at3[1]["dearopt_deft"]["reduction"])
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_solver_schedule_from_a_profile_and_a_bit_identical_resume(world):
     for o in run_workers(_from_profile_and_resume, world, timeout=100):
-        whole, resumed, schedule, had_group = o.value
+        whole, resumed, schedule, had_group, reductions = o.value
         assert had_group  # the checkpoint was taken with gradients in flight
+        assert reductions == (RSAG,) * 3  # chosen by the profile's fits, saved, and resumed with
         assert schedule.updates_per_iteration < 1.0 or any(it.forward for it in schedule.period)
         want, _ = emulate(schedule, "adam")
         assert_params_match(whole, want)
@@ -315,9 +322,9 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None):
         loss.backward()
         opt.step(loss=loss)
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
-           executor.measured, opt.applied_steps, executor.repartitions, len(executor.units), opt.deft_preserved,
+           executor.measured, opt.applied_steps, opt.deft_repartitions, len(executor.units), opt.deft_preserved,
            executor.mu, len(executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))],
-           executor.reduction)
+           opt.deft_reduction)
     opt.close()
     return out
 
@@ -359,7 +366,6 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
 
 @pytest.mark.timeout(120)
 def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measured_again():
-    from dearopt.delayed import RSAG
     steps = 11  # (and the units are summed by reduce-scatter + all-gather, as if measured faster)
     for o in run_workers(_measured, 2, 4096, steps, False, 1, RSAG, timeout=100):
         params, offset, schedule, _, shared, applied, repartitions, n_units, preserved, _, n_buckets, nbytes, \
@@ -368,10 +374,11 @@ def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measu
         assert preserved is None  # preserver=False
         assert schedule == deft_schedule(*shared)
         # one bucket (the MLP's 155 floats, 6 used flags and 2 step tags: 164 floats, 656 bytes) measured 1 s on
-        # the link against 0.1 s stages: re-planned to buckets and pieces of at most 0.8 * 0.1 / 1 of its bytes
-        size = int(656 * 0.8 * 0.1 / 1.0)
+        # the link against 0.1 s stages: re-planned to buckets and pieces of 0.8 * 0.1 / 1 of its bytes (52), but
+        # to no more than GROWTH (4) times as many pieces: a quarter of its bytes
+        size = max(int(656 * 0.8 * 0.1 / 1.0), 656 // 4)
         assert repartitions == [size] and n_buckets > 1
-        # fc1.weight (192 bytes) is larger than that: its bucket is sent in pieces, each scheduled on its own
+        # fc1.weight (192 bytes) is larger than 164: its bucket is sent in pieces, each scheduled on its own
         assert n_units > n_buckets and max(nbytes) <= size and len(nbytes) == n_units
         assert offset == 6 and applied[:6] == list(range(6))  # measured twice, exact meanwhile
         assert shared == ([1.0] * n_units, [1.0] * n_units, [2.5] * n_units)

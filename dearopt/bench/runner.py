@@ -329,11 +329,11 @@ def run_rank(cfg: dict) -> dict:
                            f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent")
             deft = getattr(runner.opt, "deft_schedule", None)
             if deft is not None and (rebuild or r == 0):  # a new optimizer (and schedule) per round with rebuild
-                split = [round(x / 2**20, 2) for x in getattr(runner.opt._executor, "repartitions", [])]
+                split = [round(x / 2**20, 2) for x in runner.opt.deft_repartitions]
                 _log(rank, f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
                            f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets sent in "
                            f"{deft.buckets} pieces" + (f" (re-partitioned to {split} MiB)" if split else "")
-                           + f", summed by {runner.opt._executor.reduction}")
+                           + f", summed by {runner.opt.deft_reduction}")
                 if deft.mu is not None:
                     _log(rank, f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
                 kept = runner.opt.deft_preserved
@@ -351,8 +351,8 @@ def run_rank(cfg: dict) -> dict:
                     kept = runner.opt.deft_preserved
                     plans[s][-1]["deft"] = {
                         "pieces": deft.buckets, "updates_per_step": deft.updates_per_iteration,
-                        "period": len(deft.period), "repartitions": list(runner.opt._executor.repartitions),
-                        "reduction": runner.opt._executor.reduction,
+                        "period": len(deft.period), "repartitions": runner.opt.deft_repartitions,
+                        "reduction": runner.opt.deft_reduction,
                         "preserver": None if kept is None else {"ratio": kept.ratio, "factor": kept.capacity_factor,
                                                                 "resolves": kept.resolves, "passed": kept.passed}}
             if plan is not None and plan.allreduce:
