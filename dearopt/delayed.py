@@ -43,8 +43,15 @@ buckets and pieces where one outlasts a stage.  Each unit is summed by one
 all-reduce or, where that measured faster (gloo), a reduce-scatter and an
 all-gather on a second communicator (:data:`RSAG`).
 
-**Status** (issue 16): no comm hook, no clipping or loss scaling of a delayed
-group (refused by name), ``backward_passes_per_step`` 1 only.
+**Clipping**: ``optimizer.clip_grad_norm_`` / ``clip_grad_value_`` between
+``backward()`` and ``step()`` clip what that step's ``step()`` applies: the
+group's average over every step it covers (as torch's clipping would clip
+that average in the single-process emulation); at a step that applies no
+group they clip nothing (the norm returned is NaN).
+
+**Status** (issue 16): no comm hook and no loss scaling (``unscale_``,
+GradScaler) of a delayed group (refused by name), ``backward_passes_per_step``
+1 only.
 
 **Checkpoints**: ``DistOptim.state_dict()`` carries, besides the wrapped
 optimizer's state, the schedule, the step within it and the group sums (the
@@ -616,7 +623,9 @@ class DelayedExecutor(Executor):
                 what = replaced[:3] or b.names[:3]
                 raise UsageError(f"the gradients of {what} were changed between backward() and step(); under "
                                  f"schedule='deft' they were already taken into a delayed group, so the change "
-                                 f"would be lost [rank {self.rank}, step {self.step_count}]")
+                                 f"would be lost (to clip, call optimizer.clip_grad_norm_(...) or "
+                                 f"clip_grad_value_(...): they clip the group the step applies) "
+                                 f"[rank {self.rank}, step {self.step_count}]")
 
     # -------------------------------------------------------- checkpoints
     def deft_state(self) -> dict:
@@ -676,11 +685,53 @@ class DelayedExecutor(Executor):
         self.group, self.held = load(saved["group"]), load(saved["held"])
         self._loaded = None
 
+    # ------------------------------------------- clipping the group a step applies
+    def _applied_now(self) -> tuple:
+        """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
+        its sums the average, or ``(None, 0.0)`` at a step that applies none."""
+        self._require_gradients("clip the gradients")
+        it = self.iteration
+        group = self.forming if it.applies == 0 else self.group if it.applies is not None else None
+        if group is None:
+            return None, 0.0
+        self._wait(group)
+        return group, 1.0 / (self.world * group.covers)
+
+    def _sum_regions(self, group: _Group) -> List[torch.Tensor]:
+        return [group.storage[b.index][:b.spec.grad_numel] for b in self.buckets]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the average this step applies (the group's, over every step it covers) by its global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` would clip that average; returns its norm before clipping, or NaN at
+        a step that applies no group (nothing to clip: its gradients are held or in flight)."""
+        group, scale = self._applied_now()
+        if group is None:
+            return torch.tensor(float("nan"))
+        norm_type = float(norm_type)
+        regions = self._sum_regions(group)
+        norms = torch.stack([torch.linalg.vector_norm(r.double(), norm_type) for r in regions])
+        total = torch.linalg.vector_norm(norms, norm_type) * scale
+        coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
+        if coef < 1.0:
+            for region in regions:
+                region.mul_(coef)
+        return total.float().cpu()
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the average this step applies to ``[-clip_value, clip_value]`` (nothing at a step that applies no
+        group)."""
+        group, scale = self._applied_now()
+        if group is not None:
+            bound = float(clip_value) / scale  # on the sums: the average is sum * scale
+            for region in self._sum_regions(group):
+                region.clamp_(-bound, bound)
+
     # ------------------------------------------------------ refused tools
     def finish_averaging(self):
         raise UsageError("under schedule='deft' a step's gradients are averaged as part of a group applied at a "
-                         "later step: clipping and unscaling them (optimizer.clip_grad_norm_, unscale_) are not "
-                         "supported yet")
+                         "later step, over the steps it covers: unscaling them (optimizer.unscale_, GradScaler) "
+                         "and reduce_gradients() are not supported; optimizer.clip_grad_norm_/clip_grad_value_ "
+                         "clip the group a step applies")
 
     def reduce_gradients(self) -> None:
         self.finish_averaging()

@@ -41,8 +41,14 @@ def pieces_schedule(world):
     return deft_schedule([1.0] * n, [1.0] * n, [2.5] * n)
 
 
-def emulate(schedule, opt_name, steps=STEPS):
-    """One process, global batch: the gradients of each step grouped, held and applied as ``schedule`` says."""
+CLIP = 0.05  # the clipped runs' max_norm: below most averages' norms here, so it binds
+CLIP_VALUE = 0.004  # and clip_grad_value_'s bound: below the largest entries of most averages
+
+
+def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=None):
+    """One process, global batch: the gradients of each step grouped, held and applied as ``schedule`` says;
+    with ``clip``, each applied average clipped to that norm by torch (its norms appended to ``norms``); with
+    ``clip_value``, clamped to that bound by torch."""
     model = make_model("mlp")
     opt = make_optimizer(opt_name, model)
     group, held, held_count, applied = None, None, 0, []
@@ -70,6 +76,10 @@ def emulate(schedule, opt_name, steps=STEPS):
             assert k == it.covers
             for p, s in zip(model.parameters(), sums):
                 p.grad = s / k
+            if clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            if clip_value is not None:
+                torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
             opt.step()
             applied.append(t)
             group = None
@@ -78,24 +88,33 @@ def emulate(schedule, opt_name, steps=STEPS):
     return [p.detach().clone() for p in model.parameters()], applied
 
 
-def _deft_runs(names, opt_names):
+def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
+    """Each schedule with each optimizer; the ``clipped`` ones once more with ``optimizer.clip_grad_norm_(CLIP)``
+    at every step (its returned norms kept), the ``value_clipped`` ones with ``clip_grad_value_(CLIP_VALUE)``."""
     rank, world = dearopt.rank(), dearopt.size()
     out = {}
-    for name in names:
-        for opt_name in opt_names:
-            model = make_model("mlp")
-            schedule = pieces_schedule(world) if name == PIECES else SCHEDULES[name]
-            opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule="deft", buffer_size=64,
-                                    partition_size=64 if name == PIECES else None, deft_schedule=schedule,
-                                    deft_links=2 if schedule.mu else 1)
-            for step in range(STEPS):
-                opt.zero_grad()
-                x, y = global_batch(step, "mlp")
-                loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-                opt.step()
-            out[(name, opt_name)] = ([p.detach().clone() for p in model.parameters()],
-                                     opt.applied_steps, len(opt.plan.buckets))
-            opt.close()
+    runs = [(name, opt_name, False) for name in names for opt_name in opt_names]
+    runs += [(name, opt_name, "clip") for name in clipped for opt_name in opt_names]
+    runs += [(name, opt_name, "clip value") for name in value_clipped for opt_name in opt_names]
+    for name, opt_name, clip in runs:
+        model = make_model("mlp")
+        schedule = pieces_schedule(world) if name == PIECES else SCHEDULES[name]
+        opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule="deft", buffer_size=64,
+                                partition_size=64 if name == PIECES else None, deft_schedule=schedule,
+                                deft_links=2 if schedule.mu else 1)
+        norms = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = global_batch(step, "mlp")
+            loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            if clip == "clip":
+                norms.append(float(opt.clip_grad_norm_(CLIP)))
+            elif clip:
+                opt.clip_grad_value_(CLIP_VALUE)
+            opt.step()
+        out[(name, opt_name) + ((clip,) if clip else ())] = (
+            [p.detach().clone() for p in model.parameters()], opt.applied_steps, len(opt.plan.buckets), norms)
+        opt.close()
     return out
 
 
@@ -103,7 +122,8 @@ def _deft_runs(names, opt_names):
 @pytest.mark.parametrize("world", [2, 3])
 def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
     names, opt_names = list(SCHEDULES) + [PIECES], ["adamw", "sgd"]
-    outcomes = run_workers(_deft_runs, world, names, opt_names, timeout=130)
+    clipped, value_clipped = ["solver: communication-bound", PIECES], ["solver: communication-bound"]
+    outcomes = run_workers(_deft_runs, world, names, opt_names, clipped, value_clipped, timeout=130)
     assert any(it.held for it in pieces_schedule(world).period)
     held = [t for t in range(STEPS) if SCHEDULES["solver: communication-bound"].iteration(t).held]
     assert held, "the communication-bound schedule must hold some steps' gradients"
@@ -113,10 +133,33 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
         for opt_name in opt_names:
             want, want_applied = emulate(pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name)
             for o in outcomes:
-                params, applied, n_buckets = o.value[(name, opt_name)]
+                params, applied, n_buckets, _ = o.value[(name, opt_name)]
                 assert n_buckets == N_BUCKETS
                 assert applied == want_applied, name
                 assert_params_match(params, want)
+    # clipping clips what a step applies: the group's average over the steps it covers, as torch clips it in
+    # the emulation; the norm returned is that average's (NaN at a step that applies none)
+    for name in clipped:
+        for opt_name in opt_names:
+            want_norms = []
+            want, want_applied = emulate(pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name,
+                                         clip=CLIP, norms=want_norms)
+            assert max(want_norms) > CLIP  # it binds
+            for o in outcomes:
+                params, applied, _, norms = o.value[(name, opt_name, "clip")]
+                assert applied == want_applied
+                assert_params_match(params, want)
+                got = [norms[t] for t in applied]
+                assert got == pytest.approx(want_norms, rel=1e-5)
+                assert all(n != n for t, n in enumerate(norms) if t not in applied)  # NaN: nothing applied
+                assert not all(torch.allclose(a, b) for a, b in zip(params, o.value[(name, opt_name)][0]))
+    for name in value_clipped:
+        for opt_name in opt_names:
+            want, _ = emulate(SCHEDULES[name], opt_name, clip_value=CLIP_VALUE)
+            unclipped = o.value[(name, opt_name)][0]
+            assert not all(torch.allclose(a, b) for a, b in zip(want, unclipped))  # it binds
+            for o in outcomes:
+                assert_params_match(o.value[(name, opt_name, "clip value")][0], want)
     # and it is not the exact result: the delays change the training (that is the trade)
     got = outcomes[0].value[("given: one step late", "sgd")][0]
     assert not torch.allclose(got[0], reference("mlp", "sgd", world, STEPS)[0][0])
@@ -212,7 +255,8 @@ def _refusals():
                             deft_schedule=SCHEDULES["given: one step late"])
     x, y = global_batch(0, "mlp")
     loss_fn("mlp", model(x), y).backward()
-    attempt("clip", lambda: opt.clip_grad_norm_(1.0))
+    attempt("unscale", lambda: opt.unscale_(128.0))
+    attempt("reduce now", opt.reduce_gradients)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     attempt("torch clip", opt.step)
     opt.close()
@@ -248,7 +292,8 @@ def _refusals():
 def test_what_deft_cannot_do_is_refused_by_name():
     got = run_workers(_refusals, 2, timeout=50)[0].value
     Attempts.expect(got, {
-        "auto buffer": ("ValueError", "cannot re-plan"), "clip": ("UsageError", "not supported yet"),
+        "auto buffer": ("ValueError", "cannot re-plan"), "unscale": ("UsageError", "unscaling them"),
+        "reduce now": ("UsageError", "reduce_gradients() are not supported"),
         "torch clip": ("UsageError", "already taken into a delayed group"),
         "wrong bucket count": ("UsageError", "6 buckets"), "preserver type": ("TypeError", "preserver="),
         "second link not asked for": ("UsageError", "deft_links=2"), "three links": ("ValueError", "deft_links"),
