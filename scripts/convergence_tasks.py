@@ -22,11 +22,11 @@ def digits_data():
     return x[order[:1400]], y[order[:1400]], x[order[1400:]], y[order[1400:]]
 
 
-def digits_model():
+def digits_model(seed: int = 0):
     import torch
     from torch import nn
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 
@@ -68,20 +68,22 @@ class CharLM:
 
 
 
-def train_digits(make_opt, epochs: int, rank: int, world: int, batch: int = 32):
+def train_digits(make_opt, epochs: int, rank: int, world: int, batch: int = 32, seed: int = 0,
+                 test_loss: list = None):
     """Train the digits CNN on this rank's part of the training set; returns (test accuracy after each epoch [%],
-    steps, the optimizer: the caller closes it)."""
+    steps, the optimizer: the caller closes it).  ``seed`` sets the initial weights and the order of the samples
+    (0: the scripts' usual run); ``test_loss``, a list, gets the test cross-entropy after each epoch."""
     import torch
     from torch import nn
 
     x_train, y_train, x_test, y_test = digits_data()
     x_train, y_train = x_train[rank::world], y_train[rank::world]
-    model = digits_model()
+    model = digits_model(seed)
     opt = make_opt(model)
     accuracy, steps = [], 0
     for epoch in range(epochs):
         model.train()
-        perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+        perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch + 1000 * seed))
         for start in range(0, len(perm) - batch + 1, batch):
             idx = perm[start:start + batch]
             opt.zero_grad()
@@ -91,7 +93,10 @@ def train_digits(make_opt, epochs: int, rank: int, world: int, batch: int = 32):
             steps += 1
         model.eval()
         with torch.no_grad():
-            accuracy.append(100 * (model(x_test).argmax(1) == y_test).float().mean().item())
+            logits = model(x_test)
+            accuracy.append(100 * (logits.argmax(1) == y_test).float().mean().item())
+            if test_loss is not None:
+                test_loss.append(round(float(nn.functional.cross_entropy(logits, y_test)), 4))
     return accuracy, steps, opt
 
 

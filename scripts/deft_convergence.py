@@ -1,6 +1,7 @@
 """DeFT's delayed updates against exact training: digits and a small language model (issue 16's convergence check).
 
-    python scripts/deft_convergence.py [--task digits|lm|both] [--epochs 8] [--lm-steps 400] [--out bench-out/deft]
+    python scripts/deft_convergence.py [--task digits|lm|both] [--epochs 8] [--lm-steps 400] [--seeds 1]
+                                       [--schedules dear,deft-late,deft-merged,deft-preserved] [--out bench-out/deft]
 
 Two local ranks train, under each of:
 
@@ -87,11 +88,15 @@ def _rank_digits(args) -> dict:
 
     rank, world = dearopt.rank(), dearopt.size()
     out = {}
-    for name in ("dear", "deft-late", "deft-merged", "deft-preserved"):
-        accuracy, steps, opt = train_digits(lambda model: _optimizer(name, model, world, 2e-3), args.epochs, rank,
-                                            world)
-        out[name] = {"accuracy": accuracy, **_summary(opt, steps)}
-        opt.close()
+    for name in args.schedules:
+        runs = []
+        for seed in range(args.seeds):
+            test_loss = []
+            accuracy, steps, opt = train_digits(lambda model: _optimizer(name, model, world, 2e-3), args.epochs,
+                                                rank, world, seed=seed, test_loss=test_loss)
+            runs.append({"seed": seed, "accuracy": accuracy, "test_loss": test_loss, **_summary(opt, steps)})
+            opt.close()
+        out[name] = runs
     return out
 
 
@@ -122,16 +127,29 @@ def main() -> int:
     ap.add_argument("--task", choices=("digits", "lm", "both"), default="both")
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lm-steps", type=int, default=400)
+    ap.add_argument("--seeds", type=int, default=1, help="digits: runs per schedule, seeds 0..N-1 (initial weights "
+                    "and sample order)")
+    ap.add_argument("--schedules", default="dear,deft-late,deft-merged,deft-preserved",
+                    help="digits: which of dear, deft-late, deft-merged, deft-preserved")
     ap.add_argument("--out", default="bench-out/deft")
     args = ap.parse_args()
+    args.schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
+    unknown = sorted(set(args.schedules) - {"dear", "deft-late", "deft-merged", "deft-preserved"})
+    if unknown:
+        ap.error(f"unknown schedules {unknown}")
     from dearopt.bench.spawn import spawn
 
     os.makedirs(args.out, exist_ok=True)
     if args.task in ("digits", "both"):
         result = spawn(_rank_digits, 2, args)[0]
-        print("digits: test accuracy [%] after each epoch, 2 ranks, CNN, Adam")
-        for name, r in result.items():
-            print(f"{name:>15}: {' '.join(f'{a:5.1f}' for a in r['accuracy'])}   {_describe(name, r)}")
+        print(f"digits: test accuracy [%] after each epoch (mean of {args.seeds} seeds), 2 ranks, CNN, Adam")
+        for name, runs in result.items():
+            mean = [sum(r["accuracy"][e] for r in runs) / len(runs) for e in range(args.epochs)]
+            finals = [r["accuracy"][-1] for r in runs]
+            losses = [r["test_loss"][-1] for r in runs]
+            print(f"{name:>15}: {' '.join(f'{a:5.1f}' for a in mean)}   final {min(finals):.1f}-{max(finals):.1f}, "
+                  f"test loss {sum(losses) / len(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})   "
+                  f"{'; '.join(sorted(set(_describe(name, r) for r in runs)))}")
         with open(os.path.join(args.out, "convergence.json"), "w") as f:
             json.dump(result, f, indent=1)
     if args.task in ("lm", "both"):
