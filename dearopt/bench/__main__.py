@@ -28,13 +28,15 @@ from .netns import SHAPED_ENV, can_shape, run_shaped
 
 def parse_args(argv):
     from .models import MODELS
-    from .runner import SCHEDULES
+    from .runner import SCHEDULES, known_schedule
 
     p = argparse.ArgumentParser(prog="python -m dearopt.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet50", choices=MODELS)
     p.add_argument("--schedules", default="ddp,wfbp,dear",
-                   help=f"comma-separated, compared in this order (known: {','.join(SCHEDULES)}); default ddp,wfbp,dear")
+                   help=f"comma-separated, compared in this order (known: {','.join(SCHEDULES)}, and "
+                        f"<schedule>@<fraction>, e.g. dear@0.5: that fixed share of the bytes all-reduced in "
+                        f"backward); default ddp,wfbp,dear")
     p.add_argument("--rsag", action="store_true", help="also run dearopt's rsag schedule")
     p.add_argument("--ranks", type=int, default=2, help="local ranks, one torch thread each (default 2)")
     p.add_argument("--rate", default=None, help="emulated link rate, e.g. 3gbit (root + iproute2); default unshaped")
@@ -80,7 +82,7 @@ def parse_args(argv):
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     if args.rsag and "rsag" not in schedules:
         schedules.append("rsag")
-    unknown = [s for s in schedules if s not in SCHEDULES]
+    unknown = [s for s in schedules if not known_schedule(s)]
     if unknown:
         p.error(f"unknown schedules {unknown}; known: {SCHEDULES}")
     if len(set(schedules)) != len(schedules):

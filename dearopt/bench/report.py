@@ -110,12 +110,12 @@ def predictions(doc: dict) -> Dict[str, dict]:
     modelled); ``dear`` with the buckets it all-reduced in the run (recorded per round), where recorded."""
     from dearopt.sim import Profile, predict
 
-    from .runner import VARIANTS
+    from .runner import variant
 
     profile = Profile.from_json(doc["profile"])
     out = {}
     for name in doc["schedules"]:
-        schedule, extra = VARIANTS.get(name, ("wfbp" if name == "ddp" else name, {}))
+        schedule, extra = ("wfbp", {}) if name == "ddp" else variant(name)
         knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
         knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
         if isinstance(extra.get("allreduce"), (int, float)):

@@ -24,7 +24,7 @@ import gc
 import math
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -57,9 +57,36 @@ SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
 and the configured :data:`VARIANTS`."""
 
 
+def variant(name: str) -> Tuple[str, dict]:
+    """``(dearopt schedule or "ddp", extra DistOptim keywords)`` of a benchmark schedule name: a configured
+    :data:`VARIANTS` entry, ``<schedule>@<fraction>`` (e.g. ``dear@0.5``: that fixed ``allreduce`` fraction
+    of the bytes all-reduced in backward from the output side), or a schedule's own name."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    base, at, fraction = name.partition("@")
+    if at:
+        try:
+            value = float(fraction)
+        except ValueError:
+            value = -1.0
+        if base not in _dearopt_schedules() or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name!r}: expected <schedule>@<fraction in [0, 1]>, e.g. dear@0.5")
+        return base, {"allreduce": value}
+    return name, {}
+
+
+def known_schedule(name: str) -> bool:
+    """Whether the benchmark can run ``name`` (see :func:`variant`)."""
+    try:
+        base = variant(name)[0]
+    except ValueError:
+        return False
+    return base == "ddp" or base in _dearopt_schedules()
+
+
 def base_schedule(name: str) -> str:
     """The dearopt schedule (or ``ddp``) a benchmark schedule name runs."""
-    return VARIANTS[name][0] if name in VARIANTS else name
+    return variant(name)[0]
 
 
 def _log(rank: int, text: str) -> None:
@@ -89,7 +116,7 @@ class _Runner:
         else:
             self.forward_module = model
             self.is_dearopt = True
-            base, extra = VARIANTS.get(schedule, (schedule, {}))
+            base, extra = variant(schedule)
             knobs = {"buffer_size": int(cfg["bucket_mb"] * 2**20), "timeline": timeline_path, **extra}
             self.opt = dearopt.DistOptim(inner, model, schedule=base, **knobs)
             if timeline_path:
