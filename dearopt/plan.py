@@ -399,7 +399,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                bandwidth: Optional[float] = None, latency: Optional[float] = None,
                credit: Union[int, str, None] = None,
                comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
-               allreduce: Union[float, str] = 0.0, sharded_update: bool = False) -> Plan:
+               allreduce: Union[float, str] = 0.0, sharded_update: bool = False,
+               groups: Optional[Sequence[Sequence[int]]] = None) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -420,6 +421,9 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     at ``step()`` and the all-gathers carry parameters (:mod:`dearopt.sharding`); part of the fingerprint, so
     ranks that disagree about it are refused.
 
+    ``groups``: the buckets themselves (contiguous runs of positions in forward order, e.g. the blocks a run
+    formed, replayed by :mod:`dearopt.sim`) instead of the schedule's own (:func:`layout_buckets`).
+
     Twins and row-sparse parameters (:class:`ParamSpec`) are planned the same
     way for every schedule, after it wrote its ops (:func:`_tied_and_rows`).
     """
@@ -435,8 +439,9 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     params = tuple(params)
     if not params:
         raise ValueError("the model has no trainable parameters to plan for")
-    groups = policy.bucket_groups(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth,
-                                  latency=latency)
+    if groups is None:
+        groups = policy.bucket_groups(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth,
+                                      latency=latency)
     buckets = layout_buckets(params, buffer_size, world_size, partition_size, first_bucket_size, groups=groups)
     backward = [(b.index, k) for b in reversed(buckets) for k in range(len(b.pieces))]
     if priority and ready_times is not None and bandwidth:

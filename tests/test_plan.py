@@ -242,3 +242,26 @@ def test_auto_all_reduces_only_into_the_links_idle_time_in_backward():
     plan = build_plan(tied, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0, 0.0],
                       bandwidth=480.0)
     assert plan.allreduce == (), [b.params for b in plan.buckets]
+
+
+def test_explicit_groups_replace_the_schedules_buckets():
+    params = specs(10, 20, 30, 40)
+    plan = build_plan(params, 10**6, 2, "prophet", groups=[[0, 1], [2], [3]])  # no profile: prophet would fuse
+    assert [b.params for b in plan.buckets] == [(0, 1), (2,), (3,)]
+    assert [op.bucket for op in plan.ops if op.kind == REDUCE_SCATTER] == [2, 1, 0]
+    assert build_plan(params, 10**6, 2, "dear", groups=[[0, 1], [2, 3]]).fingerprint() != \
+        build_plan(params, 10**6, 2, "dear").fingerprint()
+    with pytest.raises(ValueError, match="contiguous runs"):
+        build_plan(params, 10**6, 2, "dear", groups=[[0, 2], [1, 3]])
+
+
+def test_bench_variants_name_a_fixed_allreduce_share():
+    from dearopt.bench.runner import known_schedule, variant
+
+    assert variant("dear@0.5") == ("dear", {"allreduce": 0.5})
+    assert variant("dear-paper") == ("dear", {"allreduce": 0.0}) and variant("wfbp") == ("wfbp", {})
+    for bad in ("dear@2", "dear@x", "nosuch@0.5"):
+        assert not known_schedule(bad)
+        with pytest.raises(ValueError, match="<schedule>@<fraction"):
+            variant(bad)
+    assert known_schedule("ddp") and known_schedule("dear@1") and not known_schedule("nosuch")

@@ -107,7 +107,10 @@ def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
     ``ddp`` is predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++ reducer are not
-    modelled); ``dear`` with the buckets it all-reduced in the run (recorded per round), where recorded."""
+    modelled); every dearopt schedule with the buckets that ran and, for ``dear``, the buckets it all-reduced
+    (recorded per round), where recorded.  ``deft`` is not predicted: the simulator replays plans whose ops
+    start and end within an iteration or the next forward, not delayed groups."""
+    from dearopt.schedules import get_schedule
     from dearopt.sim import Profile, predict
 
     from .runner import variant
@@ -116,13 +119,19 @@ def predictions(doc: dict) -> Dict[str, dict]:
     out = {}
     for name in doc["schedules"]:
         schedule, extra = ("wfbp", {}) if name == "ddp" else variant(name)
+        if get_schedule(schedule).delays_updates:
+            continue
         knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
         knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
         if isinstance(extra.get("allreduce"), (int, float)):
             knobs["allreduce"] = extra["allreduce"]
-        ran = [r["allreduce"] for r in doc.get("plans", {}).get(name, [])]
+        rounds = doc.get("plans", {}).get(name, [])
+        ran = [r["allreduce"] for r in rounds]
         if schedule == "dear" and ran:  # the plan that ran (the most frequent over the rounds), not a re-derived one
             knobs["allreduce"] = tuple(max(ran, key=ran.count))
+        formed = [r["groups"] for r in rounds if r.get("groups")]
+        if formed:  # the buckets that ran (Prophet's blocks come from the run's own profile), the most frequent
+            knobs["groups"] = max(formed, key=formed.count)
         p = predict(profile, schedule, **knobs)
         out[name] = {"iter": p.iteration, "forward": p.forward, "backward": p.backward, "step": p.step}
     return out

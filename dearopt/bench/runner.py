@@ -372,6 +372,7 @@ def run_rank(cfg: dict) -> dict:
             if plan is not None:
                 plans.setdefault(s, []).append({
                     "allreduce": list(plan.allreduce), "buckets": len(plan.buckets), "buffer_size": plan.buffer_size,
+                    "groups": [list(b.params) for b in plan.buckets],
                     "measured": [[k["allreduce"], t] for k, t in choice.history] if choice is not None else [],
                     "kept": choice.current["allreduce"] if choice is not None else None})
                 if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
