@@ -49,6 +49,23 @@ def test_compute_slows_while_the_link_is_busy():
     assert p.backward == pytest.approx(0.5) and p.iteration == pytest.approx(0.9)
 
 
+def test_the_engines_copies_and_averaging_take_compute_time():
+    # copy_per_byte c: each 3988-byte gradient is copied into its bucket when ready (0.1 and 0.3), each 4000-byte
+    # all-reduced bucket averaged when backward ends.  Fast link (0.1 s per all-reduce, hidden): backward =
+    # 0.4 of compute + 2 copies + 2 averages; forward and step unchanged
+    c = 0.05 / 4000
+    base = profile(beta=2.5e-5)
+    base.copy_per_byte = c
+    p = simulate(base, plan("wfbp"))
+    assert p.backward == pytest.approx(0.4 + 2 * 3988 * c + 2 * 4000 * c)
+    assert (p.forward, p.step) == pytest.approx((0.4, 0.0))
+    # under dear only this rank's shard of a reduce-scatter is averaged (2000 bytes each, at step())
+    q = simulate(base, plan("dear"))
+    without = simulate(profile(beta=2.5e-5), plan("dear"))
+    assert q.step - without.step == pytest.approx(2 * 2000 * c)
+    assert q.backward - without.backward == pytest.approx(2 * 3988 * c)
+
+
 def test_more_ranks_cost_what_the_ring_formulas_say():
     cost = CommCost("all_reduce", alpha=1e-4, beta=1e-9)
     assert cost.time(1e6, 2) == pytest.approx(2 * 1e-4 + 1e6 * 1e-9)

@@ -11,7 +11,11 @@
 * for each collective kind, timings at several sizes and their alpha-beta fit
   (:mod:`dearopt.sim.cost`), on this backend and link;
 * how much compute slows down while the link is busy (on a machine where
-  communication takes CPU from compute, as a 2-core one), forward and backward.
+  communication takes CPU from compute, as a 2-core one), forward and backward;
+* the engine's own passes over gradient memory, per byte (``copy_per_byte``): each
+  gradient copied into its bucket when it is ready, each reduced region averaged
+  when its collective completes (a plain backward, which the ready times come
+  from, does neither).
 
 A :class:`Profile` is saved and loaded as JSON.
 """
@@ -48,6 +52,7 @@ class Profile:
     backend: str = "gloo"
     link: str = "unknown"
     rows_fraction: Dict[int, float] = dataclasses.field(default_factory=dict)  # row-sparse param -> rows touched
+    copy_per_byte: float = 0.0  # seconds per byte of one elementwise pass (copy into a bucket, averaging)
 
     @property
     def t_ff(self) -> float:
@@ -208,14 +213,30 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
     total_bytes = sum(s.nbytes for s in specs)
     contention = _contention(backend, model, run, total_bytes, bucket_bytes, repeats) if world > 1 else {"forward": 0.0,
                                                                                           "backward": 0.0}
+    copy_per_byte = _copy_cost(min(total_bytes, bucket_bytes), repeats)
     profile = Profile(params=specs, forward_segments=forward_segments, forward_tail=tail,
                       ready=ready, t_bp=t_bp, update_per_element=per_element, update_per_call=per_call,
                       comm=comm, comm_samples=samples, contention=contention, world=world,
                       backend=getattr(backend, "name", "gloo"), link=link,
-                      rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position})
+                      rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
+                      copy_per_byte=copy_per_byte)
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
     return profile
+
+
+def _copy_cost(nbytes: int, repeats: int) -> float:
+    """Seconds per byte of copying one bucket-sized gradient into another buffer (as the engine copies each
+    gradient into its bucket and averages each reduced region: one read and one write per element)."""
+    n = max(nbytes // 4, 1)
+    src, dst = torch.randn(n), torch.empty(n)
+    dst.copy_(src)  # first touch
+    timings = []
+    for _ in range(max(repeats, 3)):
+        t = time.perf_counter()
+        dst.copy_(src)
+        timings.append(time.perf_counter() - t)
+    return _median(timings) / (n * 4)
 
 
 def _update_cost(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> Tuple[float, float]:

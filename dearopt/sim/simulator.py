@@ -19,8 +19,11 @@ An op starts on the link when every op before it has started, its start
 moment has come, the credit window has room (unless it is due now) and the
 link is free; it lasts what the profile's alpha-beta fit predicts for the
 world size.  While the link is busy, compute runs ``1 + gamma`` times slower
-(the profile's contention).  Several iterations are simulated; the last one
-is the prediction (steady state, for schedules whose work crosses iterations).
+(the profile's contention).  The engine's own passes over gradient memory run on
+the compute stream too (the profile's ``copy_per_byte``): each gradient copied
+into its bucket as it becomes ready, each reduced region averaged when its op is
+waited for.  Several iterations are simulated; the last one is the prediction
+(steady state, for schedules whose work crosses iterations).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import dataclasses
 import math
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ..plan import ROWS, Plan, When
+from ..plan import REDUCE_SCATTER, ROWS, Plan, When
 from .cost import CommCost
 from .profile import Profile
 
@@ -193,6 +196,17 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
             events.append({"name": name, "cat": "compute", "ph": "X", "tid": 0, "ts": start * 1e6,
                            "dur": (clock[0] - start) * 1e6, "args": {}})
 
+    averaged: set = set()
+
+    def average(indices: List[int]) -> None:
+        """The executor averages each reduced region once its op is waited for: one pass over those bytes."""
+        for i in indices:
+            if i in averaged or not ops[i].average or ops[i].kind == ROWS:
+                continue
+            averaged.add(i)
+            share = ops[i].nbytes / world if ops[i].kind == REDUCE_SCATTER else ops[i].nbytes
+            work(share * profile.copy_per_byte, "average", "backward")
+
     def wait_for(indices: List[int], name: str) -> None:
         if not indices:
             return
@@ -208,6 +222,7 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
         if clock[0] > start:
             events.append({"name": name, "cat": "wait", "ph": "X", "tid": 0, "ts": start * 1e6,
                            "dur": (clock[0] - start) * 1e6, "args": {}})
+        average(indices)
 
     def apply_updates(key: Tuple, phase: str) -> None:
         for b in sorted(updates.get(key, ())):
@@ -234,11 +249,13 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
         # backward: a new round of the plan's ops (the last round's were all due by the end of this forward)
         state["link"] = _Link(durations, plan.credit, [op.nbytes for op in ops])
         state.update(ready=set(), backward_done=False, stepped=False, reached=-1)
+        averaged.clear()
         remaining = {b.index: set(b.params) for b in plan.buckets}
         previous = 0.0
         for p in sorted(range(len(plan.params)), key=lambda q: profile.ready[q]):
             work(max(profile.ready[p] - previous, 0.0), "backward", "backward")
             previous = max(previous, profile.ready[p])
+            work(plan.params[p].nbytes * profile.copy_per_byte, "backward", "backward")  # into its bucket
             b = owner[p]
             remaining[b].discard(p)
             if not remaining[b]:
