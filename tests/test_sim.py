@@ -49,6 +49,23 @@ def test_compute_slows_while_the_link_is_busy():
     assert p.backward == pytest.approx(0.5) and p.iteration == pytest.approx(0.9)
 
 
+def test_compute_loses_the_cpu_each_ops_bytes_take():
+    # cpu_per_byte k: while an op of n bytes is on the link for d seconds, compute runs at 1 - k n / d.
+    # k = 0.05 / 4000: each 4000-byte all-reduce (0.1 s) takes 0.05 s of CPU, half speed: the gamma = 1 case
+    base = profile(beta=2.5e-5)
+    base.cpu_per_byte = {"forward": 0.0, "backward": 0.05 / 4000}
+    p = simulate(base, plan("wfbp"))
+    assert p.backward == pytest.approx(0.5) and p.iteration == pytest.approx(0.9)
+    # the same bytes on a link twice as slow take the same CPU over twice the time (0.75 speed): backward
+    # 0-0.1 alone, AR1 0.1-0.3 (0.15 of work), p0 ready at 0.35, AR0 0.35-0.55 (compute done at 0.4833), wait
+    slow = profile(beta=5e-5)
+    slow.cpu_per_byte = base.cpu_per_byte
+    assert simulate(slow, plan("wfbp")).backward == pytest.approx(0.55)
+    # an explicit contention= overrides the profile's (the older factor per phase)
+    r = simulate(base, plan("wfbp"), contention={"forward": 0.0, "backward": 0.0})
+    assert r.backward == pytest.approx(0.4)
+
+
 def test_the_engines_copies_and_averaging_take_compute_time():
     # copy_per_byte c: each 3988-byte gradient is copied into its bucket when ready (0.1 and 0.3), each 4000-byte
     # all-reduced bucket averaged when backward ends.  Fast link (0.1 s per all-reduce, hidden): backward =
@@ -139,3 +156,5 @@ def test_record_profile_on_two_ranks(kind):
         small, large = prof.comm_samples[kind_][0][0], prof.comm_samples[kind_][-1][0]
         assert cost.time(large, 2) >= cost.time(small, 2)
     assert set(prof.contention) == {"forward", "backward"} and min(prof.contention.values()) >= 0
+    assert set(prof.cpu_per_byte) == {"forward", "backward"} and min(prof.cpu_per_byte.values()) >= 0
+    assert 0 < prof.copy_per_byte < 1e-6  # a copy runs faster than 1 MB/s

@@ -11,7 +11,9 @@
 * for each collective kind, timings at several sizes and their alpha-beta fit
   (:mod:`dearopt.sim.cost`), on this backend and link;
 * how much compute slows down while the link is busy (on a machine where
-  communication takes CPU from compute, as a 2-core one), forward and backward;
+  communication takes CPU from compute, as a 2-core one), forward and backward:
+  as compute seconds lost per byte communicated meanwhile (``cpu_per_byte``, what
+  the simulator uses), and as the older factor ``contention``;
 * the engine's own passes over gradient memory, per byte (``copy_per_byte``): each
   gradient copied into its bucket when it is ready, each reduced region averaged
   when its collective completes (a plain backward, which the ready times come
@@ -53,6 +55,9 @@ class Profile:
     link: str = "unknown"
     rows_fraction: Dict[int, float] = dataclasses.field(default_factory=dict)  # row-sparse param -> rows touched
     copy_per_byte: float = 0.0  # seconds per byte of one elementwise pass (copy into a bucket, averaging)
+    cpu_per_byte: Dict[str, float] = dataclasses.field(default_factory=dict)  # "forward"/"backward": compute
+    # seconds lost per byte of collectives running meanwhile (see _contention); the simulator prefers it to
+    # ``contention`` where measured
 
     @property
     def t_ff(self) -> float:
@@ -103,13 +108,17 @@ def _median(values: Sequence[float]) -> float:
 
 
 def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
-                   *, sizes: Sequence[int] = (2**20, 8 * 2**20, 32 * 2**20), repeats: int = 3,
+                   *, sizes: Sequence[int] = (2**20, 8 * 2**20, 24 * 2**20), repeats: int = 3,
                    link: str = "unknown", embedding_rows: bool = True, bucket_bytes: int = 25 * 2**20) -> Profile:
     """Measure ``model`` on this job (call it on every rank, after ``dearopt.init()``; rank 0's profile is
     returned on every rank).
 
     ``run()`` runs one forward and returns the loss (no backward).  The model's
     parameters and ``optimizer`` are left as they were (gradients are zeroed).
+    ``sizes``: the collectives' message sizes timed for the alpha-beta fits, up to the engine's bucket size
+    (25 MiB by default): at 32 MiB gloo's all-gather took 1.7x its per-byte time at 8 MiB on this machine
+    (a temporary buffer above the allocator's reuse threshold, paid per call), which the engine's buckets
+    never pay and which had bent the all-gather fit by as much.
     """
     from .. import runtime
     from ..forward_order import ForwardOrderRecorder, parameters_in_forward_order
@@ -211,15 +220,15 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
     per_element, per_call = _update_cost(optimizer, trainable)
     comm, samples = _comm_fits(backend, sizes, repeats) if world > 1 else ({}, {})
     total_bytes = sum(s.nbytes for s in specs)
-    contention = _contention(backend, model, run, total_bytes, bucket_bytes, repeats) if world > 1 else {"forward": 0.0,
-                                                                                          "backward": 0.0}
+    contention, cpu_per_byte = _contention(backend, model, run, total_bytes, bucket_bytes, repeats) if world > 1 \
+        else ({"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0})
     copy_per_byte = _copy_cost(min(total_bytes, bucket_bytes), repeats)
     profile = Profile(params=specs, forward_segments=forward_segments, forward_tail=tail,
                       ready=ready, t_bp=t_bp, update_per_element=per_element, update_per_call=per_call,
                       comm=comm, comm_samples=samples, contention=contention, world=world,
                       backend=getattr(backend, "name", "gloo"), link=link,
                       rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
-                      copy_per_byte=copy_per_byte)
+                      copy_per_byte=copy_per_byte, cpu_per_byte=cpu_per_byte)
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
     return profile
@@ -292,69 +301,96 @@ def _comm_fits(backend, sizes: Sequence[int], repeats: int):
     return comm, samples
 
 
-def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeats: int) -> Dict[str, float]:
-    """Compute alone, the model's worth of collectives alone, and both together: the slowdown of compute.
+def _contention(backend, model, run, total_bytes: int, bucket_bytes: int,
+                repeats: int) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """How much compute slows while collectives run, forward (all-gathers) and backward (reduce-scatters).
 
+    Two measures.  ``contention`` (gamma per phase): compute alone, the model's
+    worth of collectives alone, and both together (:func:`contention_from_overlap`).
+    It is ill-conditioned where the collectives are short against the compute
+    (an unshaped link: a few milliseconds of noise read as a 20x slowdown).
+    ``cpu_per_byte``: the compute seconds lost per byte communicated meanwhile.
+    Each phase runs alone and again with as many collectives started at its
+    start as take about half its time alone (the model's buckets, repeated up to
+    8 times where they are quick), so the compute outlasts them and every second
+    it loses is the collectives' CPU.  On a CPU machine that cost goes mostly
+    with the bytes the ranks copy, sum and push through sockets, so it carries
+    over to plans (and links) whose ops are busy for other lengths of time,
+    where a factor per second of link time does not.
     The collectives are issued in buckets of ``bucket_bytes``, as the engine
-    issues them: on a CPU machine much of their cost is per-op copying and
-    summing, which one large op would understate.
+    issues them.
     """
     world = backend.size
+    device = backend.device
     per = max(world, (bucket_bytes // 4) // world * world)
     left = max(world, (total_bytes // 4) // world * world)
     pieces = []
     while left > 0:
         n = min(per, left)
-        pieces.append((torch.ones(n, device=backend.device), torch.ones(n // world, device=backend.device)))
+        pieces.append((torch.ones(n, device=device), torch.ones(n // world, device=device)))
         left -= n
 
-    def gathers():
-        return [backend.all_gather(full, shard) for full, shard in pieces]
-
-    def reductions():
-        return [backend.reduce_scatter(shard, full) for full, shard in pieces]
+    def start(phase, chosen):
+        if phase == "forward":
+            return [backend.all_gather(full, shard) for full, shard in chosen]
+        return [backend.reduce_scatter(shard, full) for full, shard in chosen]
 
     def finish(handles):
         for h in handles:
             h.synchronize()
 
-    out = {}
-    for phase, start in (("forward", gathers), ("backward", reductions)):
+    def align():
+        backend.all_reduce(torch.zeros(1, device=device)).wait()
+
+    def phase_time(phase, chosen) -> Tuple[float, float]:
+        """Seconds of the phase (forward, or backward) with ``chosen`` collectives started at its start, and
+        seconds until both the phase and the collectives are done."""
+        model.zero_grad(set_to_none=True)
+        if phase == "forward":
+            align()
+            t = time.perf_counter()
+            handles = start(phase, chosen)
+            run()
+        else:
+            loss = run()
+            align()
+            t = time.perf_counter()
+            handles = start(phase, chosen)
+            loss.backward()
+        elapsed = time.perf_counter() - t
+        finish(handles)
+        return elapsed, time.perf_counter() - t
+
+    def slowest(values):  # per sample, the slowest rank's times, as for the compute times
+        vector = torch.tensor(values, dtype=torch.float64, device=device)
+        backend.all_reduce(vector, "max").wait()
+        return vector.tolist()
+
+    gamma, per_byte = {}, {}
+    for phase in ("forward", "backward"):
         alone, comm, both = [], [], []
         for _ in range(repeats):
-            model.zero_grad(set_to_none=True)
-            backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
+            compute = phase_time(phase, [])[0]
+            align()
             t = time.perf_counter()
-            loss = run()
-            forward = time.perf_counter() - t
-            t = time.perf_counter()
-            loss.backward()
-            backward = time.perf_counter() - t
-            alone.append(forward if phase == "forward" else backward)
-            backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
-            t = time.perf_counter()
-            finish(start())
-            comm.append(time.perf_counter() - t)
-            model.zero_grad(set_to_none=True)
-            backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
-            if phase == "forward":
-                t = time.perf_counter()
-                handles = start()
-                loss = run()
-                finish(handles)
-                both.append(time.perf_counter() - t)
-            else:
-                loss = run()
-                backend.all_reduce(torch.zeros(1, device=backend.device)).wait()
-                t = time.perf_counter()
-                handles = start()
-                loss.backward()
-                finish(handles)
-                both.append(time.perf_counter() - t)
-            # per sample, the slowest rank's times, as for the compute times
-            slowest = torch.tensor([alone[-1], comm[-1], both[-1]], dtype=torch.float64, device=backend.device)
-            backend.all_reduce(slowest, "max").wait()
-            alone[-1], comm[-1], both[-1] = slowest.tolist()
-        model.zero_grad(set_to_none=True)
-        out[phase] = contention_from_overlap(_median(alone), _median(comm), _median(both))
-    return out
+            finish(start(phase, pieces))
+            collectives = time.perf_counter() - t
+            together = phase_time(phase, pieces)[1]
+            compute, collectives, together = slowest([compute, collectives, together])
+            alone.append(compute)
+            comm.append(collectives)
+            both.append(together)
+        c, t_comm = _median(alone), _median(comm)
+        gamma[phase] = contention_from_overlap(c, t_comm, _median(both))
+        # as many collectives as take about half the phase alone: the compute outlasts them
+        per_piece = t_comm / len(pieces)
+        count = max(1, min(8 * len(pieces), int(0.5 * c / per_piece))) if per_piece > 0 else len(pieces)
+        chosen = [pieces[i % len(pieces)] for i in range(count)]
+        nbytes = sum(full.numel() * full.element_size() for full, _ in chosen)
+        lost = []
+        for _ in range(repeats):
+            with_comm, without = phase_time(phase, chosen)[0], phase_time(phase, [])[0]
+            lost.append(slowest([with_comm - without])[0])
+        per_byte[phase] = max(_median(lost), 0.0) / nbytes
+    model.zero_grad(set_to_none=True)
+    return gamma, per_byte

@@ -18,8 +18,9 @@ acts on the plan:
 An op starts on the link when every op before it has started, its start
 moment has come, the credit window has room (unless it is due now) and the
 link is free; it lasts what the profile's alpha-beta fit predicts for the
-world size.  While the link is busy, compute runs ``1 + gamma`` times slower
-(the profile's contention).  The engine's own passes over gradient memory run on
+world size.  While an op is on the link, compute loses the CPU the op takes: the
+profile's ``cpu_per_byte`` times the op's bytes, spread over its time on the link
+(profiles without it: compute runs ``1 + gamma`` times slower, the older factor).  The engine's own passes over gradient memory run on
 the compute stream too (the profile's ``copy_per_byte``): each gradient copied
 into its bucket as it becomes ready, each reduced region averaged when its op is
 waited for.  Several iterations are simulated; the last one is the prediction
@@ -36,7 +37,7 @@ from ..plan import REDUCE_SCATTER, ROWS, Plan, When
 from .cost import CommCost
 from .profile import Profile
 
-__all__ = ["Prediction", "simulate", "op_time"]
+__all__ = ["Prediction", "simulate", "op_time", "op_bytes"]
 
 
 @dataclasses.dataclass
@@ -52,21 +53,28 @@ class Prediction:
         return {"iter": self.iteration, "forward": self.forward, "backward": self.backward, "step": self.step}
 
 
+def op_bytes(profile: Profile, plan: Plan, op, world: int) -> Tuple[str, float]:
+    """The collective ``op`` runs and the bytes of its buffer: an embedding's rows are all-gathered (the touched
+    rows with their indices), or all-reduced dense where they are not few, as the executor does."""
+    if op.kind != ROWS:
+        return op.kind, op.nbytes
+    bucket = plan.buckets[op.bucket]
+    width = max(bucket.row_numel, 1)
+    rows_total = bucket.grad_numel // width
+    rows = math.ceil(profile.rows_fraction.get(bucket.params[0], 1.0) * rows_total)
+    if world * rows * 2 > rows_total:  # the executor falls back to a dense all-reduce
+        return "all_reduce", bucket.padded_numel * bucket.element_size
+    return "all_gather", world * rows * (width * bucket.element_size + 8)
+
+
 def op_time(profile: Profile, plan: Plan, op, world: int, comm: Dict[str, CommCost]) -> float:
     """Seconds ``op`` keeps the link busy."""
     if world <= 1:
         return 0.0
-    bucket = plan.buckets[op.bucket]
-    if op.kind == ROWS:
-        position = bucket.params[0]
-        width = max(bucket.row_numel, 1)
-        rows_total = bucket.grad_numel // width
-        rows = math.ceil(profile.rows_fraction.get(position, 1.0) * rows_total)
-        if world * rows * 2 > rows_total:  # the executor falls back to a dense all-reduce
-            return comm["all_gather"].alpha + comm["all_reduce"].time(bucket.padded_numel * bucket.element_size, world)
-        gathered = world * rows * (width * bucket.element_size + 8)
-        return comm["all_gather"].alpha + comm["all_gather"].time(gathered, world)
-    return comm[op.kind].time(op.nbytes, world)
+    kind, nbytes = op_bytes(profile, plan, op, world)
+    if op.kind == ROWS:  # the rows' indices and counts go first, one more fixed cost
+        return comm["all_gather"].alpha + comm[kind].time(nbytes, world)
+    return comm[kind].time(nbytes, world)
 
 
 class _Link:
@@ -122,8 +130,10 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
     world = world or plan.world_size
     comm = comm or profile.comm
     gamma = profile.contention if contention is None else contention
+    per_byte = profile.cpu_per_byte if contention is None else {}
     ops = plan.ops
     durations = [op_time(profile, plan, op, world, comm) for op in ops]
+    wire = [op_bytes(profile, plan, op, world)[1] for op in ops]
     owner = {}
     for b in plan.buckets:
         for p in b.params:
@@ -167,12 +177,25 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
         while link.cursor < len(ops) and may_start(link.cursor, link.cursor <= force_through):
             link.issue(link.cursor, clock[0])
 
+    def slowdown(phase: str) -> float:
+        """How many times slower compute runs now: while an op is on the link, it loses the CPU the op's bytes
+        take (``cpu_per_byte`` times its bytes, spread over its time on the link; compute keeps at least 5 %),
+        or, for profiles without ``cpu_per_byte``, runs ``1 + gamma`` times slower."""
+        link = state["link"]
+        if not link.busy:
+            return 1.0
+        if per_byte:
+            i = link.running
+            taken = per_byte.get(phase, 0.0) * wire[i] / durations[i] if durations[i] > 0 else 0.0
+            return 1.0 / max(1.0 - taken, 0.05)
+        return 1.0 + gamma.get(phase, 0.0)
+
     def advance(until: float, phase: str) -> float:
         """Run the clock to ``until`` or to the link's next event, whichever is first; return the compute
         progress made meanwhile (slower while the link is busy)."""
         link = state["link"]
         step_end = min(until, link.next_event())
-        rate = 1.0 / (1.0 + gamma.get(phase, 0.0)) if link.busy else 1.0
+        rate = 1.0 / slowdown(phase)
         span = max(step_end - clock[0], 0.0)
         if link.busy:
             link_busy_total[0] += span
@@ -189,8 +212,7 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
         start = clock[0]
         remaining = seconds
         while remaining > 1e-12:
-            link = state["link"]
-            rate = 1.0 / (1.0 + gamma.get(phase, 0.0)) if link.busy else 1.0
+            rate = 1.0 / slowdown(phase)
             remaining -= advance(clock[0] + remaining / rate, phase)
         if seconds > 0:
             events.append({"name": name, "cat": "compute", "ph": "X", "tid": 0, "ts": start * 1e6,
