@@ -108,14 +108,15 @@ def _median(values: Sequence[float]) -> float:
 
 
 def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
-                   *, sizes: Sequence[int] = (2**20, 8 * 2**20, 24 * 2**20), repeats: int = 3,
+                   *, sizes: Sequence[int] = (2**16, 2**20, 8 * 2**20, 24 * 2**20), repeats: int = 3,
                    link: str = "unknown", embedding_rows: bool = True, bucket_bytes: int = 25 * 2**20) -> Profile:
     """Measure ``model`` on this job (call it on every rank, after ``dearopt.init()``; rank 0's profile is
     returned on every rank).
 
     ``run()`` runs one forward and returns the loss (no backward).  The model's
     parameters and ``optimizer`` are left as they were (gradients are zeroed).
-    ``sizes``: the collectives' message sizes timed for the alpha-beta fits, up to the engine's bucket size
+    ``sizes``: the collectives' message sizes timed for the alpha-beta fits, from one small enough to show the
+    fixed cost per op (which the fit's intercept otherwise cannot tell) up to the engine's bucket size
     (25 MiB by default): at 32 MiB gloo's all-gather took 1.7x its per-byte time at 8 MiB on this machine
     (a temporary buffer above the allocator's reuse threshold, paid per call), which the engine's buckets
     never pay and which had bent the all-gather fit by as much.
