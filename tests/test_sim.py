@@ -102,6 +102,18 @@ def test_the_fit_recovers_alpha_and_beta_from_synthetic_timings(kind, world):
     assert got.time(2**26, 64) == pytest.approx(truth.time(2**26, 64), rel=0.05)
 
 
+def test_the_fixed_cost_comes_from_the_smallest_message_where_the_line_cannot_tell_it():
+    # 2 ranks, reduce-scatter: t = alpha + n / 2 * beta.  Large messages a little superlinear (a shaped link sends
+    # small ones within its burst): the least-squares line's intercept is negative, the 64 KiB one shows alpha
+    beta, alpha = 5e-9, 2e-4
+    samples = [(2**16, alpha + 2**15 * beta), (2**20, 2**19 * beta), (2**23, 2**22 * beta * 1.1),
+               (24 * 2**20, 12 * 2**20 * beta * 1.25)]
+    got = fit("reduce_scatter", samples, 2)
+    slope = got.beta / 2  # seconds per byte of the message
+    assert got.alpha == pytest.approx(samples[0][1] - slope * 2**16)
+    assert got.alpha > 1e-4
+
+
 def test_contention_from_an_overlap_measurement():
     # compute 1.0 alone, link 0.5 alone, both 1.25: compute lost 0.25 in the 0.5 of link: gamma = 1
     assert contention_from_overlap(1.0, 0.5, 1.25) == pytest.approx(1.0)

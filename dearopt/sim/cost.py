@@ -54,7 +54,10 @@ class CommCost:
 
 
 def fit(kind: str, samples: Sequence[Tuple[float, float]], world: int) -> CommCost:
-    """Least-squares ``alpha``, ``beta`` from ``(nbytes, seconds)`` measured on ``world`` ranks."""
+    """``alpha``, ``beta`` from ``(nbytes, seconds)`` measured on ``world`` ranks: ``beta`` the least-squares
+    slope, ``alpha`` the intercept or, where that is not positive (the large messages decide a least-squares
+    line, and a shaped link sends small ones within its burst), what the smallest message took beyond its
+    bytes' share."""
     if world < 2:
         raise ValueError("a collective's cost can only be measured with 2 or more ranks")
     if len({n for n, _ in samples}) < 2:
@@ -65,7 +68,10 @@ def fit(kind: str, samples: Sequence[Tuple[float, float]], world: int) -> CommCo
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
-    return CommCost(kind, alpha=max(intercept, 0.0) / steps, beta=max(slope, 0.0) / fraction)
+    if intercept <= 0:
+        n0, t0 = min(samples)
+        intercept = max(t0 - max(slope, 0.0) * n0, 0.0)
+    return CommCost(kind, alpha=intercept / steps, beta=max(slope, 0.0) / fraction)
 
 
 def parse_link(text: str) -> float:
