@@ -31,10 +31,14 @@ from .options import Options
 from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE
 from .schedules import get_schedule
 
-__all__ = ["DistOptim", "PLAN_CHOICE_STEPS"]
+__all__ = ["DistOptim", "PLAN_CHOICE_STEPS", "PLAN_CHOICE_REMATCH"]
 
 PLAN_CHOICE_STEPS = 3
 """Steps measured per candidate plan of ``allreduce="auto"`` (after one discarded step that re-plans)."""
+
+PLAN_CHOICE_REMATCH = 0.10
+"""Candidate plans of ``allreduce="auto"`` within this fraction of the fastest are measured once more, in the
+reverse order, and judged by the mean of their two trials (:class:`dearopt.tuner.ChoiceTuner`)."""
 
 _WRAPPED = weakref.WeakSet()
 
@@ -109,7 +113,8 @@ class DistOptim(torch.optim.Optimizer):
             gathered in the next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the
             link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
             prediction, then measured against none (DeAR's plan) and all (DDP's) for
-            :data:`PLAN_CHOICE_STEPS` steps each, and the fastest is kept (``optimizer.plan_choice``): on
+            :data:`PLAN_CHOICE_STEPS` steps each (those within :data:`PLAN_CHOICE_REMATCH` of the fastest once
+            more), and the fastest is kept (``optimizer.plan_choice``): on
             machines where communication takes cycles from the computation the link model alone misjudges it.
             A fraction of the bytes from the output side (0: DeAR as in the paper) fixes the plan.
         embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
@@ -357,7 +362,8 @@ class DistOptim(torch.optim.Optimizer):
 
         control = executor.control
         self.plan_choice = tuning.TuningController(
-            tuning.ChoiceTuner([{"allreduce": rule} for rule, _ in choices]), warmup_steps=1,
+            tuning.ChoiceTuner([{"allreduce": rule} for rule, _ in choices], rematch=PLAN_CHOICE_REMATCH),
+            warmup_steps=1,
             measure_steps=PLAN_CHOICE_STEPS, is_root=control.rank == 0,
             broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
 
