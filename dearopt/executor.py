@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import gc
 import math
+import time
 import weakref
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
@@ -46,6 +47,7 @@ from .plan import (ALL_GATHER, BACKWARD_END, STEP, ParamSpec, Plan, Point, When,
                    forward_of, moment_key)
 from .profiling import LinkMonitor, ReadyProfile
 from .schedules import get_schedule
+from .schedules.prophet import profile_blocks
 from .sharding import ShardedUpdate
 from .tied import TiedEmbeddings
 from .timeline import Timeline
@@ -165,6 +167,7 @@ class Executor:
         self.window = CreditWindow(credit)
         self.on_step_landed = on_step_landed
         self.launch_log = None  # the issuer's (step, kind, bucket, piece) log, kept across re-plans
+        self.blocks = False  # dear's measured choice: buckets as Prophet's blocks from the profile, not by size
         # the plan and what is derived from it (set by _build_plan)
         self.plan: Optional[Plan] = None
         self.buckets: List[BucketState] = []
@@ -266,6 +269,7 @@ class Executor:
         self._hook_new_params()
         if self.options.broadcast_buffers and self.world > 1:
             self._broadcast_buffers()
+        self.profile.begin_forward()
 
     def _module_pre_hook(self, module, args) -> None:
         self.recorder.saw(module)
@@ -309,7 +313,10 @@ class Executor:
         if self.sparse is not None:  # part of the plan's fingerprint: every rank must sparsify alike
             s = self.sparse.sparsify
             hook_name = f"sparsify-{s.selection}-{s.density!r}-{s.warmup_steps}-{s.momentum!r}"
-        plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule,
+        groups = profile_blocks(specs, buffer_size=self.buffer_size, ready_times=ready, bandwidth=bandwidth,
+                                latency=latency) if self.blocks else None
+        plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule, groups=groups,
+                          phases=self._phases(),
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, latency=latency, credit=self.window.credit,
                           comm_hook=hook_name,
@@ -455,25 +462,41 @@ class Executor:
         if groups is not None:  # the schedule forms its buckets from the profile (Prophet's blocks)
             return [list(b.params) for b in self.plan.buckets] != groups
         latency = self.profile.result.latency
-        chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth, latency) \
+        chosen = allreduce_buckets(self.plan.buckets, self.allreduce, ready, bandwidth, latency, self._phases()) \
             if policy.mixes_allreduce else frozenset()
         return tuple(sorted(chosen)) != tuple(self.plan.allreduce)
 
-    def allreduce_choices(self) -> List[Tuple[Union[float, str], FrozenSet[int]]]:
-        """The rules for ``dear``'s all-reduced buckets worth measuring against each other, with the buckets
-        each picks from the shared profile: the profile's rule (``"predicted"``), DeAR's (none: ``0.0``) and
-        DDP's (every bucket: ``1.0``), those that pick the same buckets counted once.  Empty without a profile
-        or where nothing is to choose (one rank, another schedule, a fixed fraction)."""
+    def _phases(self) -> Optional[Tuple[float, float]]:
+        """The profiled forward and backward computation (seconds), where the profile timed the forward."""
+        measured = self.profile.result
+        if measured is None or measured.forward is None:
+            return None
+        return measured.forward, measured.backward
+
+    def plan_choices(self) -> List[Tuple[Dict[str, object], Tuple]]:
+        """The plans worth measuring against each other under ``allreduce="auto"``, as the knobs that make each
+        (``{"allreduce": rule}``, and ``"blocks": True`` for Prophet's blocks) with what it plans (the
+        all-reduced buckets; the blocks): the profile's rule (``"predicted"``), DeAR's (none: ``0.0``), DDP's
+        (every bucket: ``1.0``), and DeAR's ops on Prophet's gradient blocks from the same profile (where the
+        link is the bottleneck a bucket that starts as soon as its gradients exist keeps it busier than
+        buckets of one size); plans alike counted once.  Empty without a profile or where nothing is to
+        choose (one rank, another schedule, a fixed fraction)."""
         if (self.options.allreduce != "auto" or self.world == 1 or self.plan is None or self.profile.result is None
                 or not get_schedule(self.options.schedule).mixes_allreduce):
             return []
-        ready, bandwidth = self.profile.result.ready, self.profile.result.bandwidth
+        measured = self.profile.result
+        ready, bandwidth, latency = measured.ready, measured.bandwidth, measured.latency
         choices, seen = [], set()
         for rule in ("predicted", 0.0, 1.0):
-            chosen = allreduce_buckets(self.plan.buckets, rule, ready, bandwidth, self.profile.result.latency)
+            chosen = allreduce_buckets(self.plan.buckets, rule, ready, bandwidth, latency, self._phases())
             if chosen not in seen:
                 seen.add(chosen)
-                choices.append((rule, chosen))
+                choices.append(({"allreduce": rule}, tuple(sorted(chosen))))
+        sized = [list(b.params) for b in self.plan.buckets] if not self.blocks else None
+        blocks = profile_blocks(self.plan.params, buffer_size=self.buffer_size, ready_times=ready,
+                                bandwidth=bandwidth, latency=latency)
+        if blocks is not None and blocks != sized:
+            choices.append(({"allreduce": 0.0, "blocks": True}, tuple(tuple(g) for g in blocks)))
         return choices if len(choices) > 1 else []
 
     @staticmethod
@@ -488,8 +511,9 @@ class Executor:
 
     def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
                credit: Optional[int] = None, allreduce: Union[float, str, None] = None,
-               _inside_backward: bool = False) -> None:
-        """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly."""
+               blocks: Optional[bool] = None, _inside_backward: bool = False) -> None:
+        """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly.  ``blocks``:
+        form the buckets as Prophet's blocks from the profile (True) or by ``buffer_size`` (False)."""
         self.synchronize()
         if self.state is TrainingState.REDUCING or (self.state is TrainingState.BACKWARD and not _inside_backward):
             raise UsageError("replan() must be called between step() and the next backward()")
@@ -501,6 +525,8 @@ class Executor:
             self.window = CreditWindow(credit)
         if allreduce is not None:
             self.allreduce = allreduce
+        if blocks is not None:
+            self.blocks = bool(blocks)
         if self.plan is None:  # nothing recorded yet: the first plan will use the new knobs
             return
         if self.sharding is not None:  # the state back in the ordinary layout; the new buckets cut it anew
@@ -746,7 +772,9 @@ class Executor:
         while self.round is not None and self.round.forward_reached < target:
             k = self.round.forward_reached + 1
             point = forward_of(k)
+            t0 = time.perf_counter()
             self._complete_due(point)
+            self.profile.forward_waited(time.perf_counter() - t0)
             self.round.forward_reached = k
             self.issuer.pump(self._may_start)  # e.g. prefetch the next bucket's all-gather
             for b in self._updates_at.get(point, ()):

@@ -112,7 +112,8 @@ class DistOptim(torch.optim.Optimizer):
         allreduce: under ``dear``, which buckets are all-reduced in backward instead of reduce-scattered and
             gathered in the next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the
             link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
-            prediction, then measured against none (DeAR's plan) and all (DDP's) for
+            prediction, then measured against none (DeAR's plan), all (DDP's) and DeAR's plan on Prophet's
+            gradient blocks (buckets formed from the profiled gaps between gradients) for
             :data:`PLAN_CHOICE_STEPS` steps each (those within :data:`PLAN_CHOICE_REMATCH` of the fastest once
             more), and the fastest is kept (``optimizer.plan_choice``): on
             machines where communication takes cycles from the computation the link model alone misjudges it.
@@ -346,7 +347,8 @@ class DistOptim(torch.optim.Optimizer):
         elif self.plan_choice is not None and not self.plan_choice.finished:
             knobs = self.plan_choice.on_step_end()
             if knobs:
-                self._executor.replan(allreduce=knobs["allreduce"])  # every rank, at the same step boundary
+                # every rank, at the same step boundary
+                self._executor.replan(allreduce=knobs["allreduce"], blocks=knobs.get("blocks", False))
         return None
 
     def _consider_plan_choice(self) -> None:
@@ -355,14 +357,14 @@ class DistOptim(torch.optim.Optimizer):
         if executor.profile.enabled and executor.profile.result is None:
             return  # the profile is still to come: the same answer on every rank (it is broadcast)
         self._choice_considered = True
-        choices = executor.allreduce_choices()
+        choices = executor.plan_choices()
         if not choices:
             return
         from . import tuner as tuning
 
         control = executor.control
         self.plan_choice = tuning.TuningController(
-            tuning.ChoiceTuner([{"allreduce": rule} for rule, _ in choices], rematch=PLAN_CHOICE_REMATCH),
+            tuning.ChoiceTuner([knobs for knobs, _ in choices], rematch=PLAN_CHOICE_REMATCH),
             warmup_steps=1,
             measure_steps=PLAN_CHOICE_STEPS, is_root=control.rank == 0,
             broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))

@@ -400,7 +400,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                credit: Union[int, str, None] = None,
                comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
                allreduce: Union[float, str] = 0.0, sharded_update: bool = False,
-               groups: Optional[Sequence[Sequence[int]]] = None) -> Plan:
+               groups: Optional[Sequence[Sequence[int]]] = None,
+               phases: Optional[Tuple[float, float]] = None) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -421,7 +422,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     at ``step()`` and the all-gathers carry parameters (:mod:`dearopt.sharding`); part of the fingerprint, so
     ranks that disagree about it are refused.
 
-    ``groups``: the buckets themselves (contiguous runs of positions in forward order, e.g. the blocks a run
+    ``phases``: the profiled forward and backward computation (seconds), for ``allreduce="auto"``'s balance
+    (:func:`allreduce_buckets`).  ``groups``: the buckets themselves (contiguous runs of positions in forward order, e.g. the blocks a run
     formed, replayed by :mod:`dearopt.sim`) instead of the schedule's own (:func:`layout_buckets`).
 
     Twins and row-sparse parameters (:class:`ParamSpec`) are planned the same
@@ -450,7 +452,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
         probes = [CommOp(policy.reduction, b, k, buckets[b].piece_nbytes(k)) for b, k in backward]
         backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth, latency or 0.0)]
-    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth, latency) \
+    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth, latency, phases) \
         if policy.mixes_allreduce else frozenset()
     layout = Layout(buckets, tuple(backward), credit, chosen)
     ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
@@ -465,7 +467,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
 
 
 def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequence[int]], ready_times: Optional[Sequence[float]],
-                      bandwidth: Optional[float], latency: Optional[float] = None) -> FrozenSet[int]:
+                      bandwidth: Optional[float], latency: Optional[float] = None,
+                      phases: Optional[Tuple[float, float]] = None) -> FrozenSet[int]:
     """Which buckets ``dear`` all-reduces in backward instead of reduce-scattering them (twins and rows aside).
 
     An all-reduce moves the bytes of a reduce-scatter and an all-gather in one
@@ -475,7 +478,7 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
     * a fraction: the buckets from the output side holding that fraction of the bytes;
     * bucket indices (a tuple or set, e.g. a plan's ``allreduce`` that ran): those buckets;
     * ``"auto"`` or ``"predicted"`` (the same here; the executor measures ``"auto"``'s choice against
-      others, see :meth:`dearopt.executor.Executor.allreduce_choices`): from a profile (each parameter's ``ready_times`` after backward
+      others, see :meth:`dearopt.executor.Executor.plan_choices`): from a profile (each parameter's ``ready_times`` after backward
       starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter and its fixed ``latency`` in seconds per op):
       walking the buckets in the order backward completes
       them, a bucket is all-reduced (twice a reduce-scatter's time) while the
@@ -486,6 +489,24 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
       time in backward and never lengthen the wait at ``step()``; where the
       reduce-scatters alone keep the link busy (communication-bound), every
       bucket is DeAR's.  Without a profile, none.
+
+      With ``phases`` (the forward's computation and the backward's, in
+      seconds, as profiled) the rule balances the link between the two phases
+      instead: moving a bucket from DeAR's plan to an all-reduce moves its
+      all-gather from the next forward into this backward.  Walking the same
+      order, each prefix ``S`` of all-reduced buckets is judged by Eq. 7
+      generalised, ``max(forward, gathers left) + max(backward, link end in
+      backward)``; the shortest wins.  Among those within 1 % of it: where some
+      leave both phases room (each phase's compute at least its link time),
+      the one with the most all-reduces among those (one collective instead
+      of two, nothing waits in forward); else the one with the most room on
+      its tighter side (contention on shared cores lengthens both).  Where the
+      forward computes less than the gathers take (ResNet-50 at 3 Gbit/s:
+      0.17 s against 0.28 s, backward 0.35 s against 0.28 s of
+      reduce-scatters) this all-reduces the buckets that fill backward's room,
+      which the idle-time rule cannot see; where the link is idle (an unshaped
+      link) it all-reduces every bucket; where the link is the bottleneck it
+      balances the two phases' shortfall.
     """
     plain = [b for b in buckets if not b.row_numel and b.twin_of is None]
     if isinstance(rule, (tuple, list, set, frozenset)):  # the buckets themselves (a plan that ran, replayed)
@@ -509,6 +530,8 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
                 link = max(link, ready) + (2 if twin or index in whole else 1) * rs_time
             return link
 
+        if phases is not None:
+            return _balanced(order, link_end, phases)
         # not the profiled backward's length: that step often runs slower than steady state (first touches), and
         # a longer limit would admit all-reduces that lengthen every later step's wait
         limit = link_end(())
@@ -531,6 +554,27 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
         chosen.add(b.index)
         covered += b.grad_numel * b.element_size
     return frozenset(chosen)
+
+
+def _balanced(order, link_end, phases: Tuple[float, float]) -> FrozenSet[int]:
+    """``allreduce_buckets``'s rule with the phases' computation times: the prefix of ``order`` (output side
+    first; twins are always all-reduced) that balances the link between the next forward's gathers and this
+    backward's reductions (see its docstring)."""
+    forward, backward = phases
+    plain = [(index, rs_time) for _, index, rs_time, twin in order if not twin]
+    options = []
+    for k in range(len(plain) + 1):
+        chosen = frozenset(index for index, _ in plain[:k])
+        gathers = sum(rs_time for _, rs_time in plain[k:])  # an all-gather moves a reduce-scatter's bytes
+        reductions = link_end(chosen)
+        total = max(forward, gathers) + max(backward, reductions)
+        options.append((total, min(forward - gathers, backward - reductions), chosen))
+    best = min(total for total, _, _ in options)
+    near = [o for o in options if o[0] <= 1.01 * best]
+    roomy = [o for o in near if o[1] >= 0]
+    if roomy:  # both phases have room: the most all-reduces (one collective instead of two, no forward waits)
+        return roomy[-1][2]
+    return max(near, key=lambda o: o[1])[2]  # the most room on the tighter side (the first of equals)
 
 
 def _tied_and_rows(ops: Sequence[CommOp], buckets: Sequence[Bucket]) -> Tuple[CommOp, ...]:

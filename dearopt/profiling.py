@@ -4,7 +4,8 @@ With ``priority=True``, ``dear``'s ``allreduce="auto"`` or a schedule that forms
 its buckets from the profile (``prophet``), rank 0 records during the
 :data:`ReadyProfile.STEPS` steps from :data:`ReadyProfile.STEP` on when each
 gradient becomes ready (seconds after backward starts), how long backward took
-and the bandwidth its reductions achieved while the link was busy.  One step
+and the bandwidth its reductions achieved while the link was busy, and how long
+the forward computed (its waits for all-gathers left out).  One step
 is one sample of a noisy machine (the same ResNet-50 cell formed 20 to 43
 Prophet blocks from single steps), so the measurement is their per-gradient
 median, and the bandwidth and fixed cost are fitted over every reduction of
@@ -35,6 +36,7 @@ class Measurement(NamedTuple):
     bandwidth: float  # bytes/s of the reductions on the link, beyond their fixed cost (fit_link)
     backward: float  # seconds of backward (median)
     latency: float  # fixed seconds per reduction (fit_link), 0.0 where it could not be told
+    forward: Optional[float] = None  # seconds of forward computation (median), its waits for all-gathers left out
 
 
 def fit_latency(services: Sequence[Tuple[int, float]], bandwidth: float) -> float:
@@ -88,6 +90,9 @@ class ReadyProfile:
         self._times: Optional[List[float]] = None
         self._t0 = 0.0
         self._backward = 0.0
+        self._forward_start: Optional[float] = None  # this step's training forward: when it began
+        self._forward_waited = 0.0  # ... and how long it waited for collectives
+        self._forward = 0.0
         self._left = 0  # steps of the measurement under way still to record
         self._window: List[Tuple[List[float], float, Sequence[Tuple[int, float]]]] = []  # (ready, backward, services)
 
@@ -95,9 +100,20 @@ class ReadyProfile:
     def recording(self) -> bool:
         return self._times is not None
 
+    def begin_forward(self) -> None:
+        """A training forward starts (its computation is timed for the profile's ``forward``)."""
+        if self.enabled:
+            self._forward_start, self._forward_waited = time.perf_counter(), 0.0
+
+    def forward_waited(self, seconds: float) -> None:
+        """The forward waited this long for collectives (left out of its computation time)."""
+        self._forward_waited += seconds
+
     def begin_backward(self, step: int, n_params: int) -> None:
         if not self.enabled:
             return
+        started, self._forward_start = self._forward_start, None
+        self._forward = time.perf_counter() - started - self._forward_waited if started is not None else math.nan
         if self._left == 0:
             again = (self.every is not None and self.result is not None and step > self.STEP
                      and (step - self.STEP) % self.every == 0)
@@ -141,20 +157,22 @@ class ReadyProfile:
         """
         if self._times is None:
             return
-        self._window.append(([t if math.isfinite(t) else 0.0 for t in self._times], self._backward, list(services)))
+        self._window.append(([t if math.isfinite(t) else 0.0 for t in self._times], self._backward, list(services),
+                             self._forward))
         self._times = None
         self._left -= 1
         if self._left > 0:
             return  # the measurement goes on at the next step; nothing is shared before its last
-        ready, backward, services = _summarise(self._window)
+        ready, backward, services, forward = _summarise(self._window)
         self._window = []
         bandwidth, latency = fit_link(services)
         latency = max(latency, self._probe(control, step))
-        profile = torch.tensor(ready + [bandwidth, backward, latency], dtype=torch.float64,
+        profile = torch.tensor(ready + [bandwidth, backward, latency, forward], dtype=torch.float64,
                                device=control.device)
         control.broadcast(profile, 0, step=step).wait()
         values = profile.tolist()
-        self.latest = Measurement(values[:-3], values[-3], values[-2], values[-1])
+        self.latest = Measurement(values[:-4], values[-4], values[-3], values[-2],
+                                  values[-1] if math.isfinite(values[-1]) else None)
         if self.result is None:
             self.result = self.latest
             self.fresh = True
@@ -163,10 +181,13 @@ class ReadyProfile:
 
 
 def _summarise(window):
-    """One measurement from several steps': each gradient's median ready time, the median backward, and every
-    step's reductions together (the bandwidth and the fixed cost are fitted over all of them)."""
+    """One measurement from several steps': each gradient's median ready time, the median backward, every
+    step's reductions together (the bandwidth and the fixed cost are fitted over all of them) and the median
+    forward computation (NaN where no step timed its forward)."""
     ready = [statistics.median(times) for times in zip(*(w[0] for w in window))]
-    return ready, statistics.median(w[1] for w in window), [s for w in window for s in w[2]]
+    forwards = [w[3] for w in window if math.isfinite(w[3])]
+    return (ready, statistics.median(w[1] for w in window), [s for w in window for s in w[2]],
+            statistics.median(forwards) if forwards else math.nan)
 
 
 class LinkMonitor:

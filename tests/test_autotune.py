@@ -79,11 +79,13 @@ def _train_with_plan_choice(opt_name, steps):
     plans, settled = [], []
     for step in range(steps):
         train_step(opt, model, step, rank, world)
-        plans.append(opt.plan.allreduce)
+        plans.append((tuple(opt.plan.allreduce), tuple(tuple(b.params) for b in opt.plan.buckets)))
         settled.append(opt.settled)
     opt.synchronize()
     choice = opt.plan_choice
-    choices = [(rule, tuple(sorted(chosen))) for rule, chosen in opt._executor.allreduce_choices()]
+    opt._executor.blocks = False  # the candidates as they were listed, from the size-fused plan
+    opt._executor.replan()
+    choices = opt._executor.plan_choices()
     return ([p.detach().clone() for p in model.parameters()], plans, settled, choice.history, choice.finished,
             choice.current, choices, len(opt.plan.buckets))
 
@@ -91,13 +93,14 @@ def _train_with_plan_choice(opt_name, steps):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3])
 def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
-    """dear's allreduce="auto" runs each distinct rule (predicted, none, all) for a few steps after the
-    profile, keeps the fastest on rank 0's clock on every rank, and trains as one process would throughout."""
+    """dear's allreduce="auto" runs each distinct plan (predicted, none, all all-reduced; Prophet's blocks) for a
+    few steps after the profile, the close ones twice, keeps the fastest on rank 0's clock on every rank, and
+    trains as one process would throughout."""
     from dearopt.optimizer import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS
     from dearopt.profiling import ReadyProfile
 
     profiled = ReadyProfile.STEP + ReadyProfile.STEPS  # the steps up to the end of the profile's window
-    steps = profiled + 1 + 6 * (1 + PLAN_CHOICE_STEPS) + 2  # three candidates, each at most twice
+    steps = profiled + 1 + 8 * (1 + PLAN_CHOICE_STEPS) + 2  # four candidates, each at most twice
     outcomes = run_workers(_train_with_plan_choice, world, "adamw", steps, timeout=150)
     want, _ = reference("mlp", "adamw", world, steps=steps)
     first = outcomes[0].value
@@ -106,20 +109,23 @@ def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
         assert_params_match(params, want)
         assert (plans, settled, history, current) == first[1:4] + (first[5],), "every rank made the same choice"
         assert finished and len(choices) >= 2
-        rules = [rule for rule, _ in choices]
-        tried = [k["allreduce"] for k, _ in history]
-        assert tried[:len(rules)] == rules, "each candidate once, in order"
-        first = dict(zip(rules, (t for _, t in history)))
-        close = [r for r in rules if first[r] >= (1 - PLAN_CHOICE_REMATCH) * max(first.values())]
-        assert tried[len(rules):] == (close[::-1] if len(close) > 1 else []), "the close ones again, reversed"
-        by_rule = dict(choices)
-        assert choices[0][0] == "predicted" and len(set(by_rule.values())) == len(choices)
-        assert {(), tuple(range(n_buckets))} <= set(by_rule.values()), "DeAR's and DDP's plans are candidates"
-        mean = {r: sum(t for k, t in history if k["allreduce"] == r) / tried.count(r) for r in rules}
-        assert current["allreduce"] == max(rules, key=lambda r: mean[r]), "the fastest (mean of its trials) is kept"
-        assert plans[-1] == by_rule[current["allreduce"]], "and the plan runs it"
-        for rule, chosen in choices:  # each candidate really ran
-            assert chosen in plans
+        labels = [tuple(sorted(knobs.items())) for knobs, _ in choices]
+        tried = [tuple(sorted(k.items())) for k, _ in history]
+        assert tried[:len(labels)] == labels, "each candidate once, in order"
+        once = dict(zip(labels, (t for _, t in history)))
+        close = [c for c in labels if once[c] >= (1 - PLAN_CHOICE_REMATCH) * max(once.values())]
+        assert tried[len(labels):] == (close[::-1] if len(close) > 1 else []), "the close ones again, reversed"
+        rules = [knobs for knobs, _ in choices]
+        assert rules[0] == {"allreduce": "predicted"} and {"allreduce": 0.0} in rules and {"allreduce": 1.0} in rules
+        assert rules[-1] == {"allreduce": 0.0, "blocks": True}, "DeAR's ops on Prophet's blocks are a candidate"
+        whole = tuple(range(n_buckets))
+        assert {(), whole} <= {planned for knobs, planned in choices if not knobs.get("blocks")}
+        mean = {c: sum(t for k, t in history if tuple(sorted(k.items())) == c) / tried.count(c) for c in labels}
+        kept = tuple(sorted(current.items()))
+        assert kept == max(labels, key=lambda c: mean[c]), "the fastest (mean of its trials) is kept"
+        for knobs, planned in choices:  # each candidate really ran
+            ran = [groups if knobs.get("blocks") else allreduce for allreduce, groups in plans]
+            assert planned in ran, knobs
         settle = settled.index(True)
         assert all(settled[settle:]) and len(set(plans[settle:])) == 1, "settled: the plan no longer changes"
         assert settle == profiled - 1 + len(history) * (1 + PLAN_CHOICE_STEPS)  # the profile's steps, the trials

@@ -244,6 +244,27 @@ def test_auto_all_reduces_only_into_the_links_idle_time_in_backward():
     assert plan.allreduce == (), [b.params for b in plan.buckets]
 
 
+def test_auto_with_the_phases_balances_the_link_between_forward_and_backward():
+    # four 56-byte buckets: a reduce-scatter (or an all-gather) 0.1 s, an all-reduce 0.2 s.  Gradients of buckets
+    # 3, 2, 1, 0 ready at 0.0, 0.1, 0.2, 0.5; the forward computes 0.15 s, the backward 0.75 s.  Judged by
+    # max(forward, gathers left) + max(backward, link end in backward):
+    #   none: 0.4 + 0.75 = 1.15;  {3}: 0.3 + 0.75;  {3, 2}: 0.2 + 0.75;  {3, 2, 1}: max(0.15, 0.1) + 0.75 (link:
+    #   all-reduces 0-0.2, 0.2-0.4, 0.4-0.6, bucket 0's reduce-scatter 0.6-0.7) = 0.9;  all: 0.15 + 0.8 = 0.95
+    params = specs(10, 10, 10, 10)
+    ready = [0.5, 0.2, 0.1, 0.0]
+    knobs = dict(allreduce="auto", ready_times=ready, bandwidth=560.0)
+    assert build_plan(params, 40, 2, "dear", phases=(0.15, 0.75), **knobs).allreduce == (1, 2, 3)
+    # the idle-time rule (no phases) stops where the link would end later than with reduce-scatters only (0.6)
+    assert build_plan(params, 40, 2, "dear", **knobs).allreduce == (2, 3)
+    # the link the bottleneck in both phases (gradients at 0.1, 0.2, 0.3, 0.4; forward 0.25, backward 0.5):
+    # none and {3} tie at 0.9 ({3, 2}: 0.25 + 0.7); {3} leaves more room on its tighter side (-0.1 vs -0.15)
+    bound = dict(knobs, ready_times=[0.4, 0.3, 0.2, 0.1])
+    assert build_plan(params, 40, 2, "dear", phases=(0.25, 0.5), **bound).allreduce == (3,)
+    # an idle link (reduce-scatters of 1 ms): every plan takes 0.2 + 0.5, all leave room: every bucket all-reduced
+    idle = dict(bound, bandwidth=56000.0)
+    assert build_plan(params, 40, 2, "dear", phases=(0.2, 0.5), **idle).allreduce == (0, 1, 2, 3)
+
+
 def test_explicit_groups_replace_the_schedules_buckets():
     params = specs(10, 20, 30, 40)
     plan = build_plan(params, 10**6, 2, "prophet", groups=[[0, 1], [2], [3]])  # no profile: prophet would fuse

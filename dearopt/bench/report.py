@@ -277,11 +277,12 @@ def markdown(doc: dict) -> str:
 
 
 def plans_ran(doc: dict, schedule: str = "dear") -> str:
-    """The buckets ``schedule`` all-reduced in backward, per round where they differ: ``"2/5"``, ``"0/5, 5/5"``."""
+    """The buckets ``schedule`` all-reduced in backward, per round where they differ: ``"2/5"``, ``"0/5, 5/5"``;
+    ``"11 blocks"`` where the measured choice kept Prophet's blocks."""
     rounds = (doc.get("plans") or {}).get(schedule) or []
     seen = []
     for r in rounds:
-        text = f"{len(r['allreduce'])}/{r['buckets']}"
+        text = f"{r['buckets']} blocks" if r.get("kept") == "blocks" else f"{len(r['allreduce'])}/{r['buckets']}"
         if text not in seen:
             seen.append(text)
     return ", ".join(seen) if seen else "-"

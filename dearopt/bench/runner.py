@@ -166,6 +166,16 @@ class _Runner:
             self.opt.close()
 
 
+def _rule(knobs: dict):
+    """A measured plan as results.json records it: the ``allreduce`` rule, or ``"blocks"`` (Prophet's blocks)."""
+    return "blocks" if knobs.get("blocks") else knobs["allreduce"]
+
+
+def plan_label(knobs: dict) -> str:
+    """A measured plan as the log names it."""
+    return "blocks" if knobs.get("blocks") else f"allreduce={knobs['allreduce']!r}"
+
+
 def _barrier(backend) -> None:
     backend.all_reduce(torch.zeros(1)).wait()
 
@@ -347,8 +357,8 @@ def run_rank(cfg: dict) -> dict:
             choice = getattr(runner.opt, "plan_choice", None)
             if choice is not None and choice.history:
                 _log(rank, f"  {s:>5}: measured plans (steps/s): "
-                           + ", ".join(f"allreduce={k['allreduce']!r} {t:.3f}" for k, t in choice.history)
-                           + f"; kept allreduce={choice.current['allreduce']!r}")
+                           + ", ".join(f"{plan_label(k)} {t:.3f}" for k, t in choice.history)
+                           + f"; kept {plan_label(choice.current)}")
             traffic = getattr(runner.opt, "sparse_traffic", None)
             if traffic is not None and r == 0:
                 _log(rank, f"  {s:>5}: on the wire (rank 0, last step, elements): {traffic['values']} values into "
@@ -373,8 +383,8 @@ def run_rank(cfg: dict) -> dict:
                 plans.setdefault(s, []).append({
                     "allreduce": list(plan.allreduce), "buckets": len(plan.buckets), "buffer_size": plan.buffer_size,
                     "groups": [list(b.params) for b in plan.buckets],
-                    "measured": [[k["allreduce"], t] for k, t in choice.history] if choice is not None else [],
-                    "kept": choice.current["allreduce"] if choice is not None else None})
+                    "measured": [[_rule(k), t] for k, t in choice.history] if choice is not None else [],
+                    "kept": _rule(choice.current) if choice is not None else None})
                 if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
                     kept = runner.opt.deft_preserved
                     plans[s][-1]["deft"] = {

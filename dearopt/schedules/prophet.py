@@ -57,7 +57,7 @@ from ..plan import (ALL_GATHER, ALL_REDUCE, GRADS_READY, REDUCE_SCATTER, STEP, C
 from .base import Schedule, mark_updates
 from .bytescheduler import ByteScheduler
 
-__all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks", "predicted_sends"]
+__all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks", "profile_blocks", "block_latency", "predicted_sends"]
 
 DEFAULT_LATENCY = 1e-3
 """Seconds of fixed cost per collective at least (``E = latency + s / B``: the paper's throughput loss of small
@@ -140,6 +140,26 @@ def _next_generation(ready: Sequence[float]):
     return later
 
 
+def block_latency(measured: Optional[float]) -> float:
+    """The fixed cost per collective the blocks are formed with: the measured one, at least the default."""
+    return max(DEFAULT_LATENCY, measured or 0.0)
+
+
+def profile_blocks(params: Sequence[ParamSpec], *, buffer_size: int, ready_times: Optional[Sequence[float]],
+                   bandwidth: Optional[float], latency: Optional[float] = None) -> Optional[List[List[int]]]:
+    """Prophet's blocks for the planned parameters from a profile (ready times, the reduction's bandwidth and
+    fixed cost per op), at most ``buffer_size`` bytes each and never across a required boundary; None without a
+    profile.  ``prophet`` forms its buckets so; ``dear``'s measured choice tries them as one of its plans."""
+    if ready_times is None or not bandwidth:
+        return None
+    if len(ready_times) != len(params):
+        raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
+    split = [i for i in range(len(params) - 1) if must_split(params, i)]
+    latency = block_latency(latency)
+    return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth, latency=latency,
+                          max_bytes=buffer_size, min_bytes=int(latency * bandwidth), split_after=split)
+
+
 class Prophet(Schedule):
     name = "prophet"
     reduction = REDUCE_SCATTER
@@ -149,19 +169,13 @@ class Prophet(Schedule):
     def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
                       ready_times: Optional[Sequence[float]], bandwidth: Optional[float],
                       latency: Optional[float] = None):
-        if ready_times is None or not bandwidth:
-            return None
-        if len(ready_times) != len(params):
-            raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
-        split = [i for i in range(len(params) - 1) if must_split(params, i)]
-        latency = self.block_latency(latency)
-        return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth, latency=latency,
-                              max_bytes=buffer_size, min_bytes=int(latency * bandwidth), split_after=split)
+        return profile_blocks(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth,
+                              latency=latency)
 
     @staticmethod
     def block_latency(measured: Optional[float]) -> float:
         """The fixed cost per collective the blocks are formed with: the measured one, at least the default."""
-        return max(DEFAULT_LATENCY, measured or 0.0)
+        return block_latency(measured)
 
     def ops(self, layout: Layout):
         """Reduce-scatters as blocks complete in backward; then every all-gather starts at ``step()``, back to

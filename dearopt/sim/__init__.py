@@ -37,7 +37,8 @@ def plan_for(profile: Profile, schedule: str, ranks: Optional[int] = None, *, bu
         nbytes = sum(b.padded_numel * b.element_size for b in buckets)
         seconds = sum(rs.time(b.padded_numel * b.element_size, world) for b in buckets)
         knobs = dict(knobs, allreduce="auto", ready_times=profile.ready,
-                     bandwidth=nbytes / seconds if seconds > 0 else None, latency=rs.time(0, world))
+                     bandwidth=nbytes / seconds if seconds > 0 else None, latency=rs.time(0, world),
+                     phases=(profile.t_ff, profile.t_bp))
     return build_plan(profile.params, buffer_size, world, schedule, first_bucket_size=first_bucket_size, **knobs)
 
 
