@@ -54,7 +54,7 @@ def _run(cfg):
 
     for size_mb in cfg["grid"]:
         workload, inner = make()
-        opt = dearopt.DistOptim(inner, workload.model, buffer_size=int(size_mb * MB))
+        opt = dearopt.DistOptim(inner, workload.model, buffer_size=int(size_mb * MB), allreduce=cfg["allreduce"])
         t = _timed(opt, workload.model, workload, cfg["iterations"], cfg["warmup"], 0)
         results["grid"][size_mb] = {"iteration_s": t, "samples_per_s": workload.batch_size * dearopt.size() / t}
         opt.close()
@@ -62,7 +62,8 @@ def _run(cfg):
             print(f"  grid {size_mb:>6} MB: {t:.3f} s/iteration", flush=True)
     workload, inner = make()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
-    opt = dearopt.DistOptim(inner, workload.model, buffer_size="auto", tuning_steps=cfg["tuning_steps"])
+    opt = dearopt.DistOptim(inner, workload.model, buffer_size="auto", tuning_steps=cfg["tuning_steps"],
+                            allreduce=cfg["allreduce"])
     boundary_costs, steps = [], 0
     while not opt.tuning.finished and steps < 400:
         x, y = workload.make_batch(1000 + steps)
@@ -97,6 +98,9 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tuning-steps", type=int, default=3, help="measured iterations per trial")
+    parser.add_argument("--allreduce", type=float, default=0.0,
+                        help="dear's all-reduced share, fixed for every size (default 0: DeAR's plan, as the paper "
+                             "tunes it; allreduce='auto' would measure plans inside the timed iterations)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.rate and not os.environ.get(SHAPED_ENV):
@@ -105,7 +109,7 @@ def main(argv=None):
             return run_shaped(args.rate, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])])
         print(f"note: cannot emulate {args.rate} ({reason}); running unshaped", flush=True)
     cfg = {"model": args.model, "grid": [float(g) for g in args.grid.split(",")], "iterations": args.iterations,
-           "warmup": args.warmup, "tuning_steps": args.tuning_steps}
+           "warmup": args.warmup, "tuning_steps": args.tuning_steps, "allreduce": args.allreduce}
     link = os.environ.get(SHAPED_ENV, "unshaped loopback")
     print(f"tuner benchmark: {args.model}, {args.ranks} ranks, link {link}", flush=True)
     res = spawn(_run, args.ranks, cfg)[0]

@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--grid", required=True, help="scripts/tune_bench.py --json output (a measured grid)")
     p.add_argument("--profile", required=True, help="a profile of the same model and link")
     p.add_argument("--schedule", default="dear")
+    p.add_argument("--allreduce", type=float, default=0.0, help="dear's all-reduced share, as tune_bench ran it")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--within", type=float, default=0.02, help="'good' = within this fraction of the grid's best")
     args = p.parse_args(argv)
@@ -74,11 +75,13 @@ def main(argv=None) -> int:
     model_bytes = sum(s.nbytes for s in profile.params)
     high = min(100 * MB, max(model_bytes, 2 * MB))
     candidates = [int(MB * 2 ** (i / 2)) for i in range(0, 15) if MB * 2 ** (i / 2) <= high]
-    start_sim = sim.best_buffer_size(profile, args.schedule, candidates)
+    start_sim = sim.best_buffer_size(profile, args.schedule, candidates, allreduce=args.allreduce)
     print(f"measured grid ({doc.get('link', '?')}): " + ", ".join(f"{mb:g} MB {v:.2f}/s" for mb, v in sorted(grid.items()))
           + f"; best {best_mb:g} MB")
     print("simulated: " + ", ".join(
-        f"{mb:g} MB {1 / sim.predict(profile, args.schedule, buffer_size=int(mb * MB)).iteration:.3f} it/s"
+        f"{mb:g} MB "
+        f"{1 / sim.predict(profile, args.schedule, buffer_size=int(mb * MB), allreduce=args.allreduce).iteration:.3f}"
+        f" it/s"
         for mb in sorted(grid)) + f"; simulator's best size {start_sim / MB:.1f} MB "
         f"(measured throughput there {f(start_sim) / best:.3f} of the grid's best)")
     rows = {}
