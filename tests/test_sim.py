@@ -1,5 +1,7 @@
 """The simulator against timelines computed by hand, and the alpha-beta fit against synthetic timings."""
 
+import json
+
 import pytest
 
 from dearopt.plan import ParamSpec, build_plan
@@ -170,3 +172,41 @@ def test_record_profile_on_two_ranks(kind):
     assert set(prof.contention) == {"forward", "backward"} and min(prof.contention.values()) >= 0
     assert set(prof.cpu_per_byte) == {"forward", "backward"} and min(prof.cpu_per_byte.values()) >= 0
     assert 0 < prof.copy_per_byte < 1e-6  # a copy runs faster than 1 MB/s
+
+
+def _deft_profile(comm_seconds, n=3):
+    """n one-parameter buckets: 1 s of forward and 1 s of backward each, an all-reduce of ``comm_seconds``."""
+    params = [ParamSpec(f"p{i}", 997, "float32", 4) for i in range(n)]
+    comm = {"all_reduce": CommCost("all_reduce", alpha=comm_seconds / 2, beta=0.0)}  # 2 (P - 1) steps on 2 ranks
+    return Profile(params=params, forward_segments=[([i], 1.0) for i in range(n)], forward_tail=0.0,
+                   ready=[float(n - i) for i in range(n)], t_bp=float(n), update_per_element=0.0,
+                   update_per_call=0.0, comm=comm, comm_samples={}, contention={}, world=2)
+
+
+def test_deft_replays_its_schedule_by_hand():
+    from dearopt.schedules.deft import deft_schedule
+    from dearopt.sim.deft import schedule_from_json, schedule_to_json, simulate_deft
+
+    # communication-bound (2.5 s per bucket against 1 + 1 s of compute): the solver's period is two steps.  Step A
+    # (held): unit 0 of the old group during the forward (0-2.5 of 0-3), unit 1 at backward's start (3-5.5 of
+    # 3-6), nothing waits: 6 s.  Step B: unit 2 during the forward, the group applied at step(): 6 s.  The link
+    # carries 5 s in A and 2.5 s in B.
+    prof = _deft_profile(2.5)
+    plan = build_plan(prof.params, 1, 2, "deft")
+    schedule = deft_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3)
+    assert [it.held for it in schedule.period] == [True, False]
+    assert schedule_from_json(json.loads(json.dumps(schedule_to_json(schedule)))) == schedule  # as the bench keeps it
+    p = simulate_deft(prof, plan, schedule)
+    assert p.iteration == pytest.approx(6.0) and p.link_busy == pytest.approx(3.75)
+    assert (p.forward, p.backward, p.step) == pytest.approx((3.0, 3.0, 0.0))
+    # the forward's send takes CPU: half speed while it runs (k n / d = 0.5), so forward A and B take
+    # 2.5 s at half speed (1.25 of work) + 1.75 s = 4.25 s, and backward A 3 s while unit 1 runs 2.5 s of it: 4.25
+    slowed = _deft_profile(2.5)
+    slowed.cpu_per_byte = {"forward": 0.5 * 2.5 / 4000, "backward": 0.5 * 2.5 / 4000}  # a bucket: 4000 bytes
+    q = simulate_deft(slowed, build_plan(slowed.params, 1, 2, "deft"), schedule)
+    assert q.iteration == pytest.approx(((4.25 + 4.25) + (4.25 + 3.0)) / 2)
+    # one bucket whose all-reduce fits in the forward: every step's group in the next forward, one step late
+    one = _deft_profile(0.5, n=1)
+    one_plan = build_plan(one.params, 1, 2, "deft")
+    r = simulate_deft(one, one_plan, deft_schedule([1.0], [1.0], [0.5]))
+    assert r.iteration == pytest.approx(2.0) and r.link_busy == pytest.approx(0.5)

@@ -108,10 +108,14 @@ def predictions(doc: dict) -> Dict[str, dict]:
 
     ``ddp`` is predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++ reducer are not
     modelled); every dearopt schedule with the buckets that ran and, for ``dear``, the buckets it all-reduced
-    (recorded per round), where recorded.  ``deft`` is not predicted: the simulator replays plans whose ops
-    start and end within an iteration or the next forward, not delayed groups."""
+    (recorded per round), where recorded; ``deft`` by :func:`dearopt.sim.deft.simulate_deft` with the schedule it
+    solved (the last round's), where its buckets are the profile's parameters (a tied embedding is one gradient
+    under deft, two in the profile: not predicted)."""
+    from dearopt.errors import UsageError
+    from dearopt.plan import build_plan
     from dearopt.schedules import get_schedule
     from dearopt.sim import Profile, predict
+    from dearopt.sim.deft import schedule_from_json, simulate_deft
 
     from .runner import variant
 
@@ -120,6 +124,19 @@ def predictions(doc: dict) -> Dict[str, dict]:
     for name in doc["schedules"]:
         schedule, extra = ("wfbp", {}) if name == "ddp" else variant(name)
         if get_schedule(schedule).delays_updates:
+            rounds = doc.get("plans", {}).get(name, [])
+            solved = [r for r in rounds if (r.get("deft") or {}).get("schedule")]
+            if not solved:
+                continue
+            r = solved[-1]
+            try:
+                plan = build_plan(profile.params, r["buffer_size"], profile.world, "deft",
+                                  partition_size=r["deft"]["partition_size"], groups=r.get("groups"))
+                p = simulate_deft(profile, plan, schedule_from_json(r["deft"]["schedule"]),
+                                  reduction=r["deft"]["reduction"])
+            except (UsageError, ValueError):
+                continue
+            out[name] = {"iter": p.iteration, "forward": p.forward, "backward": p.backward, "step": p.step}
             continue
         knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
         knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})

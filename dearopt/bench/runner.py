@@ -166,6 +166,12 @@ class _Runner:
             self.opt.close()
 
 
+def schedule_to_json(schedule) -> dict:
+    from dearopt.sim.deft import schedule_to_json as to_json
+
+    return to_json(schedule)
+
+
 def _rule(knobs: dict):
     """A measured plan as results.json records it: the ``allreduce`` rule, or ``"blocks"`` (Prophet's blocks)."""
     return "blocks" if knobs.get("blocks") else knobs["allreduce"]
@@ -388,6 +394,7 @@ def run_rank(cfg: dict) -> dict:
                 if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
                     kept = runner.opt.deft_preserved
                     plans[s][-1]["deft"] = {
+                        "schedule": schedule_to_json(deft), "partition_size": plan.partition_size,
                         "pieces": deft.buckets, "updates_per_step": deft.updates_per_iteration,
                         "period": len(deft.period), "repartitions": runner.opt.deft_repartitions,
                         "reduction": runner.opt.deft_reduction,

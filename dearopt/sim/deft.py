@@ -1,0 +1,175 @@
+"""Replay what ``schedule="deft"`` does with its solved schedule, in simulated time.
+
+DeFT's work crosses iterations: a group of gradients is sent in later
+iterations' forward and backward stages, as its
+:class:`~dearopt.schedules.deft.DeftSchedule` says, and applied at the
+``step()`` that completes it.  The iterations of one period differ, so the
+prediction is their mean in the steady state.  The walk follows
+:class:`dearopt.delayed.DelayedExecutor`:
+
+* forward: at its start the old group's units of the forward stage are sent
+  (the link carries one collective at a time, in the order started);
+* backward: at its start those are waited for, then the old group's units of
+  the backward stage are sent; each unit of the new group this backward sends
+  is sent, in the schedule's order, once its bucket's gradients exist; when
+  backward ends the rest of them are sent and every bucket's gradient is copied
+  into the new group (plus what was held), or, at an iteration whose gradients
+  are held, added to the held sums;
+* ``step()``: everything sent is waited for; a group the schedule applies now
+  costs one update of every bucket.
+
+Each unit is one all-reduce, or a reduce-scatter and an all-gather (the
+reduction the job measured faster); compute loses the CPU an op's bytes take
+while it is on the link (the profile's ``cpu_per_byte``), as in
+:mod:`dearopt.sim.simulator`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..plan import Plan
+from ..schedules.deft import DeftIteration, DeftSchedule
+from .cost import CommCost
+from .profile import Profile
+from .simulator import Prediction
+
+__all__ = ["simulate_deft", "schedule_to_json", "schedule_from_json"]
+
+ALL_REDUCE = "all_reduce"
+RSAG = "reduce_scatter+all_gather"
+
+
+class _Clock:
+    """One rank's compute stream and the link, in simulated seconds."""
+
+    def __init__(self, per_byte: Dict[str, float]):
+        self.now = 0.0
+        self.per_byte = per_byte
+        self.queue: List[Tuple[int, float, float]] = []  # (op, seconds, bytes) started, in order
+        self.running: Optional[Tuple[int, float, float, float]] = None  # (op, end, seconds, bytes)
+        self.done: set = set()
+        self._next = 0
+        self.busy = 0.0
+
+    def send(self, seconds: float, nbytes: float) -> int:
+        op = self._next
+        self._next += 1
+        self.queue.append((op, seconds, nbytes))
+        self._start()
+        return op
+
+    def _start(self) -> None:
+        if self.running is None and self.queue:
+            op, seconds, nbytes = self.queue.pop(0)
+            self.running = (op, self.now + seconds, seconds, nbytes)
+
+    def _advance(self, until: float) -> None:
+        """Move the clock to ``until`` (not past the running op's end), finishing the op if it ends there."""
+        if self.running is not None:
+            until = min(until, self.running[1])
+            self.busy += max(until - self.now, 0.0)
+        self.now = max(self.now, until)
+        if self.running is not None and self.running[1] <= self.now + 1e-12:
+            self.done.add(self.running[0])
+            self.running = None
+            self._start()
+
+    def work(self, seconds: float, phase: str) -> None:
+        """Compute ``seconds`` of work, slower while an op is on the link."""
+        left = seconds
+        while left > 1e-12:
+            rate = 1.0
+            if self.running is not None and self.running[2] > 0:
+                rate = max(1.0 - self.per_byte.get(phase, 0.0) * self.running[3] / self.running[2], 0.05)
+            end = self.now + left / rate
+            start = self.now
+            self._advance(end)
+            left -= (self.now - start) * rate
+
+    def wait(self, ops: Sequence[int]) -> None:
+        while any(op not in self.done for op in ops):
+            if self.running is None:
+                raise RuntimeError(f"deft simulation stuck waiting for ops {list(ops)}")
+            self._advance(self.running[1])
+
+
+def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduction: str = ALL_REDUCE,
+                  world: Optional[int] = None, comm: Optional[Dict[str, CommCost]] = None,
+                  periods: int = 3) -> Prediction:
+    """Predict ``plan`` (its buckets and pieces: the units) carried out by ``schedule`` on ``world`` ranks; the
+    iteration time is the mean over one period in the steady state (after the warm-up and ``periods - 1``
+    periods), its parts likewise."""
+    from ..delayed import deft_times, plan_units
+
+    world = world or plan.world_size
+    comm = comm or profile.comm
+    units = plan_units(plan)
+    if schedule.buckets != len(units):
+        raise ValueError(f"the schedule has {schedule.buckets} units, the plan {len(units)}")
+    if reduction not in (ALL_REDUCE, RSAG):
+        raise ValueError(f"reduction must be {ALL_REDUCE!r} or {RSAG!r}, got {reduction!r}")
+    kinds = ("all_reduce",) if reduction == ALL_REDUCE else ("reduce_scatter", "all_gather")
+    seconds = [sum(comm[k].time(plan.buckets[b].piece_nbytes(p), world) for k in kinds) for b, p in units]
+    nbytes = [plan.buckets[b].piece_nbytes(p) * len(kinds) for b, p in units]
+    forward_u, _, _ = deft_times(profile, plan, reduction)
+    ready_b = [max(profile.ready[p] for p in b.params) for b in plan.buckets]
+    bucket_bytes = [b.padded_numel * b.element_size for b in plan.buckets]
+    elements = sum(b.grad_numel for b in plan.buckets)
+    update = profile.update_per_call * len(plan.buckets) + profile.update_per_element * elements
+    clock = _Clock(profile.cpu_per_byte or {})
+    held = False
+    group_ops: List[int] = []  # this iteration's sends of the old group (step() waits for all of them)
+    spans: List[Tuple[float, float, float, float, float]] = []  # per iteration: start, backward, step, end, busy
+    n_iter = len(schedule.warmup) + periods * len(schedule.period)
+    for t in range(n_iter):
+        it = schedule.iteration(t)
+        start, busy0 = clock.now, clock.busy
+        forward_ops = [clock.send(seconds[u], nbytes[u]) for u in it.forward]
+        group_ops += forward_ops
+        for u in range(len(units)):
+            clock.work(forward_u[u], "forward")
+        backward_at = clock.now
+        clock.wait(forward_ops)  # the forward stage's sends are done before backward's
+        group_ops += [clock.send(seconds[u], nbytes[u]) for u in it.backward_old]
+        new_ops: List[int] = []
+        order, cursor, done_compute = list(it.backward_new), 0, 0.0
+        for b in sorted(range(len(plan.buckets)), key=lambda b: ready_b[b]):
+            clock.work(max(ready_b[b] - done_compute, 0.0), "backward")
+            done_compute = max(done_compute, ready_b[b])
+            ready = {c for c in range(len(plan.buckets)) if ready_b[c] <= done_compute}
+            while cursor < len(order) and units[order[cursor]][0] in ready:
+                new_ops.append(clock.send(seconds[order[cursor]], nbytes[order[cursor]]))
+                cursor += 1
+        clock.work(max(profile.t_bp - done_compute, 0.0), "backward")
+        new_ops += [clock.send(seconds[u], nbytes[u]) for u in order[cursor:]]
+        # every bucket's gradient copied into the new group (and the held sums added), or added to the held sums
+        passes = 2 if held and not it.held else 1
+        clock.work(sum(bucket_bytes) * passes * profile.copy_per_byte, "backward")
+        held = it.held
+        step_at = clock.now
+        clock.wait(group_ops + new_ops)  # step() waits for every send of this iteration
+        if it.applies is not None:
+            clock.work(update, "backward")
+        group_ops = []
+        spans.append((start, backward_at, step_at, clock.now, clock.busy - busy0))
+    last = spans[-len(schedule.period):]
+    mean = lambda f: sum(f(s) for s in last) / len(last)  # noqa: E731
+    return Prediction(iteration=mean(lambda s: s[3] - s[0]), forward=mean(lambda s: s[1] - s[0]),
+                      backward=mean(lambda s: s[2] - s[1]), step=mean(lambda s: s[3] - s[2]),
+                      link_busy=mean(lambda s: s[4]), events=[])
+
+
+def schedule_to_json(schedule: DeftSchedule) -> dict:
+    """A :class:`DeftSchedule` as JSON (the benchmark records the one each run solved)."""
+    return dataclasses.asdict(schedule)
+
+
+def schedule_from_json(doc: dict) -> DeftSchedule:
+    """The inverse of :func:`schedule_to_json`."""
+    def iteration(d):
+        return DeftIteration(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    return DeftSchedule(buckets=doc["buckets"], warmup=tuple(iteration(d) for d in doc["warmup"]),
+                        period=tuple(iteration(d) for d in doc["period"]), mu=doc.get("mu"))
