@@ -283,17 +283,23 @@ class Executor:
             self.issuer.pump(self._may_start)  # ops held back for credit start as soon as room frees
 
     def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm's running statistics...) on every rank, as DDP does before each training
+        forward: all of them, of every dtype, as the bytes of one message (one collective, not one per dtype;
+        each buffer's bytes start at a multiple of 8 so that they can be viewed as its dtype again)."""
         buffers = [b for b in self.model.buffers() if b.numel() > 0]
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        if not buffers:
+            return
+        spans, offset = [], 0
         for b in buffers:
-            by_dtype.setdefault(b.dtype, []).append(b)
-        for dtype, group in by_dtype.items():
-            flat = torch.cat([b.reshape(-1) for b in group]).to(self.backend.device)
-            self.control.broadcast(flat, 0, step=self.step_count).wait()
-            offset = 0
-            for b in group:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
+            nbytes = b.numel() * b.element_size()
+            spans.append((offset, nbytes))
+            offset += -(-nbytes // 8) * 8
+        flat = torch.zeros(offset, dtype=torch.uint8, device=self.backend.device)
+        for b, (start, nbytes) in zip(buffers, spans):
+            flat[start:start + nbytes].copy_(b.detach().reshape(-1).view(torch.uint8))
+        self.control.broadcast(flat, 0, step=self.step_count).wait()
+        for b, (start, nbytes) in zip(buffers, spans):
+            b.copy_(flat[start:start + nbytes].view(b.dtype).view_as(b))
 
     # ------------------------------------------------------------- planning
     def _build_plan(self) -> None:
