@@ -70,18 +70,19 @@ def test_compute_loses_the_cpu_each_ops_bytes_take():
 
 def test_the_engines_copies_and_averaging_take_compute_time():
     # copy_per_byte c: each 3988-byte gradient is copied into its bucket when ready (0.1 and 0.3), each 4000-byte
-    # all-reduced bucket averaged when backward ends.  Fast link (0.1 s per all-reduce, hidden): backward =
-    # 0.4 of compute + 2 copies + 2 averages; forward and step unchanged
+    # all-reduced bucket averaged (c per byte) and summed by the non-finite check (c / 2) when backward ends.
+    # Fast link (0.1 s per all-reduce, hidden): backward = 0.4 of compute + 2 copies + 2 averages and checks;
+    # forward and step unchanged
     c = 0.05 / 4000
     base = profile(beta=2.5e-5)
     base.copy_per_byte = c
     p = simulate(base, plan("wfbp"))
-    assert p.backward == pytest.approx(0.4 + 2 * 3988 * c + 2 * 4000 * c)
+    assert p.backward == pytest.approx(0.4 + 2 * 3988 * c + 2 * 1.5 * 4000 * c)  # average + the check's sum
     assert (p.forward, p.step) == pytest.approx((0.4, 0.0))
     # under dear only this rank's shard of a reduce-scatter is averaged (2000 bytes each, at step())
     q = simulate(base, plan("dear"))
     without = simulate(profile(beta=2.5e-5), plan("dear"))
-    assert q.step - without.step == pytest.approx(2 * 2000 * c)
+    assert q.step - without.step == pytest.approx(2 * 1.5 * 2000 * c)
     assert q.backward - without.backward == pytest.approx(2 * 3988 * c)
 
 

@@ -22,8 +22,8 @@ world size.  While an op is on the link, compute loses the CPU the op takes: the
 profile's ``cpu_per_byte`` times the op's bytes, spread over its time on the link
 (profiles without it: compute runs ``1 + gamma`` times slower, the older factor).  The engine's own passes over gradient memory run on
 the compute stream too (the profile's ``copy_per_byte``): each gradient copied
-into its bucket as it becomes ready, each reduced region averaged when its op is
-waited for.  Several iterations are simulated; the last one is the prediction
+into its bucket as it becomes ready, each reduced region averaged (and summed by
+the non-finite check) when its op is waited for.  Several iterations are simulated; the last one is the prediction
 (steady state, for schedules whose work crosses iterations).
 """
 
@@ -221,13 +221,14 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
     averaged: set = set()
 
     def average(indices: List[int]) -> None:
-        """The executor averages each reduced region once its op is waited for: one pass over those bytes."""
+        """The executor averages each reduced region once its op is waited for (one pass over those bytes, as a
+        copy) and its non-finite check sums it (a read: half a copy's work)."""
         for i in indices:
             if i in averaged or not ops[i].average or ops[i].kind == ROWS:
                 continue
             averaged.add(i)
             share = ops[i].nbytes / world if ops[i].kind == REDUCE_SCATTER else ops[i].nbytes
-            work(share * profile.copy_per_byte, "average", "backward")
+            work(1.5 * share * profile.copy_per_byte, "average", "backward")
 
     def wait_for(indices: List[int], name: str) -> None:
         if not indices:
