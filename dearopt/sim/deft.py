@@ -33,7 +33,7 @@ from ..plan import Plan
 from ..schedules.deft import DeftIteration, DeftSchedule
 from .cost import CommCost
 from .profile import Profile
-from .simulator import Prediction
+from .simulator import Prediction, cpu_per_byte
 
 __all__ = ["simulate_deft", "schedule_to_json", "schedule_from_json"]
 
@@ -118,8 +118,7 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
     bucket_bytes = [b.padded_numel * b.element_size for b in plan.buckets]
     elements = sum(b.grad_numel for b in plan.buckets)
     update = profile.update_per_call * len(plan.buckets) + profile.update_per_element * elements
-    measured = profile.cpu_per_byte or {}
-    clock = _Clock(dict.fromkeys(("forward", "backward"), max(measured.values())) if measured else {})
+    clock = _Clock(dict.fromkeys(("forward", "backward"), cpu_per_byte(profile)))
     held = False
     group_ops: List[int] = []  # this iteration's sends of the old group (step() waits for all of them)
     spans: List[Tuple[float, float, float, float, float]] = []  # per iteration: start, backward, step, end, busy

@@ -19,7 +19,7 @@ An op starts on the link when every op before it has started, its start
 moment has come, the credit window has room (unless it is due now) and the
 link is free; it lasts what the profile's alpha-beta fit predicts for the
 world size.  While an op is on the link, compute loses the CPU the op takes: the
-profile's ``cpu_per_byte`` (the larger of its two phases' measurements) times the
+profile's ``cpu_per_byte`` (:func:`cpu_per_byte`: one number for both phases) times the
 op's bytes, spread over its time on the link (profiles without it: compute runs
 ``1 + gamma`` times slower, the older factor).  The engine's own passes over gradient memory run on
 the compute stream too (the profile's ``copy_per_byte``): each gradient copied
@@ -38,7 +38,7 @@ from ..plan import REDUCE_SCATTER, ROWS, Plan, When
 from .cost import CommCost
 from .profile import Profile
 
-__all__ = ["Prediction", "simulate", "op_time", "op_bytes"]
+__all__ = ["Prediction", "simulate", "op_time", "op_bytes", "cpu_per_byte"]
 
 
 @dataclasses.dataclass
@@ -66,6 +66,15 @@ def op_bytes(profile: Profile, plan: Plan, op, world: int) -> Tuple[str, float]:
     if world * rows * 2 > rows_total:  # the executor falls back to a dense all-reduce
         return "all_reduce", bucket.padded_numel * bucket.element_size
     return "all_gather", world * rows * (width * bucket.element_size + 8)
+
+
+def cpu_per_byte(profile: Profile) -> float:
+    """The compute seconds a byte of collectives takes, one number for both phases: the CPU a byte costs is the
+    machine's and the backend's, not the phase's, so the phases' measurements are two samples of it (they
+    differ by up to 2x between runs of one cell); their mean, leaving out one that measured nothing (a short
+    or noisy phase can hide it: ResNet-50 on an unshaped link measured 0 in backward, 0.42 ns/B in forward)."""
+    values = [v for v in profile.cpu_per_byte.values() if v > 0]
+    return sum(values) / len(values) if values else 0.0
 
 
 def op_time(profile: Profile, plan: Plan, op, world: int, comm: Dict[str, CommCost]) -> float:
@@ -131,11 +140,8 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
     world = world or plan.world_size
     comm = comm or profile.comm
     gamma = profile.contention if contention is None else contention
-    # the collectives' CPU per byte is the machine's and the backend's, not the phase's: the larger of the two
-    # phases' measurements (the other phase's compute can be too short or too noisy to show it: ResNet-50 on an
-    # unshaped link measured 0 in backward and 0.4 ns/B in forward)
-    measured = profile.cpu_per_byte if contention is None else {}
-    per_byte = dict.fromkeys(("forward", "backward"), max(measured.values())) if measured else {}
+    per_byte = dict.fromkeys(("forward", "backward"), cpu_per_byte(profile)) if contention is None and \
+        profile.cpu_per_byte else {}
     ops = plan.ops
     durations = [op_time(profile, plan, op, world, comm) for op in ops]
     wire = [op_bytes(profile, plan, op, world)[1] for op in ops]
