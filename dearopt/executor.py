@@ -322,7 +322,7 @@ class Executor:
         groups = profile_blocks(specs, buffer_size=self.buffer_size, ready_times=ready, bandwidth=bandwidth,
                                 latency=latency) if self.blocks else None
         plan = build_plan(specs, self.buffer_size, self.world, self.options.schedule, groups=groups,
-                          phases=self._phases(),
+                          phases=self._phases(), gathers_at_step=self.blocks,
                           partition_size=self.partition_size, priority=self.options.priority,
                           ready_times=ready, bandwidth=bandwidth, latency=latency, credit=self.window.credit,
                           comm_hook=hook_name,
@@ -483,9 +483,9 @@ class Executor:
         """The plans worth measuring against each other under ``allreduce="auto"``, as the knobs that make each
         (``{"allreduce": rule}``, and ``"blocks": True`` for Prophet's blocks) with what it plans (the
         all-reduced buckets; the blocks): the profile's rule (``"predicted"``), DeAR's (none: ``0.0``), DDP's
-        (every bucket: ``1.0``), and DeAR's ops on Prophet's gradient blocks from the same profile (where the
-        link is the bottleneck a bucket that starts as soon as its gradients exist keeps it busier than
-        buckets of one size); plans alike counted once.  Empty without a profile or where nothing is to
+        (every bucket: ``1.0``), and DeAR's ops on Prophet's gradient blocks from the same profile, every
+        all-gather started at ``step()`` (where the link is the bottleneck a bucket that starts as soon as its
+        gradients exist keeps it busier than buckets of one size); plans alike counted once.  Empty without a profile or where nothing is to
         choose (one rank, another schedule, a fixed fraction)."""
         if (self.options.allreduce != "auto" or self.world == 1 or self.plan is None or self.profile.result is None
                 or not get_schedule(self.options.schedule).mixes_allreduce):

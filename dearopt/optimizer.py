@@ -113,7 +113,8 @@ class DistOptim(torch.optim.Optimizer):
             gathered in the next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the
             link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
             prediction, then measured against none (DeAR's plan), all (DDP's) and DeAR's plan on Prophet's
-            gradient blocks (buckets formed from the profiled gaps between gradients) for
+            gradient blocks (buckets formed from the profiled gaps between gradients, every all-gather started
+            at ``step()``) for
             :data:`PLAN_CHOICE_STEPS` steps each (those within :data:`PLAN_CHOICE_REMATCH` of the fastest once
             more), and the fastest is kept (``optimizer.plan_choice``): on
             machines where communication takes cycles from the computation the link model alone misjudges it.

@@ -391,6 +391,7 @@ class Layout:
     reduction_order: Tuple[Tuple[int, int], ...]  # (bucket, piece) in the order the reductions start
     credit: Optional[int]
     allreduce: FrozenSet[int] = frozenset()  # buckets to all-reduce in backward (dear), see allreduce_buckets
+    gathers_at_step: bool = False  # dear: every all-gather starts at step(), back to back (as Prophet's)
 
 
 def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
@@ -401,7 +402,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
                allreduce: Union[float, str] = 0.0, sharded_update: bool = False,
                groups: Optional[Sequence[Sequence[int]]] = None,
-               phases: Optional[Tuple[float, float]] = None) -> Plan:
+               phases: Optional[Tuple[float, float]] = None, gathers_at_step: bool = False) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -423,7 +424,10 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     ranks that disagree about it are refused.
 
     ``phases``: the profiled forward and backward computation (seconds), for ``allreduce="auto"``'s balance
-    (:func:`allreduce_buckets`).  ``groups``: the buckets themselves (contiguous runs of positions in forward order, e.g. the blocks a run
+    (:func:`allreduce_buckets`).  ``gathers_at_step``: under ``dear``, start every all-gather at ``step()``, back
+    to back in forward order (as Prophet's forward phase), not one bucket ahead of the forward: with many small
+    buckets on a saturated link one bucket ahead leaves the link idle between them.  ``groups``: the buckets
+    themselves (contiguous runs of positions in forward order, e.g. the blocks a run
     formed, replayed by :mod:`dearopt.sim`) instead of the schedule's own (:func:`layout_buckets`).
 
     Twins and row-sparse parameters (:class:`ParamSpec`) are planned the same
@@ -454,7 +458,7 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth, latency or 0.0)]
     chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth, latency, phases) \
         if policy.mixes_allreduce else frozenset()
-    layout = Layout(buckets, tuple(backward), credit, chosen)
+    layout = Layout(buckets, tuple(backward), credit, chosen, gathers_at_step)
     ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
     _check_ops(ops, buckets, schedule)
     if sharded_update and any(op.kind not in (REDUCE_SCATTER, ALL_GATHER) for op in ops):

@@ -88,6 +88,12 @@ def test_dear_reduce_scatters_in_backward_and_gathers_one_bucket_ahead_in_forwar
     credited = build_plan(specs(10, 10, 10), 40, 2, "dear", credit=100)
     assert [op.start for op in credited.gather_ops] == [STEP] * 3
     assert plan.update_points() == [forward_of(0), forward_of(1), forward_of(2)]
+    # gathers_at_step (the measured choice's plan on Prophet's blocks): all at step(), each still due before its
+    # bucket's layers; the reductions as before
+    eager = build_plan(specs(10, 10, 10), 40, 2, "dear", gathers_at_step=True)
+    assert [op.start for op in eager.gather_ops] == [STEP] * 3
+    assert [op.due for op in eager.gather_ops] == [forward_of(0), forward_of(1), forward_of(2)]
+    assert eager.first_ops == plan.first_ops and eager.fingerprint() != plan.fingerprint()
 
 
 def test_rsag_gathers_each_piece_after_its_reduce_scatter():

@@ -149,6 +149,9 @@ def predictions(doc: dict) -> Dict[str, dict]:
         formed = [r["groups"] for r in rounds if r.get("groups")]
         if formed:  # the buckets that ran (Prophet's blocks come from the run's own profile), the most frequent
             knobs["groups"] = max(formed, key=formed.count)
+        kept = [r.get("kept") for r in rounds]
+        if schedule == "dear" and kept and max(kept, key=kept.count) == "blocks":  # the measured choice's blocks
+            knobs["gathers_at_step"] = True
         p = predict(profile, schedule, **knobs)
         out[name] = {"iter": p.iteration, "forward": p.forward, "backward": p.backward, "step": p.step}
     return out

@@ -6,7 +6,8 @@ each rank's shard.  FeedPipe: bucket ``b``'s all-gather is due, and its
 update applied, just before the first module of bucket ``b`` runs in the next
 forward.  The first bucket's all-gather starts at ``step()``; each next one
 when the forward reaches the one before (one bucket ahead), or, with a
-``credit`` window, at ``step()`` as far as the credit allows.
+``credit`` window, at ``step()`` as far as the credit allows; with ``gathers_at_step`` (the measured
+choice's plan on Prophet's blocks), all at ``step()``, back to back.
 
 Buckets in ``layout.allreduce`` (the output side, whose gradients are ready
 first; see :func:`dearopt.plan.allreduce_buckets`) are instead all-reduced in
@@ -42,7 +43,8 @@ class DeAR(Schedule):
             b = bucket.index
             if b in whole:
                 continue
-            start = STEP if previous is None or layout.credit is not None else forward_of(previous)
+            start = STEP if previous is None or layout.credit is not None or layout.gathers_at_step \
+                else forward_of(previous)
             ops += [CommOp(ALL_GATHER, b, k, bucket.piece_nbytes(k), start=start, due=forward_of(b))
                     for k in range(len(bucket.pieces))]
             previous = b
