@@ -44,6 +44,16 @@ def test_dear_overlaps_gathers_with_the_next_forward():
     assert names == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
 
 
+def test_only_the_host_starts_ops_an_op_needing_anothers_result_waits_for_the_next_hook():
+    # rsag: rs1, ag1 (after rs1), rs0, ag0 (after rs0), 0.1 s each.  rs1 0.1-0.2 ends while backward computes:
+    # ag1 starts at the next gradient hook (p0 ready, 0.3), rs0 behind it (0.4-0.5); at backward's end (0.4) the
+    # host waits, completes rs0 at 0.5 and starts ag0: 0.5-0.6
+    p = simulate(profile(beta=5e-5), plan("rsag"))
+    assert (p.forward, p.backward, p.step) == pytest.approx((0.4, 0.6, 0.0))
+    starts = [round(e["ts"] / 1e6 - p.forward, 6) for e in p.events if e["cat"] == "comm"]
+    assert starts == pytest.approx([0.1, 0.3, 0.4, 0.5])
+
+
 def test_compute_slows_while_the_link_is_busy():
     # gamma 1: half speed while an all-reduce runs.  Backward: 0-0.1 alone; AR1 0.1-0.2 (compute +0.05);
     # 0.2-0.35 alone (p0 ready); AR0 0.35-0.45 (+0.05); 0.45-0.5 alone: backward 0.5

@@ -201,9 +201,11 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
             return 1.0 / max(1.0 - taken, 0.05)
         return 1.0 + gamma.get(phase, 0.0)
 
-    def advance(until: float, phase: str) -> float:
+    def advance(until: float, phase: str, waiting: bool = False) -> float:
         """Run the clock to ``until`` or to the link's next event, whichever is first; return the compute
-        progress made meanwhile (slower while the link is busy)."""
+        progress made meanwhile (slower while the link is busy).  Only the host starts ops: while it computes,
+        an op that finishes lets none start (an op needing its result, or credit it frees, waits for the next
+        gradient hook, module or wait, as the executor polls); while it waits (``waiting``), it does."""
         link = state["link"]
         step_end = min(until, link.next_event())
         rate = 1.0 / slowdown(phase)
@@ -216,7 +218,8 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
             events.append({"name": ops[i].kind, "cat": "comm", "ph": "X", "tid": 1,
                            "ts": link.start_times[i] * 1e6, "dur": (clock[0] - link.start_times[i]) * 1e6,
                            "args": {"bucket": ops[i].bucket, "piece": ops[i].piece}})
-            pump()  # an op after this one (its dependency, or credit) may go now
+            if waiting:
+                pump()  # the host, waiting, completes this op: an op after it (its dependency, or credit) may go
         return span * rate
 
     def work(seconds: float, name: str, phase: str) -> None:
@@ -252,7 +255,7 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
                 pump(force_through=max(indices))
                 if not link.busy:
                     raise RuntimeError(f"simulation stuck waiting for ops {indices} at {clock[0]:.4f}s")
-            advance(link.next_event(), "backward")
+            advance(link.next_event(), "backward", waiting=True)
         if clock[0] > start:
             events.append({"name": name, "cat": "wait", "ph": "X", "tid": 0, "ts": start * 1e6,
                            "dur": (clock[0] - start) * 1e6, "args": {}})
