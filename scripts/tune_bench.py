@@ -2,7 +2,10 @@
 """How good is the online buffer-size tuner?  A grid of fixed sizes and the tuner, side by side in one run.
 
 For each size of the grid (default 1, 2, 5, 10, 25, 50, 100 MB) the `dear`
-schedule trains the model for --iterations timed iterations (after --warmup);
+schedule trains the model for --iterations timed iterations (after --warmup),
+in --rounds interleaved rounds (every size once per round, a fresh DistOptim
+each time; a size's figure is the median over all its rounds' iterations, so
+that a slow minute of the machine does not land on one size);
 then a fresh DistOptim with buffer_size="auto" tunes online until the tuner
 stops, and the size it chose is timed the same way.  Prints the grid's
 throughputs, the chosen size, the number of trials, the chosen size's
@@ -22,8 +25,8 @@ import time
 MB = 2**20
 
 
-def _timed(opt, model, workload, iterations, warmup, seed0):
-    times = []
+def _timed(opt, model, workload, iterations, warmup, seed0, times=None):
+    times = [] if times is None else times
     for i in range(warmup + iterations):
         x, y = workload.make_batch(seed0 + i)
         t0 = time.perf_counter()
@@ -52,14 +55,19 @@ def _run(cfg):
         inner = torch.optim.SGD(workload.model.parameters(), lr=0.01, momentum=0.9)
         return workload, inner
 
-    for size_mb in cfg["grid"]:
-        workload, inner = make()
-        opt = dearopt.DistOptim(inner, workload.model, buffer_size=int(size_mb * MB), allreduce=cfg["allreduce"])
-        t = _timed(opt, workload.model, workload, cfg["iterations"], cfg["warmup"], 0)
-        results["grid"][size_mb] = {"iteration_s": t, "samples_per_s": workload.batch_size * dearopt.size() / t}
-        opt.close()
-        if rank == 0:
-            print(f"  grid {size_mb:>6} MB: {t:.3f} s/iteration", flush=True)
+    samples = {size_mb: [] for size_mb in cfg["grid"]}
+    for r in range(cfg["rounds"]):
+        for size_mb in cfg["grid"]:
+            workload, inner = make()
+            opt = dearopt.DistOptim(inner, workload.model, buffer_size=int(size_mb * MB), allreduce=cfg["allreduce"])
+            t = _timed(opt, workload.model, workload, cfg["iterations"], cfg["warmup"], 100 * r, samples[size_mb])
+            opt.close()
+            if rank == 0:
+                print(f"  round {r + 1}/{cfg['rounds']}, grid {size_mb:>6} MB: {t:.3f} s/iteration so far", flush=True)
+    for size_mb, times in samples.items():
+        t = statistics.median(times)
+        results["grid"][size_mb] = {"iteration_s": t, "samples_per_s": workload.batch_size * dearopt.size() / t,
+                                    "samples_s": times}
     workload, inner = make()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
     opt = dearopt.DistOptim(inner, workload.model, buffer_size="auto", tuning_steps=cfg["tuning_steps"],
@@ -97,6 +105,7 @@ def main(argv=None):
     parser.add_argument("--grid", default="1,2,5,10,25,50,100", help="buffer sizes in MB")
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the grid")
     parser.add_argument("--tuning-steps", type=int, default=3, help="measured iterations per trial")
     parser.add_argument("--allreduce", type=float, default=0.0,
                         help="dear's all-reduced share, fixed for every size (default 0: DeAR's plan, as the paper "
@@ -109,7 +118,7 @@ def main(argv=None):
             return run_shaped(args.rate, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])])
         print(f"note: cannot emulate {args.rate} ({reason}); running unshaped", flush=True)
     cfg = {"model": args.model, "grid": [float(g) for g in args.grid.split(",")], "iterations": args.iterations,
-           "warmup": args.warmup, "tuning_steps": args.tuning_steps, "allreduce": args.allreduce}
+           "warmup": args.warmup, "rounds": args.rounds, "tuning_steps": args.tuning_steps, "allreduce": args.allreduce}
     link = os.environ.get(SHAPED_ENV, "unshaped loopback")
     print(f"tuner benchmark: {args.model}, {args.ranks} ranks, link {link}", flush=True)
     res = spawn(_run, args.ranks, cfg)[0]
