@@ -62,10 +62,11 @@ def test_compute_slows_while_the_link_is_busy():
 
 
 def test_compute_loses_the_cpu_each_ops_bytes_take():
-    # cpu_per_byte k: while an op of n bytes is on the link for d seconds, compute runs at 1 - k n / d.
-    # k = 0.05 / 4000: each 4000-byte all-reduce (0.1 s) takes 0.05 s of CPU, half speed: the gamma = 1 case
+    # cpu_per_byte k (per byte of a reduce-scatter or an all-gather): while an op of n bytes is on the link for
+    # d seconds, compute runs at 1 - k n / d, an all-reduce (both of them) at 1 - 2 k n / d.
+    # k = 0.025 / 4000: each 4000-byte all-reduce (0.1 s) takes 0.05 s of CPU, half speed: the gamma = 1 case
     base = profile(beta=2.5e-5)
-    base.cpu_per_byte = {"forward": 0.0, "backward": 0.05 / 4000}
+    base.cpu_per_byte = {"forward": 0.0, "backward": 0.025 / 4000}
     p = simulate(base, plan("wfbp"))
     assert p.backward == pytest.approx(0.5) and p.iteration == pytest.approx(0.9)
     # the same bytes on a link twice as slow take the same CPU over twice the time (0.75 speed): backward
@@ -213,7 +214,8 @@ def test_deft_replays_its_schedule_by_hand():
     # the forward's send takes CPU: half speed while it runs (k n / d = 0.5), so forward A and B take
     # 2.5 s at half speed (1.25 of work) + 1.75 s = 4.25 s, and backward A 3 s while unit 1 runs 2.5 s of it: 4.25
     slowed = _deft_profile(2.5)
-    slowed.cpu_per_byte = {"forward": 0.5 * 2.5 / 4000, "backward": 0.5 * 2.5 / 4000}  # a bucket: 4000 bytes
+    # a bucket: 4000 bytes, all-reduced (twice the CPU of a reduce-scatter's bytes)
+    slowed.cpu_per_byte = {"forward": 0.25 * 2.5 / 4000, "backward": 0.25 * 2.5 / 4000}
     q = simulate_deft(slowed, build_plan(slowed.params, 1, 2, "deft"), schedule)
     assert q.iteration == pytest.approx(((4.25 + 4.25) + (4.25 + 3.0)) / 2)
     # one bucket whose all-reduce fits in the forward: every step's group in the next forward, one step late

@@ -33,7 +33,7 @@ from ..plan import Plan
 from ..schedules.deft import DeftIteration, DeftSchedule
 from .cost import CommCost
 from .profile import Profile
-from .simulator import Prediction, cpu_per_byte
+from .simulator import Prediction, cpu_bytes, cpu_per_byte
 
 __all__ = ["simulate_deft", "schedule_to_json", "schedule_from_json"]
 
@@ -112,7 +112,7 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
         raise ValueError(f"reduction must be {ALL_REDUCE!r} or {RSAG!r}, got {reduction!r}")
     kinds = ("all_reduce",) if reduction == ALL_REDUCE else ("reduce_scatter", "all_gather")
     seconds = [sum(comm[k].time(plan.buckets[b].piece_nbytes(p), world) for k in kinds) for b, p in units]
-    nbytes = [plan.buckets[b].piece_nbytes(p) * len(kinds) for b, p in units]
+    nbytes = [sum(cpu_bytes(k, plan.buckets[b].piece_nbytes(p)) for k in kinds) for b, p in units]
     forward_u, _, _ = deft_times(profile, plan, reduction)
     ready_b = [max(profile.ready[p] for p in b.params) for b in plan.buckets]
     bucket_bytes = [b.padded_numel * b.element_size for b in plan.buckets]

@@ -20,7 +20,8 @@ moment has come, the credit window has room (unless it is due now) and the
 link is free; it lasts what the profile's alpha-beta fit predicts for the
 world size.  While an op is on the link, compute loses the CPU the op takes: the
 profile's ``cpu_per_byte`` (:func:`cpu_per_byte`: one number for both phases) times the
-op's bytes, spread over its time on the link (profiles without it: compute runs
+op's bytes (an all-reduce's twice: a ring all-reduce is a reduce-scatter and an all-gather of its buffer,
+the two ops the profile measured), spread over its time on the link (profiles without it: compute runs
 ``1 + gamma`` times slower, the older factor).  The engine's own passes over gradient memory run on
 the compute stream too (the profile's ``copy_per_byte``): each gradient copied
 into its bucket as it becomes ready, each reduced region averaged (and summed by
@@ -38,7 +39,7 @@ from ..plan import REDUCE_SCATTER, ROWS, Plan, When
 from .cost import CommCost
 from .profile import Profile
 
-__all__ = ["Prediction", "simulate", "op_time", "op_bytes", "cpu_per_byte"]
+__all__ = ["Prediction", "simulate", "op_time", "op_bytes", "cpu_bytes", "cpu_per_byte"]
 
 
 @dataclasses.dataclass
@@ -66,6 +67,12 @@ def op_bytes(profile: Profile, plan: Plan, op, world: int) -> Tuple[str, float]:
     if world * rows * 2 > rows_total:  # the executor falls back to a dense all-reduce
         return "all_reduce", bucket.padded_numel * bucket.element_size
     return "all_gather", world * rows * (width * bucket.element_size + 8)
+
+
+def cpu_bytes(kind: str, nbytes: float) -> float:
+    """The bytes an op of ``kind`` on a buffer of ``nbytes`` costs in CPU, in the units of the profile's
+    ``cpu_per_byte`` (measured per buffer byte of reduce-scatters and all-gathers): an all-reduce is both."""
+    return 2.0 * nbytes if kind == "all_reduce" else nbytes
 
 
 def cpu_per_byte(profile: Profile) -> float:
@@ -144,7 +151,7 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
         profile.cpu_per_byte else {}
     ops = plan.ops
     durations = [op_time(profile, plan, op, world, comm) for op in ops]
-    wire = [op_bytes(profile, plan, op, world)[1] for op in ops]
+    wire = [cpu_bytes(*op_bytes(profile, plan, op, world)) for op in ops]
     owner = {}
     for b in plan.buckets:
         for p in b.params:
