@@ -223,3 +223,24 @@ def test_deft_replays_its_schedule_by_hand():
     one_plan = build_plan(one.params, 1, 2, "deft")
     r = simulate_deft(one, one_plan, deft_schedule([1.0], [1.0], [0.5]))
     assert r.iteration == pytest.approx(2.0) and r.link_busy == pytest.approx(0.5)
+
+
+def test_a_profile_without_twins_is_the_model_as_deft_sees_it():
+    # an embedding (rows of 4) whose tied decoder is its twin: the decoder's module owns only the twin, and its
+    # part of the gradient is ready first (0.1), the lookup's last (0.9).  Without twins: the embedding's gradient
+    # is complete at 0.9 and dense; the decoder's 0.05 s before it runs move to the forward's tail
+    params = [ParamSpec("emb", 16, "float32", 4, row_numel=4), ParamSpec("lin", 8, "float32", 4),
+              ParamSpec("emb (tied use)", 16, "float32", 4, twin_of=0)]
+    comm = {k: CommCost(k, alpha=0.0, beta=1e-6) for k in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")}
+    tied = Profile(params=params, forward_segments=[([0], 0.1), ([1], 0.2), ([2], 0.05)], forward_tail=0.3,
+                   ready=[0.9, 0.5, 0.1], t_bp=1.0, update_per_element=0.0, update_per_call=0.0, comm=comm,
+                   comm_samples={}, contention={}, world=2, rows_fraction={0: 0.25})
+    dense = tied.without_twins()
+    assert [(p.name, p.row_numel, p.twin_of) for p in dense.params] == [("emb", 0, None), ("lin", 0, None)]
+    assert dense.ready == [0.9, 0.5] and dense.rows_fraction == {}
+    assert dense.forward_segments == [([0], 0.1), ([1], 0.2)] and dense.forward_tail == pytest.approx(0.35)
+    assert dense.t_ff == pytest.approx(tied.t_ff)
+    # a twin ready after its owner makes the owner's gradient that late
+    late = Profile(**{**tied.__dict__, "ready": [0.2, 0.5, 0.7]}).without_twins()
+    assert late.ready == [0.7, 0.5]
+    assert build_plan(dense.params, 1, 2, "deft").buckets  # plans like any profile

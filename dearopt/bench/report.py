@@ -109,8 +109,8 @@ def predictions(doc: dict) -> Dict[str, dict]:
     ``ddp`` is predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++ reducer are not
     modelled); every dearopt schedule with the buckets that ran and, for ``dear``, the buckets it all-reduced
     (recorded per round), where recorded; ``deft`` by :func:`dearopt.sim.deft.simulate_deft` with the schedule it
-    solved (the last round's), where its buckets are the profile's parameters (a tied embedding is one gradient
-    under deft, two in the profile: not predicted)."""
+    solved (the last round's) and the buckets it ran, from the profile as deft sees the model
+    (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one gradient, every gradient dense)."""
     from dearopt.errors import UsageError
     from dearopt.plan import build_plan
     from dearopt.schedules import get_schedule
@@ -129,10 +129,11 @@ def predictions(doc: dict) -> Dict[str, dict]:
             if not solved:
                 continue
             r = solved[-1]
+            dense = profile.without_twins()  # deft reduces a tied weight as one gradient, every gradient densely
             try:
-                plan = build_plan(profile.params, r["buffer_size"], profile.world, "deft",
+                plan = build_plan(dense.params, r["buffer_size"], dense.world, "deft",
                                   partition_size=r["deft"]["partition_size"], groups=r.get("groups"))
-                p = simulate_deft(profile, plan, schedule_from_json(r["deft"]["schedule"]),
+                p = simulate_deft(dense, plan, schedule_from_json(r["deft"]["schedule"]),
                                   reduction=r["deft"]["reduction"])
             except (UsageError, ValueError):
                 continue

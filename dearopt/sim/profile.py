@@ -63,6 +63,30 @@ class Profile:
     def t_ff(self) -> float:
         return sum(t for _, t in self.forward_segments) + self.forward_tail
 
+    def without_twins(self) -> "Profile":
+        """The profile as a job that reduces every gradient densely and each tied weight as one gradient sees it
+        (``schedule="deft"``, which runs with ``embedding_rows=False``): each twin (a tied weight's second use)
+        folded into its owner, whose gradient is complete when the later of the two parts is ready; a module
+        that owned only a twin adds its time to the next module's."""
+        keep = [i for i, p in enumerate(self.params) if p.twin_of is None]
+        position = {old: new for new, old in enumerate(keep)}
+        params = [dataclasses.replace(self.params[i], row_numel=0) for i in keep]
+        ready = [self.ready[i] for i in keep]
+        for i, p in enumerate(self.params):
+            if p.twin_of is not None:
+                owner = position[p.twin_of]
+                ready[owner] = max(ready[owner], self.ready[i])
+        segments, carried = [], 0.0
+        for own, seconds in self.forward_segments:
+            mapped = [position[i] for i in own if i in position]
+            if mapped:
+                segments.append((mapped, seconds + carried))
+                carried = 0.0
+            else:
+                carried += seconds
+        return dataclasses.replace(self, params=params, ready=ready, forward_segments=segments,
+                                   forward_tail=self.forward_tail + carried, rows_fraction={})
+
     def to_json(self) -> dict:
         doc = dataclasses.asdict(self)
         doc["params"] = [dataclasses.asdict(p) for p in self.params]
