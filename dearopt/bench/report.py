@@ -108,9 +108,10 @@ def predictions(doc: dict) -> Dict[str, dict]:
 
     ``ddp`` is predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++ reducer are not
     modelled); every dearopt schedule with the buckets that ran and, for ``dear``, the buckets it all-reduced
-    (recorded per round), where recorded; ``deft`` by :func:`dearopt.sim.deft.simulate_deft` with the schedule it
-    solved (the last round's) and the buckets it ran, from the profile as deft sees the model
-    (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one gradient, every gradient dense)."""
+    (recorded per round), where recorded; ``deft`` by :func:`dearopt.sim.deft.simulate_deft` with the schedule
+    and buckets each round solved and ran (the mean over the rounds: a round may solve another schedule), from
+    the profile as deft sees the model (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one
+    gradient, every gradient dense)."""
     from dearopt.errors import UsageError
     from dearopt.plan import build_plan
     from dearopt.schedules import get_schedule
@@ -128,16 +129,19 @@ def predictions(doc: dict) -> Dict[str, dict]:
             solved = [r for r in rounds if (r.get("deft") or {}).get("schedule")]
             if not solved:
                 continue
-            r = solved[-1]
             dense = profile.without_twins()  # deft reduces a tied weight as one gradient, every gradient densely
+            per_round = []
             try:
-                plan = build_plan(dense.params, r["buffer_size"], dense.world, "deft",
-                                  partition_size=r["deft"]["partition_size"], groups=r.get("groups"))
-                p = simulate_deft(dense, plan, schedule_from_json(r["deft"]["schedule"]),
-                                  reduction=r["deft"]["reduction"])
+                for r in solved:  # each round solves its own schedule; the rounds time as many iterations each
+                    plan = build_plan(dense.params, r["buffer_size"], dense.world, "deft",
+                                      partition_size=r["deft"]["partition_size"], groups=r.get("groups"))
+                    per_round.append(simulate_deft(dense, plan, schedule_from_json(r["deft"]["schedule"]),
+                                                   reduction=r["deft"]["reduction"]))
             except (UsageError, ValueError):
                 continue
-            out[name] = {"iter": p.iteration, "forward": p.forward, "backward": p.backward, "step": p.step}
+            mean = lambda f: sum(f(p) for p in per_round) / len(per_round)  # noqa: E731
+            out[name] = {"iter": mean(lambda p: p.iteration), "forward": mean(lambda p: p.forward),
+                         "backward": mean(lambda p: p.backward), "step": mean(lambda p: p.step)}
             continue
         knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
         knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
