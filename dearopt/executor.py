@@ -485,8 +485,8 @@ class Executor:
         all-reduced buckets; the blocks): the profile's rule (``"predicted"``), DeAR's (none: ``0.0``), DDP's
         (every bucket: ``1.0``), and DeAR's ops on Prophet's gradient blocks from the same profile, every
         all-gather started at ``step()`` (where the link is the bottleneck a bucket that starts as soon as its
-        gradients exist keeps it busier than buckets of one size); plans alike counted once.  Empty without a profile or where nothing is to
-        choose (one rank, another schedule, a fixed fraction)."""
+        gradients exist keeps it busier than buckets of one size); plans alike counted once.  Empty without a
+        profile or where nothing is to choose (one rank, another schedule, a fixed fraction)."""
         if (self.options.allreduce != "auto" or self.world == 1 or self.plan is None or self.profile.result is None
                 or not get_schedule(self.options.schedule).mixes_allreduce):
             return []

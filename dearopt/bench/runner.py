@@ -166,12 +166,6 @@ class _Runner:
             self.opt.close()
 
 
-def schedule_to_json(schedule) -> dict:
-    from dearopt.sim.deft import schedule_to_json as to_json
-
-    return to_json(schedule)
-
-
 def _rule(knobs: dict):
     """A measured plan as results.json records it: the ``allreduce`` rule, or ``"blocks"`` (Prophet's blocks)."""
     return "blocks" if knobs.get("blocks") else knobs["allreduce"]
@@ -392,6 +386,8 @@ def run_rank(cfg: dict) -> dict:
                     "measured": [[_rule(k), t] for k, t in choice.history] if choice is not None else [],
                     "kept": _rule(choice.current) if choice is not None else None})
                 if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
+                    from dearopt.sim.deft import schedule_to_json
+
                     kept = runner.opt.deft_preserved
                     plans[s][-1]["deft"] = {
                         "schedule": schedule_to_json(deft), "partition_size": plan.partition_size,

@@ -33,7 +33,7 @@ from ..plan import Plan
 from ..schedules.deft import DeftIteration, DeftSchedule
 from .cost import CommCost
 from .profile import Profile
-from .simulator import Prediction, cpu_bytes, cpu_per_byte
+from .simulator import Prediction, compute_rate, cpu_bytes, cpu_per_byte
 
 __all__ = ["simulate_deft", "schedule_to_json", "schedule_from_json"]
 
@@ -80,9 +80,8 @@ class _Clock:
         """Compute ``seconds`` of work, slower while an op is on the link."""
         left = seconds
         while left > 1e-12:
-            rate = 1.0
-            if self.running is not None and self.running[2] > 0:
-                rate = max(1.0 - self.per_byte.get(phase, 0.0) * self.running[3] / self.running[2], 0.05)
+            rate = 1.0 if self.running is None else \
+                compute_rate(self.per_byte.get(phase, 0.0), self.running[3], self.running[2])
             end = self.now + left / rate
             start = self.now
             self._advance(end)

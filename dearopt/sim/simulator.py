@@ -39,7 +39,7 @@ from ..plan import REDUCE_SCATTER, ROWS, Plan, When
 from .cost import CommCost
 from .profile import Profile
 
-__all__ = ["Prediction", "simulate", "op_time", "op_bytes", "cpu_bytes", "cpu_per_byte"]
+__all__ = ["Prediction", "simulate", "op_time", "op_bytes", "cpu_bytes", "compute_rate", "cpu_per_byte"]
 
 
 @dataclasses.dataclass
@@ -73,6 +73,13 @@ def cpu_bytes(kind: str, nbytes: float) -> float:
     """The bytes an op of ``kind`` on a buffer of ``nbytes`` costs in CPU, in the units of the profile's
     ``cpu_per_byte`` (measured per buffer byte of reduce-scatters and all-gathers): an all-reduce is both."""
     return 2.0 * nbytes if kind == "all_reduce" else nbytes
+
+
+def compute_rate(per_byte: float, nbytes: float, seconds: float) -> float:
+    """The share of its speed compute keeps while an op of ``nbytes`` CPU bytes (:func:`cpu_bytes`) is on the
+    link for ``seconds``: it loses ``per_byte`` seconds per byte, spread over that time; it keeps at least 5 %."""
+    taken = per_byte * nbytes / seconds if seconds > 0 else 0.0
+    return max(1.0 - taken, 0.05)
 
 
 def cpu_per_byte(profile: Profile) -> float:
@@ -204,8 +211,7 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
             return 1.0
         if per_byte:
             i = link.running
-            taken = per_byte.get(phase, 0.0) * wire[i] / durations[i] if durations[i] > 0 else 0.0
-            return 1.0 / max(1.0 - taken, 0.05)
+            return 1.0 / compute_rate(per_byte.get(phase, 0.0), wire[i], durations[i])
         return 1.0 + gamma.get(phase, 0.0)
 
     def advance(until: float, phase: str, waiting: bool = False) -> float:
