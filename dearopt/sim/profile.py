@@ -330,8 +330,8 @@ def _comm_fits(backend, sizes: Sequence[int], repeats: int):
     return comm, samples
 
 
-def _contention(backend, model, run, total_bytes: int, bucket_bytes: int,
-                repeats: int) -> Tuple[Dict[str, float], Dict[str, float]]:
+def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeats: int,
+                lost_repeats: int = 7) -> Tuple[Dict[str, float], Dict[str, float]]:
     """How much compute slows while collectives run, forward (all-gathers) and backward (reduce-scatters).
 
     Two measures.  ``contention`` (gamma per phase): compute alone, the model's
@@ -342,7 +342,8 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int,
     Each phase runs alone and again with as many collectives started at its
     start as take about half its time alone (the model's buckets, repeated up to
     8 times where they are quick), so the compute outlasts them and every second
-    it loses is the collectives' CPU.  On a CPU machine that cost goes mostly
+    it loses is the collectives' CPU: the median of ``lost_repeats`` samples, each
+    the ranks' mean of their own loss.  On a CPU machine that cost goes mostly
     with the bytes the ranks copy, sum and push through sockets, so it carries
     over to plans (and links) whose ops are busy for other lengths of time,
     where a factor per second of link time does not.
@@ -395,6 +396,11 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int,
         backend.all_reduce(vector, "max").wait()
         return vector.tolist()
 
+    def mean(values):
+        vector = torch.tensor(values, dtype=torch.float64, device=device)
+        backend.all_reduce(vector).wait()
+        return (vector / world).tolist()
+
     gamma, per_byte = {}, {}
     for phase in ("forward", "backward"):
         alone, comm, both = [], [], []
@@ -417,13 +423,13 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int,
         chosen = [pieces[i % len(pieces)] for i in range(count)]
         nbytes = sum(full.numel() * full.element_size() for full, _ in chosen)
         lost = []
-        for _ in range(repeats):
+        for _ in range(max(repeats, lost_repeats)):
             with_comm, without = phase_time(phase, chosen)[0], phase_time(phase, [])[0]
-            # the slowest rank's phase with, less the slowest rank's without (as the compute times are taken);
-            # the largest per-rank difference adds the ranks' noise (with 3 ranks on 2 cores it had measured 2.5x
-            # the 2-rank value; this estimator 1.5x)
-            with_comm, without = slowest([with_comm, without])
-            lost.append(with_comm - without)
+            # each rank's own loss, averaged over the ranks: what one rank loses per byte.  The slowest rank's
+            # phase with less the slowest rank's without is a difference of two maxima; with 3 ranks on 2 cores
+            # its 7-sample median of backward read 1.37, 1.56, 2.73 and 3.24 ns/B in four runs of one cell,
+            # this estimator 1.31, 1.35, 1.63 and 1.76 (and the largest per-rank difference is noisier still)
+            lost.append(mean([with_comm - without])[0])
         per_byte[phase] = max(_median(lost), 0.0) / nbytes
     model.zero_grad(set_to_none=True)
     return gamma, per_byte
