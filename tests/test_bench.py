@@ -98,6 +98,25 @@ def test_bounds_formulas():
     assert bound("rsag", p) == 1.0 + 2.75
 
 
+def test_iteration_time_is_the_jobs_pace_not_the_slowest_rank_per_iteration():
+    """Hand computation: two ranks out of phase (one rank's long iteration is the other's short one, as when
+    communication runs on across step()) take 3 s for 4 iterations, 0.75 s each; the slowest rank per
+    iteration would read 1.0 s.  In lockstep the two agree; each round's clocks start together."""
+    from dearopt.bench.report import _paced, derive
+
+    out_of_phase = [[1.0, 0.5, 1.0, 0.5], [0.5, 1.0, 0.5, 1.0]]
+    assert _paced(out_of_phase, [4]) == [1.0, 0.5, 1.0, 0.5]
+    assert _paced(out_of_phase, [2, 2]) == [1.0, 0.5, 1.0, 0.5]
+    assert _paced([[1.0, 2.0, 3.0], [1.5, 2.0, 2.0]], [3]) == [1.5, 2.0, 2.5]  # clocks 1.5, 3.5 (r1), 6.0 (r0)
+    assert _paced([[1.0, 2.0], [1.0, 2.0]], [1, 1]) == [1.0, 2.0]
+    parts = {k: [[1.0], [1.0]] for k in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag")}
+    doc = {"parts_samples": parts, "global_batch": 4, "rounds": 1, "iterations": 4,
+           "schedules": {"ddp": {"samples": [[1.0] * 4, [1.0] * 4]}, "bytescheduler": {"samples": out_of_phase}}}
+    derive(doc)
+    assert doc["schedules"]["bytescheduler"]["iter_time"] == pytest.approx(0.75)
+    assert doc["schedules"]["bytescheduler"]["speedup_vs_ddp"] == pytest.approx(1.0 / 0.75)
+
+
 def _timeline_run(path, steps):
     from torch import nn
 
