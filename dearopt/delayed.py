@@ -23,9 +23,10 @@ this rank's own gradient of this step; after ``step()`` it holds it again.
 **The Preserver** (:class:`~dearopt.schedules.deft.Preserver`, on by default
 for a solved schedule): the measuring steps also record the loss the user
 passes to ``step(loss=...)`` and the drift and noise of an exact update; the
-schedule is re-solved with raised capacities until the expected loss after
-one period is within ``1 +- epsilon`` of exact training's
-(``DistOptim.deft_preserved``).
+schedule is re-solved with raised capacities until its expected loss
+decrease over one period is at least ``1 - epsilon`` of exact training's
+(or, ``Preserver(statistic="loss")``, the paper's test: the expected losses
+within ``1 +- epsilon``) (``DistOptim.deft_preserved``).
 
 **Two links** (``deft_links=2``): a second communicator over the same ranks
 (:meth:`~dearopt.collectives.CollectiveBackend.second_link`: gloo beside
@@ -374,9 +375,10 @@ class DelayedExecutor(Executor):
             self.deft = self.preserved.schedule
             if not self.preserved.passed:
                 warnings.warn(f"dearopt: the DeFT schedule failed the Preserver's check after "
-                              f"{self.preserved.resolves} re-solves (ratio {self.preserved.ratio:.4f}, outside "
-                              f"1 +- {self.preserver.epsilon}); it is used as the last re-solve left it "
-                              f"({self.deft.updates_per_iteration:.2f} updates per step)", RuntimeWarning)
+                              f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
+                              f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
+                              f"last re-solve left it ({self.deft.updates_per_iteration:.2f} updates per step)",
+                              RuntimeWarning)
         except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
             raise UsageError(f"schedule='deft' cannot schedule these {len(self.buckets)} buckets (sent in "
                              f"{len(self.units)} pieces, numbered from the input side): {exc}. A smaller "

@@ -158,25 +158,47 @@ def test_equation_1_by_hand():
 
 
 def test_the_preserver_raises_the_capacity_until_updates_keep_up():
-    from dearopt.schedules.deft import preserved_schedule, preserver_ratio
+    from dearopt.schedules.deft import expected_loss, preserved_schedule, preserver_check, preserver_ratio
 
     stats = dict(loss=2.0, lr=0.1, mean=0.5, std=1.0, batch=32)
     merged = deft_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3)  # half the updates, each of two steps' gradients
     assert [it.covers for it in merged.period if it.applies is not None] == [2]
     # one update of batch 2B instead of two of batch B; far from the objective the loss falls by lr * mean per
-    # update: (2 - 2 * 0.05) / (2 - 0.05), outside 1 +- 1 %
-    assert preserver_ratio(merged, **stats) == pytest.approx((2 - 2 * 0.05) / (2 - 0.05))
+    # update: the paper's loss ratio (2 - 2 * 0.05) / (2 - 0.05), outside 1 +- 1 %; the progress ratio
+    # 0.05 / (2 * 0.05)
+    assert preserver_ratio(merged, **stats, statistic="loss") == pytest.approx((2 - 2 * 0.05) / (2 - 0.05))
+    assert preserver_ratio(merged, **stats) == pytest.approx(0.5)
     every_step = deft_schedule([1.0] * 3, [2.0] * 3, [0.5] * 3)
-    assert preserver_ratio(every_step, **stats) == pytest.approx(1.0)
-    kept = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats)
-    assert kept.passed and kept.resolves >= 1 and kept.capacity_factor == 1.5 ** kept.resolves
-    assert kept.schedule.updates_per_iteration == 1.0
-    # a near-zero learning rate makes every schedule equivalent: the first one passes
-    lazy = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **{**stats, "lr": 1e-6})
-    assert lazy.passed and lazy.resolves == 0 and lazy.schedule.updates_per_iteration == 0.5
+    for statistic in ("loss", "progress"):
+        assert preserver_ratio(every_step, **stats, statistic=statistic) == pytest.approx(1.0)
+        kept = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, statistic=statistic)
+        assert kept.passed and kept.resolves >= 1 and kept.capacity_factor == 1.5 ** kept.resolves
+        assert kept.schedule.updates_per_iteration == 1.0
+    # a near-zero learning rate makes every schedule's loss the same: the paper's ratio passes the first one,
+    # though it makes half the progress, which the progress ratio sees whatever the loss
+    lazy = {**stats, "lr": 1e-6}
+    loose = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **lazy, statistic="loss")
+    assert loose.passed and loose.resolves == 0 and loose.schedule.updates_per_iteration == 0.5
+    strict = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **lazy)
+    assert strict.passed and strict.resolves >= 1 and strict.schedule.updates_per_iteration == 1.0
+    assert preserver_ratio(merged, **lazy) == pytest.approx(0.5)
     # no re-solve allowed: kept, marked as failed
     stuck = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, max_resolves=0)
     assert not stuck.passed and stuck.schedule.updates_per_iteration == 0.5
+    # where the noise dominates, exact training expects no decrease over the period (the walk rebounds off the
+    # objective): a ratio of progress means nothing and the paper's two-sided loss test decides; merging two
+    # steps halves the one update's noise, which the model finds far better than exact training: outside too
+    near = dict(loss=0.01, lr=0.1, mean=0.01, std=5.0, batch=1)
+    baseline = near["loss"]
+    for _ in range(2):
+        baseline = expected_loss(baseline, 0.1, 0.01, 5.0, 1)
+    assert baseline > near["loss"]
+    ratio, passed = preserver_check(merged, **near)
+    assert ratio == pytest.approx(baseline / expected_loss(0.01, 0.1, 0.01, 5.0, 2)) and ratio > 1.01
+    assert not passed and (ratio, passed) == preserver_check(merged, **near, statistic="loss")
+    assert preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **near).schedule.updates_per_iteration == 1.0
+    with pytest.raises(ValueError, match="statistic"):
+        preserver_ratio(merged, **stats, statistic="accuracy")
 
 
 def test_the_solver_takes_hundreds_of_pieces_without_recursing():

@@ -53,7 +53,7 @@ from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
 from .base import Schedule, mark_updates
 
 __all__ = ["knapsack", "link_knapsack", "recursive_knapsack", "DeftIteration", "DeftSchedule", "deft_schedule",
-           "check_partition", "RESOLUTION", "DeFT", "expected_loss", "preserver_ratio", "Preserved",
+           "check_partition", "RESOLUTION", "DeFT", "expected_loss", "preserver_check", "preserver_ratio", "Preserved",
            "preserved_schedule", "Preserver"]
 
 RESOLUTION = 1e-5
@@ -317,6 +317,9 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
 
 
 # ------------------------------------------------------------------ the Preserver (section IV.C)
+STATISTICS = ("progress", "loss")
+
+
 def expected_loss(loss: float, lr: float, mean: float, std: float, batch: float, target: float = 0.0) -> float:
     """Equation (1): the expected loss after one step of the random walk with rebound (Yin et al., KDD'17).
 
@@ -333,21 +336,53 @@ def expected_loss(loss: float, lr: float, mean: float, std: float, batch: float,
     return shift * (2.0 * phi - 1.0) + spread * math.sqrt(2.0 / math.pi) * math.exp(-a * a / 2.0) + target
 
 
-def preserver_ratio(schedule: DeftSchedule, *, loss: float, lr: float, mean: float, std: float, batch: float,
-                    target: float = 0.0) -> float:
-    """The Preserver's test statistic: the expected loss after one period of ``N`` steps with an update of
-    batch ``batch`` every step (the baseline), over that after the schedule's ``m`` updates of batches
-    ``k_i * batch`` (its merged groups: the variable-batch-size view); 1.0 means no expected loss of progress.
-    ``mean``/``std``: the gradient's squared norm and the standard deviation of one sample's loss change
-    along it (the random walk's drift and noise); ``loss``: the training loss now; ``target``: the objective."""
-    merged = [it.covers for it in schedule.period if it.applies is not None]
+def _period_losses(schedule: DeftSchedule, loss: float, lr: float, mean: float, std: float, batch: float,
+                   target: float) -> Tuple[float, float]:
+    """The expected loss after one period: exact training's (an update of batch ``batch`` every step) and the
+    schedule's (its merged groups as updates of batches ``k_i * batch``)."""
     baseline = loss
     for _ in range(len(schedule.period)):
         baseline = expected_loss(baseline, lr, mean, std, batch, target)
     delayed = loss
-    for k in merged:
+    for k in (it.covers for it in schedule.period if it.applies is not None):
         delayed = expected_loss(delayed, lr, mean, std, k * batch, target)
-    return baseline / delayed if delayed else 1.0
+    return baseline, delayed
+
+
+def preserver_check(schedule: DeftSchedule, *, loss: float, lr: float, mean: float, std: float, batch: float,
+                    target: float = 0.0, statistic: str = "progress", epsilon: float = 0.01) -> Tuple[float, bool]:
+    """The Preserver's test over one period of ``N`` steps: exact training against the schedule's ``m``
+    updates (the variable-batch-size view), both from the expected loss of :func:`expected_loss`.  Returns the
+    ratio and whether it passes.
+
+    ``statistic="loss"`` is the paper's: the baseline's expected loss after the period over the schedule's,
+    passing within ``1 +- epsilon``.  ``"progress"`` (this library's default): the schedule's expected loss
+    *decrease* over the period over the baseline's, passing at ``1 - epsilon`` or more.  Far from the
+    objective the paper's ratio is ``(s - N d) / (s - m d)`` for a loss ``s`` and a decrease ``d`` per
+    update, within 1 % whenever ``(N - m) d`` is under 1 % of ``s``: on digits (loss 2.3, a decrease of 0.03
+    per step) it passed a schedule applying two updates every three steps (0.9915), and that training ended
+    1.2 points of accuracy below exact training over five seeds.  The progress ratio of that schedule is
+    about ``m / N`` (0.67), whatever the loss.  Where the model expects exact training to make no progress
+    over the period (the noise dominates the drift, as on the bench's random labels), a ratio of progress
+    means nothing and the paper's two-sided loss test decides: a schedule the model finds much *better* than
+    exact training is as far outside it as one much worse.
+    ``mean``/``std``: the gradient's squared norm and the standard deviation of one sample's loss change
+    along it (the random walk's drift and noise); ``loss``: the training loss now; ``target``: the objective."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"Preserver statistic must be one of {STATISTICS}, got {statistic!r}")
+    baseline, delayed = _period_losses(schedule, loss, lr, mean, std, batch, target)
+    if statistic == "progress" and loss - baseline > 0:
+        ratio = (loss - delayed) / (loss - baseline)
+        return ratio, ratio >= 1.0 - epsilon
+    ratio = baseline / delayed if delayed else 1.0
+    return ratio, abs(ratio - 1.0) <= epsilon
+
+
+def preserver_ratio(schedule: DeftSchedule, *, loss: float, lr: float, mean: float, std: float, batch: float,
+                    target: float = 0.0, statistic: str = "progress") -> float:
+    """The ratio of :func:`preserver_check`."""
+    return preserver_check(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch, target=target,
+                           statistic=statistic)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,18 +400,19 @@ class Preserved:
 def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
                        loss: float, lr: float, mean: float, std: float, batch: float, target: float = 0.0,
                        epsilon: float = 0.01, growth: float = 1.5, max_resolves: int = 10,
-                       mu: Optional[float] = None) -> Preserved:
-    """Solve, test with :func:`preserver_ratio`, and while the ratio is outside ``[1 - epsilon, 1 + epsilon]``
-    raise both stages' knapsack capacities by ``growth`` and solve again, at most ``max_resolves`` times (the
-    paper's ten; it gives no step size: 1.5x each time is this library's).  Raising the capacity lets more be
-    sent per iteration, so the update frequency comes closer to one per step; after the last re-solve the
-    schedule is kept and ``passed`` is False."""
+                       mu: Optional[float] = None, statistic: str = "progress") -> Preserved:
+    """Solve, test with :func:`preserver_check`, and while the check fails raise both stages' knapsack
+    capacities by ``growth`` and solve again, at most ``max_resolves`` times (the paper's ten; it gives no step
+    size: 1.5x each time is this library's).  Raising the capacity lets more be sent per iteration, so the update
+    frequency comes closer to one per step; after the last re-solve the schedule is kept and ``passed`` is
+    False."""
     factor = 1.0
     for resolves in range(max_resolves + 1):
         schedule = deft_schedule([f * factor for f in forward], [b * factor for b in backward], comm, mu=mu)
-        ratio = preserver_ratio(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch, target=target)
-        if abs(ratio - 1.0) <= epsilon or resolves == max_resolves:
-            return Preserved(schedule, ratio, factor, resolves, abs(ratio - 1.0) <= epsilon)
+        ratio, passed = preserver_check(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch,
+                                        target=target, statistic=statistic, epsilon=epsilon)
+        if passed or resolves == max_resolves:
+            return Preserved(schedule, ratio, factor, resolves, passed)
         factor *= growth
     raise AssertionError("unreachable")
 
@@ -391,14 +427,23 @@ class Preserver:
     the spread over ranks of each rank's own gradient dotted with the same update, divided by sqrt(ranks)).
     These are the random walk's drift and noise per step of :func:`expected_loss`; a merged group of ``k``
     steps is one step with the noise divided by sqrt(k) (the variable-batch-size view).
-    :func:`preserved_schedule` then re-solves with raised capacities until :func:`preserver_ratio` is within
-    ``1 +- epsilon``, at most ``max_resolves`` times; a schedule that still fails is used with a warning
-    (``optimizer.deft_preserved.passed`` is False), as the paper keeps its last re-solve."""
+    :func:`preserved_schedule` then re-solves with raised capacities until :func:`preserver_check` passes,
+    at most ``max_resolves`` times; a schedule that still fails is used with a warning
+    (``optimizer.deft_preserved.passed`` is False), as the paper keeps its last re-solve.
+
+    ``statistic``: ``"progress"`` (the default) asks the schedule's expected loss decrease over one period to
+    be at least ``1 - epsilon`` of exact training's (where the model expects exact training to decrease the
+    loss at all; elsewhere the paper's test decides); ``"loss"`` is the paper's test, the two expected losses'
+    ratio within ``1 +- epsilon``, which early in training passes schedules that drop a third of the updates
+    (see :func:`preserver_check`).  Neither models staleness: a schedule applying every step one step late
+    has the ratio 1.  What either promises is about one period in the random walk's model, not the final
+    loss (docs/deft.md measures both)."""
 
     epsilon: float = 0.01
     target: float = 0.0
     growth: float = 1.5
     max_resolves: int = 10
+    statistic: str = "progress"
 
     def __post_init__(self):
         if not (0 < self.epsilon < 1):
@@ -407,6 +452,8 @@ class Preserver:
             raise ValueError(f"Preserver: growth must be above 1, got {self.growth!r}")
         if int(self.max_resolves) != self.max_resolves or self.max_resolves < 0:
             raise ValueError(f"Preserver: max_resolves must be a non-negative integer, got {self.max_resolves!r}")
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"Preserver: statistic must be one of {STATISTICS}, got {self.statistic!r}")
 
     def solve(self, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
               loss: float, drift: float, noise: float, mu: Optional[float] = None) -> Preserved:
@@ -414,7 +461,7 @@ class Preserver:
         drift and noise per step."""
         return preserved_schedule(forward, backward, comm, loss=loss, lr=1.0, mean=drift, std=noise, batch=1.0,
                                   target=self.target, epsilon=self.epsilon, growth=self.growth,
-                                  max_resolves=int(self.max_resolves), mu=mu)
+                                  max_resolves=int(self.max_resolves), mu=mu, statistic=self.statistic)
 
 
 class DeFT(Schedule):
