@@ -23,10 +23,10 @@ this rank's own gradient of this step; after ``step()`` it holds it again.
 **The Preserver** (:class:`~dearopt.schedules.deft.Preserver`, on by default
 for a solved schedule): the measuring steps also record the loss the user
 passes to ``step(loss=...)`` and the drift and noise of an exact update; the
-schedule is re-solved with raised capacities until its expected loss
-decrease over one period is at least ``1 - epsilon`` of exact training's
-(or, ``Preserver(statistic="loss")``, the paper's test: the expected losses
-within ``1 +- epsilon``) (``DistOptim.deft_preserved``).
+schedule is re-solved with raised capacities until the expected loss after
+one period is within ``1 +- epsilon`` of exact training's (the paper's test;
+``Preserver(statistic="progress")``: its expected loss decrease at least
+``1 - epsilon`` of exact training's) (``DistOptim.deft_preserved``).
 
 **Two links** (``deft_links=2``): a second communicator over the same ranks
 (:meth:`~dearopt.collectives.CollectiveBackend.second_link`: gloo beside

@@ -1,7 +1,7 @@
 """DeFT's delayed updates against exact training: digits and a small language model (issue 16's convergence check).
 
     python scripts/deft_convergence.py [--task digits|lm|both] [--epochs 8] [--lm-steps 400] [--seeds 1]
-                                       [--schedules dear,deft-late,deft-merged,deft-preserved,deft-paper]
+                                       [--schedules dear,deft-late,deft-merged,deft-preserved,deft-progress]
                                        [--out bench-out/deft]
 
 Two local ranks train, under each of:
@@ -13,10 +13,10 @@ Two local ranks train, under each of:
   1 + 1 s of compute per bucket): steps held and merged, fewer updates; given, so the Preserver is off;
 * ``deft-preserved``: the same per-bucket times, given as a profile, with the Preserver on (the default): the
   first three steps are exact and measure the loss (``optimizer.step(loss=loss)``), the drift and the noise;
-  the Preserver raises the knapsack capacities until its check passes (its default statistic: the expected
-  loss decrease over one period at least 99 % of exact training's);
-* ``deft-paper``: the same with the paper's check (``Preserver(statistic="loss")``: the expected losses after one
-  period within 1 %).
+  the Preserver raises the knapsack capacities until its check passes (the paper's: the expected losses after
+  one period within 1 %);
+* ``deft-progress``: the same with ``Preserver(statistic="progress")``: the expected loss decrease over one
+  period at least 99 % of exact training's.
 
 The tasks: digits, examples/digits_dearopt.py's CNN (Adam 2e-3, 32 samples per rank and step, test accuracy
 after each epoch); ``lm``, a character-level GRU language model on a fixed text (Python 3.11's own
@@ -69,9 +69,9 @@ def _optimizer(name, model, world, lr):
         kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [2.0] * n_params, [0.5] * n_params)
     elif name == "deft-merged":
         kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [1.0] * n_params, [2.5] * n_params)
-    elif name in ("deft-preserved", "deft-paper"):
+    elif name in ("deft-preserved", "deft-progress"):
         kwargs["profile"] = fixed_profile(model, world, 1.0, 1.0, 2.5)
-        kwargs["preserver"] = Preserver(statistic="loss" if name == "deft-paper" else "progress")
+        kwargs["preserver"] = Preserver(statistic="progress" if name == "deft-progress" else "loss")
     return dearopt.DistOptim(inner, model, schedule="deft" if name.startswith("deft") else "dear",
                              buffer_size=1, **kwargs)
 
@@ -135,11 +135,11 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=1, help="digits: runs per schedule, seeds 0..N-1 (initial weights "
                     "and sample order)")
     ap.add_argument("--schedules", default="dear,deft-late,deft-merged,deft-preserved",
-                    help="which of dear, deft-late (digits only), deft-merged, deft-preserved, deft-paper")
+                    help="which of dear, deft-late (digits only), deft-merged, deft-preserved, deft-progress")
     ap.add_argument("--out", default="bench-out/deft")
     args = ap.parse_args()
     args.schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
-    unknown = sorted(set(args.schedules) - {"dear", "deft-late", "deft-merged", "deft-preserved", "deft-paper"})
+    unknown = sorted(set(args.schedules) - {"dear", "deft-late", "deft-merged", "deft-preserved", "deft-progress"})
     if unknown:
         ap.error(f"unknown schedules {unknown}")
     from dearopt.bench.spawn import spawn

@@ -158,7 +158,7 @@ def test_equation_1_by_hand():
 
 
 def test_the_preserver_raises_the_capacity_until_updates_keep_up():
-    from dearopt.schedules.deft import expected_loss, preserved_schedule, preserver_check, preserver_ratio
+    from dearopt.schedules.deft import Preserver, expected_loss, preserved_schedule, preserver_check, preserver_ratio
 
     stats = dict(loss=2.0, lr=0.1, mean=0.5, std=1.0, batch=32)
     merged = deft_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3)  # half the updates, each of two steps' gradients
@@ -167,7 +167,7 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
     # update: the paper's loss ratio (2 - 2 * 0.05) / (2 - 0.05), outside 1 +- 1 %; the progress ratio
     # 0.05 / (2 * 0.05)
     assert preserver_ratio(merged, **stats, statistic="loss") == pytest.approx((2 - 2 * 0.05) / (2 - 0.05))
-    assert preserver_ratio(merged, **stats) == pytest.approx(0.5)
+    assert preserver_ratio(merged, **stats, statistic="progress") == pytest.approx(0.5)
     every_step = deft_schedule([1.0] * 3, [2.0] * 3, [0.5] * 3)
     for statistic in ("loss", "progress"):
         assert preserver_ratio(every_step, **stats, statistic=statistic) == pytest.approx(1.0)
@@ -179,9 +179,11 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
     lazy = {**stats, "lr": 1e-6}
     loose = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **lazy, statistic="loss")
     assert loose.passed and loose.resolves == 0 and loose.schedule.updates_per_iteration == 0.5
-    strict = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **lazy)
+    strict = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **lazy, statistic="progress")
     assert strict.passed and strict.resolves >= 1 and strict.schedule.updates_per_iteration == 1.0
-    assert preserver_ratio(merged, **lazy) == pytest.approx(0.5)
+    assert preserver_ratio(merged, **lazy, statistic="progress") == pytest.approx(0.5)
+    assert Preserver().statistic == "loss" and preserver_ratio(merged, **stats) == preserver_ratio(
+        merged, **stats, statistic="loss")  # the default: the paper's test
     # no re-solve allowed: kept, marked as failed
     stuck = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, max_resolves=0)
     assert not stuck.passed and stuck.schedule.updates_per_iteration == 0.5
@@ -193,10 +195,11 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
     for _ in range(2):
         baseline = expected_loss(baseline, 0.1, 0.01, 5.0, 1)
     assert baseline > near["loss"]
-    ratio, passed = preserver_check(merged, **near)
+    ratio, passed = preserver_check(merged, **near, statistic="progress")
     assert ratio == pytest.approx(baseline / expected_loss(0.01, 0.1, 0.01, 5.0, 2)) and ratio > 1.01
     assert not passed and (ratio, passed) == preserver_check(merged, **near, statistic="loss")
-    assert preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **near).schedule.updates_per_iteration == 1.0
+    assert preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **near, statistic="progress").schedule \
+        .updates_per_iteration == 1.0
     with pytest.raises(ValueError, match="statistic"):
         preserver_ratio(merged, **stats, statistic="accuracy")
 
