@@ -191,6 +191,7 @@ class DelayedExecutor(Executor):
             self._rsag = ReduceScatterThenGather(self.backend, self.backend.fork())
         self.reduction = ALL_REDUCE  # how a unit is summed (RSAG once measured or profiled faster)
         self._shards: Dict[int, torch.Tensor] = {}  # per unit: the reduce-scatter's output (RSAG)
+        self._in_flight: List = []  # with a timeline: the sends whose span is open
         if self.options.backward_passes_per_step != 1:
             raise UsageError("schedule='deft' accumulates across steps itself; backward_passes_per_step must be 1")
         self.deft: Optional[DeftSchedule] = schedule
@@ -255,6 +256,7 @@ class DelayedExecutor(Executor):
 
     def _module_pre_hook(self, module, args) -> None:
         super()._module_pre_hook(module, args)
+        self._poll_timeline()
         if self._measuring(1) and module.training and "start" in self._marks:
             now = time.perf_counter()
             for p in module.parameters(recurse=False):
@@ -399,6 +401,24 @@ class DelayedExecutor(Executor):
         else:
             handle = self.backend.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count)
         group.handles.append(handle)
+        if self.timeline.enabled:  # its span ends when a hook, a wait or step() first sees it complete
+            kind = "second link" if on_second else self.reduction if self.step_count >= self.offset else ALL_REDUCE
+            self.timeline.begin(("deft", id(handle)), f"{kind} unit {u}", "comm", bucket=b, unit=u,
+                                group="new" if new else "old", step=self.step_count)
+            self._in_flight.append(handle)
+
+    def _poll_timeline(self, waited=()) -> None:
+        """Close the timeline spans of the sends that are complete (and of ``waited``, just waited for)."""
+        if not self._in_flight:
+            return
+        done = {id(h) for h in waited}
+        left = []
+        for handle in self._in_flight:
+            if id(handle) in done or handle.is_completed():
+                self.timeline.end(("deft", id(handle)))
+            else:
+                left.append(handle)
+        self._in_flight = left
 
     def _shard(self, u: int) -> torch.Tensor:
         """Unit ``u``'s reduce-scatter output (allocated once per plan)."""
@@ -453,6 +473,7 @@ class DelayedExecutor(Executor):
         self._new_cursor = 0
 
     def _on_grad_ready(self, p) -> None:
+        self._poll_timeline()
         located = self._located_in_backward(p)
         if located is None:
             return
@@ -541,8 +562,12 @@ class DelayedExecutor(Executor):
 
     # --------------------------------------------------------------- step
     def _wait(self, group: _Group) -> None:
+        t0 = self.timeline.now()
         for handle in group.handles:
             handle.wait()
+        if self.timeline.enabled:
+            self._poll_timeline(group.handles)
+            self.timeline.span("wait for sends", "wait", t0, sends=len(group.handles))
         group.handles = []
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:

@@ -430,3 +430,42 @@ def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measu
         want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", steps)
         assert applied == want_applied
         assert_params_match(params, want)
+
+
+def _timeline_run(path):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule="deft", buffer_size=64,
+                            deft_schedule=SCHEDULES["solver: communication-bound"], timeline=path)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_timeline_shows_every_send_of_the_schedule(tmp_path):
+    """Each step's sends, as the schedule lists them (the old group's in forward and backward, the new group's in
+    backward), are communication spans of that step, one per unit, on every rank."""
+    import json
+
+    from dearopt.timeline import timeline_path_for_rank
+
+    path = str(tmp_path / "trace.json")
+    run_workers(_timeline_run, 2, path, timeout=50)
+    schedule = SCHEDULES["solver: communication-bound"]
+    want = []
+    for t in range(STEPS):
+        it = schedule.iteration(t)
+        want += [(t, u, "old") for u in it.forward + it.backward_old] + [(t, u, "new") for u in it.backward_new]
+    assert any(g == "old" for *_, g in want) and any(g == "new" for *_, g in want)
+    for rank in range(2):
+        with open(timeline_path_for_rank(path, rank)) as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+        sends = [e for e in events if e["cat"] == "comm"]
+        assert all(e["tid"] == 1 and e["dur"] >= 0 and e["name"] == f"all_reduce unit {e['args']['unit']}"
+                   for e in sends)
+        assert sorted((e["args"]["step"], e["args"]["unit"], e["args"]["group"]) for e in sends) == sorted(want)
+        assert sum(1 for e in events if e["name"] == "step") == STEPS
