@@ -9,7 +9,7 @@ import dearopt
 from dearopt.delayed import RSAG
 from dearopt.schedules.deft import DeftIteration, DeftSchedule, Preserver, deft_schedule
 from harness import Attempts, run_workers
-from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard
+from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard, train_step
 from test_distoptim import assert_params_match, reference
 
 STEPS = 7
@@ -438,10 +438,7 @@ def _timeline_run(path):
     opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule="deft", buffer_size=64,
                             deft_schedule=SCHEDULES["solver: communication-bound"], timeline=path)
     for step in range(STEPS):
-        opt.zero_grad()
-        x, y = global_batch(step, "mlp")
-        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
-        opt.step()
+        train_step(opt, model, step, rank, world)
     opt.close()
 
 
