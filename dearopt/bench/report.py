@@ -32,7 +32,7 @@ import statistics
 import sys
 from typing import Dict, List, Optional
 
-from .runner import base_schedule
+from .runner import base_schedule, iterations_per_round
 
 BOUND_FORMULAS = {
     "dear": "max(t_ff, t_ag) + max(t_bp, t_rs)",
@@ -100,8 +100,7 @@ def _paced(per_rank: List[List[float]], per_round: List[int]) -> List[float]:
 
 
 def _per_round(doc: dict) -> List[int]:
-    rounds, iters = max(1, int(doc.get("rounds") or 1)), int(doc.get("iterations") or 0)
-    return [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+    return iterations_per_round(int(doc.get("iterations") or 0), max(1, int(doc.get("rounds") or 1)))
 
 
 def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:

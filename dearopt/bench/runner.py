@@ -166,6 +166,11 @@ class _Runner:
             self.opt.close()
 
 
+def iterations_per_round(iterations: int, rounds: int) -> List[int]:
+    """How the timed iterations are split over the rounds (the first rounds take the remainder)."""
+    return [iterations // rounds + (1 if r < iterations % rounds else 0) for r in range(rounds)]
+
+
 def _rule(knobs: dict):
     """A measured plan as results.json records it: the ``allreduce`` rule, or ``"blocks"`` (Prophet's blocks)."""
     return "blocks" if knobs.get("blocks") else knobs["allreduce"]
@@ -326,8 +331,8 @@ def run_rank(cfg: dict) -> dict:
             runner_for(s, 0)
     samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
     plans = {}  # dearopt schedule -> per round: the buckets all-reduced in backward, the measured choice
-    rounds, iters = cfg["rounds"], cfg["iterations"]
-    per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+    rounds = cfg["rounds"]
+    per_round = iterations_per_round(cfg["iterations"], rounds)
     for r in range(rounds):
         _log(rank, f"round {r + 1}/{rounds}: parts (t_ff, t_bp, t_ar, t_rs, t_ag)")
         parts.compute(batches, cfg["part_repeats"])

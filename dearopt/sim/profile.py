@@ -391,15 +391,10 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeat
         finish(handles)
         return elapsed, time.perf_counter() - t
 
-    def slowest(values):  # per sample, the slowest rank's times, as for the compute times
+    def over_ranks(values, op):  # "max": per sample the slowest rank's (as the compute times); "sum" / world
         vector = torch.tensor(values, dtype=torch.float64, device=device)
-        backend.all_reduce(vector, "max").wait()
-        return vector.tolist()
-
-    def mean(values):
-        vector = torch.tensor(values, dtype=torch.float64, device=device)
-        backend.all_reduce(vector).wait()
-        return (vector / world).tolist()
+        backend.all_reduce(vector, op).wait()
+        return (vector if op == "max" else vector / world).tolist()
 
     gamma, per_byte = {}, {}
     for phase in ("forward", "backward"):
@@ -411,7 +406,7 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeat
             finish(start(phase, pieces))
             collectives = time.perf_counter() - t
             together = phase_time(phase, pieces)[1]
-            compute, collectives, together = slowest([compute, collectives, together])
+            compute, collectives, together = over_ranks([compute, collectives, together], "max")
             alone.append(compute)
             comm.append(collectives)
             both.append(together)
@@ -429,7 +424,7 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeat
             # phase with less the slowest rank's without is a difference of two maxima; with 3 ranks on 2 cores
             # its 7-sample median of backward read 1.37, 1.56, 2.73 and 3.24 ns/B in four runs of one cell,
             # this estimator 1.31, 1.35, 1.63 and 1.76 (and the largest per-rank difference is noisier still)
-            lost.append(mean([with_comm - without])[0])
+            lost.append(over_ranks([with_comm - without], "sum")[0])
         per_byte[phase] = max(_median(lost), 0.0) / nbytes
     model.zero_grad(set_to_none=True)
     return gamma, per_byte
