@@ -578,13 +578,14 @@ class DelayedExecutor(Executor):
         self._check_gradient_writes()
         t0 = self.timeline.now()
         it = self.iteration
-        for group in (self.group, self.forming):
-            if group is not None:
-                self._wait(group)
+        # only the group applied now is waited for: the sends of the group this backward formed run on into the
+        # next forward (the link stays busy; the next backward waits for them with the forward stage's sends)
         if it.applies == 0:  # a measuring step: exact, applied at once
+            self._wait(self.forming)
             self._apply(self.forming, measure=self.preserver is not None)
             self.forming = None
         elif it.applies is not None:
+            self._wait(self.group)
             self._apply(self.group)
             self.group = None
         if self.forming is not None:
@@ -654,6 +655,13 @@ class DelayedExecutor(Executor):
                                  f"clip_grad_value_(...): they clip the group the step applies) "
                                  f"[rank {self.rank}, step {self.step_count}]")
 
+    def synchronize(self) -> None:
+        """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
+        nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
+        if self.state is TrainingState.IDLE and self.group is not None:
+            self._wait(self.group)
+        self.timeline.flush()
+
     # -------------------------------------------------------- checkpoints
     def deft_state(self) -> dict:
         """The schedule, the step within it and this rank's group sums, for ``DistOptim.state_dict()``."""
@@ -669,6 +677,8 @@ class DelayedExecutor(Executor):
 
         if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
             return dict(self._loaded)
+        if self.group is not None:  # its sends may still be in flight (step() waits only for a group it applies)
+            self._wait(self.group)
         return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
                 "preserved": self.preserved, "mu": self.mu, "reduction": self.reduction,
                 "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
@@ -677,6 +687,8 @@ class DelayedExecutor(Executor):
         """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
         if self.state is not TrainingState.IDLE:
             raise UsageError("load the optimizer's state between step() and the next backward()")
+        if self.group is not None:  # nothing of the replaced group may still be on the link
+            self._wait(self.group)
         self.step_count = int(saved["step"])
         self.deft = saved["schedule"]
         self.offset, self.measured = saved.get("offset", 0), saved.get("measured")

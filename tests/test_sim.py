@@ -225,6 +225,24 @@ def test_deft_replays_its_schedule_by_hand():
     assert r.iteration == pytest.approx(2.0) and r.link_busy == pytest.approx(0.5)
 
 
+def test_deft_replay_lets_the_new_groups_sends_run_into_the_next_forward():
+    from dearopt.schedules.deft import DeftIteration, DeftSchedule
+    from dearopt.sim.deft import simulate_deft
+
+    # two buckets (1 s forward and backward each, 1.5 s on the link); every step sends the new group's bucket 1
+    # when it is ready (1 s into backward: on the link until 0.5 s after backward ends) and the old group's
+    # bucket 0 in the next forward, and applies the old group.  step() waits only for the group it applies, so
+    # the new group's send runs 0.5 s into the next forward, bucket 0 queues behind it (0.5-2.0 of a 2 s
+    # forward) and nothing waits: 4 s per step, the link busy 3 s of it (waiting at step() would make it 4.5 s)
+    prof = _deft_profile(1.5, n=2)
+    plan = build_plan(prof.params, 1, 2, "deft")
+    schedule = DeftSchedule(2, (DeftIteration(4, (), (), (1,), False, None, 0),),
+                            (DeftIteration(4, (0,), (), (1,), False, 1, 1),))
+    p = simulate_deft(prof, plan, schedule)
+    assert p.iteration == pytest.approx(4.0) and p.link_busy == pytest.approx(3.0)
+    assert (p.forward, p.backward, p.step) == pytest.approx((2.0, 2.0, 0.0))
+
+
 def test_a_profile_without_twins_is_the_model_as_deft_sees_it():
     # an embedding (rows of 4) whose tied decoder is its twin: the decoder's module owns only the twin, and its
     # part of the gradient is ready first (0.1), the lookup's last (0.9).  Without twins: the embedding's gradient

@@ -15,8 +15,10 @@ prediction is their mean in the steady state.  The walk follows
   backward ends the rest of them are sent and every bucket's gradient is copied
   into the new group (plus what was held), or, at an iteration whose gradients
   are held, added to the held sums;
-* ``step()``: everything sent is waited for; a group the schedule applies now
-  costs one update of every bucket.
+* ``step()``: a group the schedule applies now is waited for and costs one
+  update of every bucket; the sends of the group formed in this backward (and
+  of a group not applied yet) run on into the next forward, where the forward
+  stage's sends queue behind them, and the next backward waits for all of them.
 
 Each unit is one all-reduce, or a reduce-scatter and an all-gather (the
 reduction the job measured faster); compute loses the CPU an op's bytes take
@@ -119,19 +121,18 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
     update = profile.update_per_call * len(plan.buckets) + profile.update_per_element * elements
     clock = _Clock(dict.fromkeys(("forward", "backward"), cpu_per_byte(profile)))
     held = False
-    group_ops: List[int] = []  # this iteration's sends of the old group (step() waits for all of them)
+    in_flight: List[int] = []  # the sends of the group in flight not waited for yet
     spans: List[Tuple[float, float, float, float, float]] = []  # per iteration: start, backward, step, end, busy
     n_iter = len(schedule.warmup) + periods * len(schedule.period)
     for t in range(n_iter):
         it = schedule.iteration(t)
         start, busy0 = clock.now, clock.busy
-        forward_ops = [clock.send(seconds[u], nbytes[u]) for u in it.forward]
-        group_ops += forward_ops
+        in_flight += [clock.send(seconds[u], nbytes[u]) for u in it.forward]
         for u in range(len(units)):
             clock.work(forward_u[u], "forward")
         backward_at = clock.now
-        clock.wait(forward_ops)  # the forward stage's sends are done before backward's
-        group_ops += [clock.send(seconds[u], nbytes[u]) for u in it.backward_old]
+        clock.wait(in_flight)  # the group's sends so far are done before backward's
+        in_flight = [clock.send(seconds[u], nbytes[u]) for u in it.backward_old]
         new_ops: List[int] = []
         order, cursor, done_compute = list(it.backward_new), 0, 0.0
         for b in sorted(range(len(plan.buckets)), key=lambda b: ready_b[b]):
@@ -148,10 +149,12 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
         clock.work(sum(bucket_bytes) * passes * profile.copy_per_byte, "backward")
         held = it.held
         step_at = clock.now
-        clock.wait(group_ops + new_ops)  # step() waits for every send of this iteration
-        if it.applies is not None:
+        if it.applies is not None:  # step() waits for the group it applies, and only for that
+            clock.wait(in_flight)
+            in_flight = []
             clock.work(update, "backward")
-        group_ops = []
+        if not it.held:  # the group formed now is in flight from here on
+            in_flight += new_ops
         spans.append((start, backward_at, step_at, clock.now, clock.busy - busy0))
     last = spans[-len(schedule.period):]
     mean = lambda f: sum(f(s) for s in last) / len(last)  # noqa: E731
