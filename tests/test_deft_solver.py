@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dearopt.schedules.deft import (RESOLUTION, check_partition, deft_schedule, knapsack, link_knapsack,
-                                    recursive_knapsack)
+                                    ready_knapsack, recursive_knapsack)
 
 
 def _brute_force(weights, capacity):
@@ -104,6 +104,62 @@ def test_algorithm_1_drops_early_items_when_the_rest_fit_better():
     assert recursive_knapsack([3, 2, 1], comm, backward, 2.6) == (3,)
     assert recursive_knapsack([], comm, backward, 5.0) == ()
     assert recursive_knapsack([3, 2], comm, backward, 0.0) == ()
+
+
+def _serial_link_brute_force(items, comm, backward, start, deadline):
+    """The most communication time any subset of ``items`` sends, in their order, each once ready and the link
+    free (from ``start``), all ending by ``deadline``."""
+    ready, t = {}, 0.0
+    for b in items:
+        t += backward[b]
+        ready[b] = t
+    best = 0.0
+    for r in range(len(items) + 1):
+        for subset in itertools.combinations(items, r):
+            free = start
+            for b in subset:
+                free = max(free, ready[b]) + comm[b]
+            if free <= deadline + 1e-12:
+                best = max(best, sum(comm[b] for b in subset))
+    return best
+
+
+def test_the_ready_knapsack_equals_brute_force_on_small_instances():
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randint(1, 7)
+        comm = [rng.randint(0, 30) / 1000 for _ in range(n)]  # on the 10 us grid: exact
+        backward = [rng.randint(0, 20) / 1000 for _ in range(n)]
+        items = rng.sample(range(n), n)
+        start, deadline = rng.randint(0, 30) / 1000, rng.randint(0, 150) / 1000
+        got = ready_knapsack(items, comm, backward, start, deadline)
+        assert list(got) == [b for b in items if b in got]  # in ready order
+        free, ready = start, 0.0
+        ready_at = {}
+        for b in items:
+            ready += backward[b]
+            ready_at[b] = ready
+        for b in got:
+            free = max(free, ready_at[b]) + comm[b]
+        assert free <= deadline + 1e-9 or not got
+        assert sum(comm[b] for b in got) == pytest.approx(_serial_link_brute_force(items, comm, backward, start,
+                                                                                   deadline), abs=1e-9)
+
+
+def test_the_ready_knapsack_refuses_what_algorithm_1_overfills():
+    # bucket 2 ready 0.1 s into a 1 s backward, bucket 1 at 0.8 s; 0.5 and 0.4 s on the link.  Algorithm 1's
+    # capacity after bucket 2's backward is 0.9 s and takes both; sent as they become ready, bucket 1 would end
+    # at 1.2 s, after backward: only bucket 2 (0.1-0.6 s) fits
+    backward, comm = [0.0, 0.7, 0.1], [0.0, 0.4, 0.5]
+    assert recursive_knapsack([2, 1], comm, backward, 0.9) == (2, 1)
+    assert ready_knapsack([2, 1], comm, backward, 0.0, 1.0) == (2,)
+    # the old group's 0.3 s go first: bucket 2 then ends at 0.8 s, bucket 1 would at 1.2 s; one of them still fits
+    assert ready_knapsack([2, 1], comm, backward, 0.3, 1.0) == (2,)
+    # with 0.55 s taken: bucket 2 would end at 1.05 s, bucket 1 at 1.2 s: none; in a 1.25 s backward bucket 2,
+    # and both only where bucket 1 may end at 1.45 s
+    assert ready_knapsack([2, 1], comm, backward, 0.55, 1.0) == ()
+    assert ready_knapsack([2, 1], comm, backward, 0.55, 1.25) == (2,)
+    assert ready_knapsack([2, 1], comm, backward, 0.55, 1.45) == (2, 1)
 
 
 def test_compute_rich_every_iteration_updates_one_step_late():
