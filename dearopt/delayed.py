@@ -28,6 +28,12 @@ one period is within ``1 +- epsilon`` of exact training's (the paper's test;
 ``Preserver(statistic="progress")``: its expected loss decrease at least
 ``1 - epsilon`` of exact training's) (``DistOptim.deft_preserved``).
 
+**Waits**: ``step()`` waits only for the group it applies; the sends of the
+group formed in this backward run on into the next forward (the link stays
+busy), and the next backward waits for them with the forward stage's sends.
+``synchronize()`` (and so ``state_dict()`` and ``close()``) waits for every
+send in flight.
+
 **Two links** (``deft_links=2``): a second communicator over the same ranks
 (:meth:`~dearopt.collectives.CollectiveBackend.second_link`: gloo beside
 NCCL, another gloo group beside gloo) runs concurrently with the first; the

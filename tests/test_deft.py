@@ -437,15 +437,22 @@ def _timeline_run(path):
     model = make_model("mlp")
     opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule="deft", buffer_size=64,
                             deft_schedule=SCHEDULES["solver: communication-bound"], timeline=path)
+    schedule = SCHEDULES["solver: communication-bound"]
     for step in range(STEPS):
         train_step(opt, model, step, rank, world)
+        it = schedule.iteration(step)
+        if it.backward_new and not it.held:  # step() did not wait for the new group's sends: still listed
+            assert len(opt._executor.group.handles) == len(it.backward_new)
+    opt.synchronize()  # waits for every send in flight
+    assert opt._executor.group is None or opt._executor.group.handles == []
     opt.close()
 
 
 @pytest.mark.timeout(60)
 def test_the_timeline_shows_every_send_of_the_schedule(tmp_path):
     """Each step's sends, as the schedule lists them (the old group's in forward and backward, the new group's in
-    backward), are communication spans of that step, one per unit, on every rank."""
+    backward), are communication spans of that step, one per unit, on every rank; ``step()`` leaves the new
+    group's sends in flight and ``synchronize()`` waits for them."""
     import json
 
     from dearopt.timeline import timeline_path_for_rank

@@ -1,6 +1,7 @@
 """The simulator against timelines computed by hand, and the alpha-beta fit against synthetic timings."""
 
 import json
+import statistics
 
 import pytest
 
@@ -183,6 +184,11 @@ def test_record_profile_on_two_ranks(kind):
         assert cost.time(large, 2) >= cost.time(small, 2)
     assert set(prof.contention) == {"forward", "backward"} and min(prof.contention.values()) >= 0
     assert set(prof.cpu_per_byte) == {"forward", "backward"} and min(prof.cpu_per_byte.values()) >= 0
+    # each rank's own loss per byte, per sample: cpu_per_byte is the median of the samples' means over ranks
+    assert set(prof.lost_samples) == {"forward", "backward"}
+    for phase, samples in prof.lost_samples.items():
+        assert len(samples) == 7 and all(len(s) == 2 for s in samples)
+        assert prof.cpu_per_byte[phase] == pytest.approx(max(statistics.median(sum(s) / 2 for s in samples), 0.0))
     assert 0 < prof.copy_per_byte < 1e-6  # a copy runs faster than 1 MB/s
 
 

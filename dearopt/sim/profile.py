@@ -58,6 +58,8 @@ class Profile:
     cpu_per_byte: Dict[str, float] = dataclasses.field(default_factory=dict)  # "forward"/"backward": compute
     # seconds lost per byte of collectives running meanwhile (see _contention); the simulator prefers it to
     # ``contention`` where measured
+    lost_samples: Dict[str, List[List[float]]] = dataclasses.field(default_factory=dict)  # per phase, per sample:
+    # each rank's own compute seconds lost per byte (``cpu_per_byte`` is the median of their means)
 
     @property
     def t_ff(self) -> float:
@@ -245,15 +247,15 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
     per_element, per_call = _update_cost(optimizer, trainable)
     comm, samples = _comm_fits(backend, sizes, repeats) if world > 1 else ({}, {})
     total_bytes = sum(s.nbytes for s in specs)
-    contention, cpu_per_byte = _contention(backend, model, run, total_bytes, bucket_bytes, repeats) if world > 1 \
-        else ({"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0})
+    contention, cpu_per_byte, lost_samples = _contention(backend, model, run, total_bytes, bucket_bytes, repeats) \
+        if world > 1 else ({"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0}, {})
     copy_per_byte = _copy_cost(min(total_bytes, bucket_bytes), repeats)
     profile = Profile(params=specs, forward_segments=forward_segments, forward_tail=tail,
                       ready=ready, t_bp=t_bp, update_per_element=per_element, update_per_call=per_call,
                       comm=comm, comm_samples=samples, contention=contention, world=world,
                       backend=getattr(backend, "name", "gloo"), link=link,
                       rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
-                      copy_per_byte=copy_per_byte, cpu_per_byte=cpu_per_byte)
+                      copy_per_byte=copy_per_byte, cpu_per_byte=cpu_per_byte, lost_samples=lost_samples)
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
     return profile
@@ -331,7 +333,7 @@ def _comm_fits(backend, sizes: Sequence[int], repeats: int):
 
 
 def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeats: int,
-                lost_repeats: int = 7) -> Tuple[Dict[str, float], Dict[str, float]]:
+                lost_repeats: int = 7) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, List[List[float]]]]:
     """How much compute slows while collectives run, forward (all-gathers) and backward (reduce-scatters).
 
     Two measures.  ``contention`` (gamma per phase): compute alone, the model's
@@ -396,7 +398,7 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeat
         backend.all_reduce(vector, op).wait()
         return (vector if op == "max" else vector / world).tolist()
 
-    gamma, per_byte = {}, {}
+    gamma, per_byte, samples = {}, {}, {}
     for phase in ("forward", "backward"):
         alone, comm, both = [], [], []
         for _ in range(repeats):
@@ -417,14 +419,18 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeat
         count = max(1, min(8 * len(pieces), int(0.5 * c / per_piece))) if per_piece > 0 else len(pieces)
         chosen = [pieces[i % len(pieces)] for i in range(count)]
         nbytes = sum(full.numel() * full.element_size() for full, _ in chosen)
-        lost = []
+        lost, samples[phase] = [], []
         for _ in range(max(repeats, lost_repeats)):
             with_comm, without = phase_time(phase, chosen)[0], phase_time(phase, [])[0]
             # each rank's own loss, averaged over the ranks: what one rank loses per byte.  The slowest rank's
             # phase with less the slowest rank's without is a difference of two maxima; with 3 ranks on 2 cores
             # its 7-sample median of backward read 1.37, 1.56, 2.73 and 3.24 ns/B in four runs of one cell,
             # this estimator 1.31, 1.35, 1.63 and 1.76 (and the largest per-rank difference is noisier still)
-            lost.append(over_ranks([with_comm - without], "sum")[0])
+            own = [0.0] * world
+            own[backend.rank] = with_comm - without
+            every = over_ranks(own, "sum")  # each rank's own loss (divided by world: scaled back below)
+            samples[phase].append([v * world / nbytes for v in every])
+            lost.append(sum(every))
         per_byte[phase] = max(_median(lost), 0.0) / nbytes
     model.zero_grad(set_to_none=True)
-    return gamma, per_byte
+    return gamma, per_byte, samples
