@@ -164,8 +164,8 @@ def ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequen
     all ending by ``deadline`` (the backward's compute).
 
     Algorithm 1 (:func:`recursive_knapsack`) approximates readiness by a capacity per suffix: it accepts sets
-    whose sends cannot all end in the backward (on ResNet-50 at 3 Gbit/s 0.39 s of sends for a 0.35 s backward,
-    the last of them ready 0.28 s in; ``step()`` waited 0.13-0.19 s for them).  This is a dynamic programme
+    whose sends cannot all end in the backward (one sent as it becomes ready may end after backward, and
+    ``step()``, or the next forward, waits for it).  This is a dynamic programme
     over the link's finishing time on a grid of :data:`RESOLUTION` (coarser where the deadline needs more than
     :data:`READY_GRID` steps; every time rounded to it), exact on that grid; ties go to the earliest finish,
     then to the set whose members come first in ``items``.  The same answer on every rank."""
