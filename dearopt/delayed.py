@@ -567,7 +567,9 @@ class DelayedExecutor(Executor):
         self.held = None
 
     # --------------------------------------------------------------- step
-    def _wait(self, group: _Group) -> None:
+    def _wait(self, group: Optional[_Group]) -> None:
+        if group is None:
+            return
         t0 = self.timeline.now()
         for handle in group.handles:
             handle.wait()
@@ -664,7 +666,7 @@ class DelayedExecutor(Executor):
     def synchronize(self) -> None:
         """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
         nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
-        if self.state is TrainingState.IDLE and self.group is not None:
+        if self.state is TrainingState.IDLE:
             self._wait(self.group)
         self.timeline.flush()
 
@@ -683,8 +685,7 @@ class DelayedExecutor(Executor):
 
         if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
             return dict(self._loaded)
-        if self.group is not None:  # its sends may still be in flight (step() waits only for a group it applies)
-            self._wait(self.group)
+        self._wait(self.group)  # its sends may still be in flight (step() waits only for a group it applies)
         return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
                 "preserved": self.preserved, "mu": self.mu, "reduction": self.reduction,
                 "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
@@ -693,8 +694,7 @@ class DelayedExecutor(Executor):
         """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
         if self.state is not TrainingState.IDLE:
             raise UsageError("load the optimizer's state between step() and the next backward()")
-        if self.group is not None:  # nothing of the replaced group may still be on the link
-            self._wait(self.group)
+        self._wait(self.group)  # nothing of the replaced group may still be on the link
         self.step_count = int(saved["step"])
         self.deft = saved["schedule"]
         self.offset, self.measured = saved.get("offset", 0), saved.get("measured")
