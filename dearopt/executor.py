@@ -735,8 +735,7 @@ class Executor:
         self.updater.begin_step(sum(1 for b in self.buckets if b.has_members))
         if self.sharding is not None:
             self._update_shards()
-        for b in self._updates_at.get(STEP, ()):
-            self._update(self.buckets[b], tags_checked=True)
+        self._update([self.buckets[b] for b in self._updates_at.get(STEP, ())], tags_checked=True)
         if self.round is not None:
             self.issuer.pump(self._may_start)  # the ops that start at step()
             self.guard.arm({id(p): b.index for b in self.buckets if b.pending for p in b.params})
@@ -783,8 +782,9 @@ class Executor:
             self.profile.forward_waited(time.perf_counter() - t0)
             self.round.forward_reached = k
             self.issuer.pump(self._may_start)  # e.g. prefetch the next bucket's all-gather
-            for b in self._updates_at.get(point, ()):
-                self._update(self.buckets[b], tags_checked=False)
+            due = self._updates_at.get(point, ())
+            if due:
+                self._update([self.buckets[b] for b in due], tags_checked=False)
 
     def _share_meta(self, step: int, nonfinite: bool) -> bool:
         """Sharded update: every bucket's used flags and step tags summed over ranks on the control channel, with
@@ -835,21 +835,25 @@ class Executor:
             self.timeline.span("update shard", "update", t0, bucket=bucket.index)
             self.issuer.pump(self._may_start)  # its gather (due first in forward) overlaps the next updates
 
-    def _update(self, bucket: BucketState, tags_checked: bool) -> None:
+    def _update(self, buckets: List[BucketState], tags_checked: bool) -> None:
+        """The optimizer's update of ``buckets``, due at the same moment: each checked, then one call of the
+        wrapped optimizer over all of them (:meth:`BucketUpdater.apply_buckets`), then each landed."""
         t0 = self.timeline.now()
-        if self.sharding is not None:  # updated at step(); the all-gather just completed brought its parameters
+        if self.sharding is None:  # sharded: updated at step(); the all-gather just completed brought them
+            step, chosen = self.round.step, []
+            for bucket in buckets:
+                if not tags_checked:
+                    self.checks.check_tags(bucket, step)
+                if bucket.index in self._late_checked and not self.round.scaler_checked:
+                    self.checks.nonfinite_bucket(bucket, self.buckets, step)
+                include = self._included(bucket)
+                if bucket.has_members:
+                    bucket.restore_views()  # zero_grad(set_to_none=True) may have come first and set p.grad to None
+                    chosen.append((bucket, include))
+            if chosen:
+                self.updater.apply_buckets(chosen)
+        for bucket in buckets:
             self._land(bucket, t0)
-            return
-        step = self.round.step
-        if not tags_checked:
-            self.checks.check_tags(bucket, step)
-        if bucket.index in self._late_checked and not self.round.scaler_checked:
-            self.checks.nonfinite_bucket(bucket, self.buckets, step)
-        include = self._included(bucket)
-        if bucket.has_members:
-            bucket.restore_views()  # zero_grad(set_to_none=True) may have come first and set p.grad to None
-            self.updater.apply(bucket, include)
-        self._land(bucket, t0)
 
     def _land(self, bucket: BucketState, t0: float) -> None:
         """The bucket's update is in its parameters: no longer pending; the round ends with the last one."""

@@ -14,7 +14,7 @@ the last one.  Its ``step()`` is called without torch's hook wrapper.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -52,19 +52,30 @@ class BucketUpdater:
 
     def apply(self, bucket: BucketState, include: List[bool]) -> None:
         """Run the optimizer over the bucket's parameters for which ``include`` is true."""
-        members = []
-        for gi in range(len(self.optimizer.param_groups)):
-            group = bucket.group_members[gi] if gi < len(bucket.group_members) else []
-            members.append(group if all(include) else [p for p in group if include[bucket.position[id(p)]]])
-        bucket.sparse_gradients()
-        try:
-            self.apply_members(members)
-        finally:
-            bucket.dense_gradients()
+        self.apply_buckets([(bucket, include)])
 
-    def apply_members(self, members: List[List[torch.Tensor]]) -> None:
+    def apply_buckets(self, chosen: List[Tuple[BucketState, List[bool]]]) -> None:
+        """Run the optimizer once over the parameters of several buckets (each narrowed by its ``include``), as
+        one update per bucket: where buckets are updated at the same moment (at ``step()``) one call costs one
+        call's overhead, as DDP's single ``step()`` does, instead of one per bucket.  A per-parameter optimizer
+        updates every parameter the same either way."""
+        members: List[List[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
+        for bucket, include in chosen:
+            for gi, into in enumerate(members):
+                group = bucket.group_members[gi] if gi < len(bucket.group_members) else []
+                into.extend(group if all(include) else [p for p in group if include[bucket.position[id(p)]]])
+        for bucket, _ in chosen:
+            bucket.sparse_gradients()
+        try:
+            self.apply_members(members, updates=len(chosen))
+        finally:
+            for bucket, _ in chosen:
+                bucket.dense_gradients()
+
+    def apply_members(self, members: List[List[torch.Tensor]], updates: int = 1) -> None:
         """Run the optimizer once with param group ``gi`` narrowed to ``members[gi]`` (parameters, or the
-        segments of a sharded update) and the hyperparameters in force at ``step()``."""
+        segments of a sharded update) and the hyperparameters in force at ``step()``; it counts as ``updates``
+        bucket updates of this step (the post hooks fire after the last)."""
         if not self._started:
             self._started = True
             for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):
@@ -81,7 +92,7 @@ class BucketUpdater:
         finally:
             for group, live in zip(groups, saved):
                 group.update(live)
-        self._remaining -= 1
+        self._remaining -= updates
         if self._remaining == 0:
             for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
                 hook(self.optimizer, (), {})

@@ -92,6 +92,9 @@ def _hooks(schedule):
     inner.register_step_post_hook(count("inner post"))
     handles = [torch_optimizer.register_optimizer_step_pre_hook(count("global pre")),
                torch_optimizer.register_optimizer_step_post_hook(count("global post"))]
+    raw = []  # the wrapped optimizer's own step() runs: SGD prepares its one param group once per run
+    prepare = inner._init_group
+    inner._init_group = lambda *a, **k: (raw.append(1), prepare(*a, **k))[1]
     try:
         for step in range(3):
             opt.zero_grad()
@@ -104,16 +107,20 @@ def _hooks(schedule):
             h.remove()
     n_buckets = len(opt.plan.buckets)
     opt.close()
-    return calls, seen_after_step, n_buckets
+    return calls, seen_after_step, n_buckets, len(raw)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule", ["dear", "wfbp"])
 def test_step_hooks_fire_once_per_step_and_post_hooks_see_the_update(schedule):
     for o in run_workers(_hooks, 2, schedule, timeout=50):
-        calls, seen, n_buckets = o.value
+        calls, seen, n_buckets, raw = o.value
         assert n_buckets > 2
         assert calls == {k: 3 for k in calls}, calls
+        if schedule == "wfbp":  # every bucket lands at step(): one run of the wrapped optimizer per step, as DDP's
+            assert raw == 3
+        else:  # dear: each bucket's update in the next forward, one run each (its all-reduced ones at step(), one)
+            assert 3 <= raw <= 3 * n_buckets
         for step, params in enumerate(seen):
             want, _ = reference("mlp", "sgd-plain-momentum", 2, steps=step + 1)
             assert_params_match(params, want)
