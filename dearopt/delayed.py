@@ -31,8 +31,8 @@ one period is within ``1 +- epsilon`` of exact training's (the paper's test;
 **Waits**: ``step()`` waits only for the group it applies; the sends of the
 group formed in this backward run on into the next forward (the link stays
 busy), and the next backward waits for them with the forward stage's sends.
-``synchronize()`` (and so ``state_dict()`` and ``close()``) waits for every
-send in flight.
+Between ``step()`` and the next ``backward()``, ``synchronize()`` (and so
+``state_dict()`` and ``close()``) waits for every send in flight.
 
 **Two links** (``deft_links=2``): a second communicator over the same ranks
 (:meth:`~dearopt.collectives.CollectiveBackend.second_link`: gloo beside
@@ -473,6 +473,8 @@ class DelayedExecutor(Executor):
         self._send_forward_stage()
         if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
             self._wait(self.group)
+            if not it.held and it.applies is None:  # a given schedule may say so; nothing is in flight yet
+                raise UsageError(self._lost_group())
             for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
                 self._all_reduce(self.group, u)
         self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
@@ -578,6 +580,11 @@ class DelayedExecutor(Executor):
             self.timeline.span("wait for sends", "wait", t0, sends=len(group.handles))
         group.handles = []
 
+    def _lost_group(self) -> str:
+        return (f"the DeFT schedule forms a new group at step {self.step_count} while the group in flight is not "
+                f"applied at that step: its gradients would be lost (a given deft_schedule= must apply each group "
+                f"before the next forms) [rank {self.rank}]")
+
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         if scaler_checked:
             raise UsageError("GradScaler is not supported under schedule='deft' yet: a group applied later covers "
@@ -597,6 +604,8 @@ class DelayedExecutor(Executor):
             self._apply(self.group)
             self.group = None
         if self.forming is not None:
+            if self.group is not None:  # a given schedule that starts a group before the last one is applied
+                raise UsageError(self._lost_group())
             self.group, self.forming = self.forming, None
         self.forwards = 0
         self.step_count += 1

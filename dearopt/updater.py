@@ -1,7 +1,9 @@
-"""Applying the wrapped optimizer to one bucket at a time.
+"""Applying the wrapped optimizer to the buckets as their updates fall due.
 
-The wrapped optimizer's own ``step()`` runs once per bucket with each param
-group narrowed to the bucket's parameters (and to the ones that got a gradient
+The wrapped optimizer's own ``step()`` runs once per moment of the plan at which
+buckets are updated (once per bucket where they land one by one, once for all
+of them where they land together at ``step()``), with each param group narrowed
+to those buckets' parameters (and to the ones that got a gradient
 on some rank), using the hyperparameters that were in force when the user
 called ``step()``: an LR scheduler that steps in between does not leak into
 updates applied later, in the next forward.

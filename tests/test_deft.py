@@ -285,6 +285,14 @@ def _refusals():
 
     attempt("no loss", three_steps)
     opt.close()
+    model = make_model("mlp")  # a given schedule that forms a group every step and applies none
+    never = DeftSchedule(N_BUCKETS, (), (DeftIteration(4, (), (), (N_BUCKETS - 1,), False, None, 0),))
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64,
+                            deft_schedule=never)
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    attempt("group never applied", lambda: loss_fn("mlp", model(x), y).backward())
     return out
 
 
@@ -298,7 +306,9 @@ def test_what_deft_cannot_do_is_refused_by_name():
         "wrong bucket count": ("UsageError", "6 buckets"), "preserver type": ("TypeError", "preserver="),
         "second link not asked for": ("UsageError", "deft_links=2"), "three links": ("ValueError", "deft_links"),
         # named at the step that solves the schedule: the third, after the exact measuring steps
-        "no loss": ("UsageError", "optimizer.step(loss=loss)")})
+        "no loss": ("UsageError", "optimizer.step(loss=loss)"),
+        # refused at the backward that would start a second group, before anything of it is sent
+        "group never applied": ("UsageError", "forms a new group at step 1")})
     assert got["steps before"] == 2
 
 

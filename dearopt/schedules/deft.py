@@ -167,7 +167,8 @@ def ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequen
     whose sends cannot all end in the backward (one sent as it becomes ready may end after backward, and
     ``step()``, or the next forward, waits for it).  This is a dynamic programme
     over the link's finishing time on a grid of :data:`RESOLUTION` (coarser where the deadline needs more than
-    :data:`READY_GRID` steps; every time rounded to it), exact on that grid; ties go to the earliest finish,
+    :data:`READY_GRID` steps; every time rounded to it), exact on that grid (off it a chosen set may end up
+    to half a grid step per send after ``deadline``: microseconds); ties go to the earliest finish,
     then to the set whose members come first in ``items``.  The same answer on every rank."""
     import numpy as np
 
