@@ -118,7 +118,7 @@ class Checks:
         if not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum())):
             raise NonFiniteGradientError(
                 self._describe_nonfinite(buckets, step) + " (this schedule checks bucket by bucket, so "
-                "buckets updated earlier in this step were already updated)", rank=self.rank, op="update",
+                "buckets updated at an earlier moment of this step were already updated)", rank=self.rank, op="update",
                 bucket=bucket.index, step=step)
 
     def _describe_nonfinite(self, buckets: Sequence[BucketState], step: int, own: Sequence[int] = ()) -> str:

@@ -474,7 +474,9 @@ class DelayedExecutor(Executor):
         if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
             self._wait(self.group)
             if not it.held and it.applies is None:  # a given schedule may say so; nothing is in flight yet
-                raise UsageError(self._lost_group())
+                raise UsageError(f"the DeFT schedule forms a new group at step {self.step_count} while the group "
+                                 f"in flight is not applied at that step: its gradients would be lost (a given "
+                                 f"deft_schedule= must apply each group before the next forms) [rank {self.rank}]")
             for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
                 self._all_reduce(self.group, u)
         self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
@@ -580,11 +582,6 @@ class DelayedExecutor(Executor):
             self.timeline.span("wait for sends", "wait", t0, sends=len(group.handles))
         group.handles = []
 
-    def _lost_group(self) -> str:
-        return (f"the DeFT schedule forms a new group at step {self.step_count} while the group in flight is not "
-                f"applied at that step: its gradients would be lost (a given deft_schedule= must apply each group "
-                f"before the next forms) [rank {self.rank}]")
-
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         if scaler_checked:
             raise UsageError("GradScaler is not supported under schedule='deft' yet: a group applied later covers "
@@ -603,9 +600,7 @@ class DelayedExecutor(Executor):
             self._wait(self.group)
             self._apply(self.group)
             self.group = None
-        if self.forming is not None:
-            if self.group is not None:  # a given schedule that starts a group before the last one is applied
-                raise UsageError(self._lost_group())
+        if self.forming is not None:  # (a group in flight and not applied was refused when this backward began)
             self.group, self.forming = self.forming, None
         self.forwards = 0
         self.step_count += 1

@@ -52,10 +52,6 @@ class BucketUpdater:
     def in_step(self) -> bool:
         return self._remaining > 0
 
-    def apply(self, bucket: BucketState, include: List[bool]) -> None:
-        """Run the optimizer over the bucket's parameters for which ``include`` is true."""
-        self.apply_buckets([(bucket, include)])
-
     def apply_buckets(self, chosen: List[Tuple[BucketState, List[bool]]]) -> None:
         """Run the optimizer once over the parameters of several buckets (each narrowed by its ``include``), as
         one update per bucket: where buckets are updated at the same moment (at ``step()``) one call costs one

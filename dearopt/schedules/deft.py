@@ -49,12 +49,14 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
 from .base import Schedule, mark_updates
 
-__all__ = ["knapsack", "link_knapsack", "recursive_knapsack", "ready_knapsack", "DeftIteration", "DeftSchedule", "deft_schedule",
-           "check_partition", "RESOLUTION", "DeFT", "expected_loss", "preserver_check", "preserver_ratio", "Preserved",
-           "preserved_schedule", "Preserver"]
+__all__ = ["knapsack", "link_knapsack", "recursive_knapsack", "ready_knapsack", "DeftIteration", "DeftSchedule",
+           "deft_schedule", "check_partition", "RESOLUTION", "DeFT", "expected_loss", "preserver_check",
+           "preserver_ratio", "Preserved", "preserved_schedule", "Preserver"]
 
 RESOLUTION = 1e-5
 """Seconds per unit of the exact knapsack (times are rounded to it; 10 us)."""
@@ -170,8 +172,6 @@ def ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequen
     :data:`READY_GRID` steps; every time rounded to it), exact on that grid (off it a chosen set may end up
     to half a grid step per send after ``deadline``: microseconds); ties go to the earliest finish,
     then to the set whose members come first in ``items``.  The same answer on every rank."""
-    import numpy as np
-
     items = list(items)
     if not items or deadline <= start:
         return ()
