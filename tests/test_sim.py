@@ -1,6 +1,7 @@
 """The simulator against timelines computed by hand, and the alpha-beta fit against synthetic timings."""
 
 import json
+import os
 import statistics
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from dearopt.plan import ParamSpec, build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
 from dearopt.sim.profile import Profile, contention_from_overlap
-from dearopt.sim.simulator import simulate
+from dearopt.sim.simulator import cpu_per_byte, simulate
 
 # two parameters of 997 elements: each bucket holds 997 + 1 flag + 2 tags = 1000 float32 = 4000 bytes (2 ranks)
 PARAMS = [ParamSpec("p0", 997, "float32", 4), ParamSpec("p1", 997, "float32", 4)]
@@ -78,6 +79,30 @@ def test_compute_loses_the_cpu_each_ops_bytes_take():
     # an explicit contention= overrides the profile's (the older factor per phase)
     r = simulate(base, plan("wfbp"), contention={"forward": 0.0, "backward": 0.0})
     assert r.backward == pytest.approx(0.4)
+
+
+def test_ranks_with_a_core_each_run_at_the_pace_of_the_one_that_loses_most():
+    # per sample each rank's own loss; with a core per rank the phase's loss is the median over samples of the
+    # largest: forward max(1, 3), max(2, 2), max(5, 0) -> median of 3, 2, 5 = 3; backward 1, 4, 2 -> 2; one
+    # number for both phases: their mean, 2.5 (units of 0.01 / 4000 s per byte)
+    unit = 0.01 / 4000
+    losses = {"forward": [[1 * unit, 3 * unit], [2 * unit, 2 * unit], [5 * unit, 0.0]],
+              "backward": [[1 * unit, 0.0], [4 * unit, -1 * unit], [2 * unit, 2 * unit]]}
+    own = profile(beta=2.5e-5)
+    own.lost_samples, own.cores_per_rank = losses, 1.0
+    own.cpu_per_byte = {"forward": 2 * unit, "backward": 1.5 * unit}  # the means' medians, as recorded
+    assert cpu_per_byte(own) == pytest.approx(2.5 * unit)
+    # ranks sharing cores (3 on 2), or a profile that did not record the cores: the recorded means' medians
+    shared = profile(beta=2.5e-5)
+    shared.lost_samples, shared.cores_per_rank, shared.cpu_per_byte = losses, 2 / 3, own.cpu_per_byte
+    assert cpu_per_byte(shared) == pytest.approx(1.75 * unit)
+    shared.cores_per_rank = 0.0
+    assert cpu_per_byte(shared) == pytest.approx(1.75 * unit)
+    # the replay uses it: a profile whose recorded loss is that number predicts the same timeline
+    fixed = profile(beta=2.5e-5)
+    fixed.cpu_per_byte = dict.fromkeys(("forward", "backward"), 2.5 * unit)
+    assert simulate(own, plan("wfbp")).parts() == pytest.approx(simulate(fixed, plan("wfbp")).parts())
+    assert simulate(own, plan("wfbp")).backward > simulate(shared, plan("wfbp")).backward
 
 
 def test_the_engines_copies_and_averaging_take_compute_time():
@@ -189,6 +214,7 @@ def test_record_profile_on_two_ranks(kind):
     for phase, samples in prof.lost_samples.items():
         assert len(samples) == 7 and all(len(s) == 2 for s in samples)
         assert prof.cpu_per_byte[phase] == pytest.approx(max(statistics.median(sum(s) / 2 for s in samples), 0.0))
+    assert prof.cores_per_rank == pytest.approx(len(os.sched_getaffinity(0)) / 2)  # two ranks on this host
     assert 0 < prof.copy_per_byte < 1e-6  # a copy runs faster than 1 MB/s
 
 

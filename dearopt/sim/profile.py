@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -60,6 +61,9 @@ class Profile:
     # ``contention`` where measured
     lost_samples: Dict[str, List[List[float]]] = dataclasses.field(default_factory=dict)  # per phase, per sample:
     # each rank's own compute seconds lost per byte (``cpu_per_byte`` is the median of their means)
+    cores_per_rank: float = 0.0  # CPU cores this host gives each of its ranks (0: not recorded); with one or
+    # more, each rank computes on a core of its own and the slowest rank's loss paces the job (see
+    # :func:`dearopt.sim.cpu_per_byte`)
 
     @property
     def t_ff(self) -> float:
@@ -127,6 +131,14 @@ def contention_from_overlap(compute: float, comm: float, both: float) -> float:
         return 0.0
     x = min((both - compute) / comm, 0.95)
     return x / (1.0 - x)
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _median(values: Sequence[float]) -> float:
@@ -255,7 +267,8 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
                       comm=comm, comm_samples=samples, contention=contention, world=world,
                       backend=getattr(backend, "name", "gloo"), link=link,
                       rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
-                      copy_per_byte=copy_per_byte, cpu_per_byte=cpu_per_byte, lost_samples=lost_samples)
+                      copy_per_byte=copy_per_byte, cpu_per_byte=cpu_per_byte, lost_samples=lost_samples,
+                      cores_per_rank=_cores() / runtime.local_size())
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
     return profile
