@@ -89,6 +89,25 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
 
 
+def test_a_periodic_schedule_is_timed_in_whole_periods():
+    from dearopt.bench.runner import timed_samples
+
+    # a period of 3 iterations taking 1, 2 and 6 s (forward 0.5 s each): every window of three holds each once,
+    # wherever it starts; single iterations would read 1, 2 or 6
+    pattern = [1.0, 2.0, 6.0]
+    seen = []
+
+    def step(x, y):
+        seen.append(x)
+        return {"iter": pattern[len(seen) % 3], "forward": 0.5}
+
+    batches = [(b, None) for b in range(4)]
+    out = timed_samples(step, batches, first=2, count=2, period=3)
+    assert out == {"iter": [3.0, 3.0], "forward": [0.5, 0.5]}
+    assert seen == [2, 3, 0, 1, 2, 3]  # six steps on the batches from position 2 on, cyclically
+    assert timed_samples(step, batches, first=0, count=2)["iter"] == [pattern[7 % 3], pattern[8 % 3]]
+
+
 def test_bounds_formulas():
     from dearopt.bench.report import bound
 
