@@ -89,6 +89,25 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
 
 
+def _affinity():
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_bound_ranks_run_on_cores_of_their_own():
+    from dearopt.bench.spawn import spawn
+
+    cores = sorted(os.sched_getaffinity(0))
+    bound = spawn(_affinity, 2, bind=True)
+    if len(cores) >= 2:  # each rank on its share of the cores, the shares disjoint and together all of them
+        assert all(len(b) == len(cores) // 2 for b in bound) and not set(bound[0]) & set(bound[1])
+        assert sorted(bound[0] + bound[1]) == cores[:2 * (len(cores) // 2)]
+    else:
+        assert bound == [cores, cores]
+    assert spawn(_affinity, 2) == [cores, cores]  # unbound: both may run anywhere, as before
+
+
 def test_a_periodic_schedule_is_timed_in_whole_periods():
     from dearopt.bench.runner import timed_samples
 

@@ -57,6 +57,9 @@ def parse_args(argv):
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb and dearopt buffer_size in MiB")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD (momentum 0.9) learning rate")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--bind", action="store_true",
+                   help="run each rank on its own cores, as mpirun --bind-to core does (default: the ranks share "
+                        "every core, as torchrun leaves them)")
     p.add_argument("--out", default=None, help="directory for results.json, chart.png (and timeline files)")
     p.add_argument("--timeline", nargs="?", const=True, default=None, metavar="SCHEDULE",
                    help="record the timeline of the named dearopt run (default: dear, or the first dearopt schedule "
@@ -163,10 +166,11 @@ def main(argv=None) -> int:
            "part_repeats": args.part_repeats or max(1, args.iterations // args.rounds),
            "comm_repeats": args.comm_repeats, "overlap_repeats": args.overlap_repeats, "distinct_batches": 4,
            "timeline": timeline, "timeline_schedule": args.timeline_schedule,
-           "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert", "profile": args.profile}
+           "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert", "profile": args.profile,
+           "bind": args.bind}
     print(f"[bench] {args.model}: {args.ranks} ranks, link {link}, schedules {','.join(args.schedule_list)}, "
           f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds", flush=True)
-    results = spawn(run_rank, args.ranks, cfg, threads=args.threads)
+    results = spawn(run_rank, args.ranks, cfg, threads=args.threads, bind=args.bind)
     doc = report.summarize(results, cfg, link)
     print(report.table(doc), flush=True)
     if out:

@@ -120,7 +120,7 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
         "iterations": cfg["iterations"],
         "warmup": cfg["warmup"],
         "rounds": cfg["rounds"],
-        "machine": machine(),
+        "machine": dict(machine(), bound_to_cores=bool(cfg.get("bind"))),
         "source": source(),
         "parts_samples": {k: [r["parts"][k] for r in rank_results] for k in first["parts"]},
         "overlap_samples": {k: [r["overlap"][k] for r in rank_results] for k in first.get("overlap", {})},

@@ -133,12 +133,23 @@ def contention_from_overlap(compute: float, comm: float, both: float) -> float:
     return x / (1.0 - x)
 
 
-def _cores() -> int:
-    """The CPU cores this process may run on."""
+def _cores_per_rank(backend, local_size: int) -> float:
+    """The CPU cores the ranks of a host may run on (the union of their affinities: all of the host's they may
+    use, whether each rank is bound to its own or all share them), per rank of the host.  The union is taken
+    over every rank by core number, which is each host's where the hosts are alike."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        mine = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux: every core
+        mine = set(range(os.cpu_count() or 1))
+    if backend.size <= 1:
+        return len(mine) / local_size
+    width = torch.tensor([float(max(max(mine) + 1, os.cpu_count() or 1))], dtype=torch.float64,
+                         device=backend.device)
+    backend.all_reduce(width, "max").wait()  # hosts may number their cores differently: one width for all
+    mask = torch.zeros(int(width.item()), dtype=torch.float64, device=backend.device)
+    mask[sorted(mine)] = 1.0
+    backend.all_reduce(mask, "max").wait()
+    return float(mask.sum().item()) / local_size
 
 
 def _median(values: Sequence[float]) -> float:
@@ -268,7 +279,7 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
                       backend=getattr(backend, "name", "gloo"), link=link,
                       rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
                       copy_per_byte=copy_per_byte, cpu_per_byte=cpu_per_byte, lost_samples=lost_samples,
-                      cores_per_rank=_cores() / runtime.local_size())
+                      cores_per_rank=_cores_per_rank(backend, runtime.local_size()))
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
     return profile
