@@ -8,7 +8,7 @@ import pytest
 
 from dearopt.plan import ParamSpec, build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
-from dearopt.sim.profile import Profile, contention_from_overlap
+from dearopt.sim.profile import Profile, contention_from_overlap, stream_calibrated
 from dearopt.sim.simulator import cpu_per_byte, simulate
 
 # two parameters of 997 elements: each bucket holds 997 + 1 flag + 2 tags = 1000 float32 = 4000 bytes (2 ranks)
@@ -154,6 +154,20 @@ def test_the_fixed_cost_comes_from_the_smallest_message_where_the_line_cannot_te
     assert got.alpha > 1e-4
 
 
+def test_the_fits_beta_reproduces_the_buckets_sent_back_to_back():
+    # 4 all-gathers of 1e8 bytes in all on 2 ranks took 0.6 s: 4 ops x 1 step x alpha 1 ms fixed, the rest
+    # moves half the bytes: beta = (0.6 - 0.004) / (0.5 * 1e8); alpha kept
+    cost = CommCost("all_gather", alpha=0.001, beta=1e-8)
+    tuned = stream_calibrated(cost, [1e8, 4, 0.6], 2)
+    assert tuned.alpha == 0.001 and tuned.beta == pytest.approx(0.596 / 5e7)
+    assert 4 * tuned.time(1e8 / 4, 2) == pytest.approx(0.6)
+    # an all-reduce on 3 ranks: 4 steps and 4/3 of the bytes per op
+    ar = stream_calibrated(CommCost("all_reduce", alpha=0.001, beta=1e-8), [3e8, 2, 0.9], 3)
+    assert ar.beta == pytest.approx((0.9 - 2 * 4 * 0.001) / (4 / 3 * 3e8))
+    # a stream no longer than its fixed costs says nothing about the bytes: the fit is kept
+    assert stream_calibrated(cost, [1e8, 4, 0.003], 2) == cost
+
+
 def test_contention_from_an_overlap_measurement():
     # compute 1.0 alone, link 0.5 alone, both 1.25: compute lost 0.25 in the 0.5 of link: gamma = 1
     assert contention_from_overlap(1.0, 0.5, 1.25) == pytest.approx(1.0)
@@ -215,6 +229,14 @@ def test_record_profile_on_two_ranks(kind):
         assert len(samples) == 7 and all(len(s) == 2 for s in samples)
         assert prof.cpu_per_byte[phase] == pytest.approx(max(statistics.median(sum(s) / 2 for s in samples), 0.0))
     assert prof.cores_per_rank == pytest.approx(len(os.sched_getaffinity(0)) / 2)  # two ranks on this host
+    # the model's buckets sent back to back per kind, and the fits' betas reproduce them
+    assert set(prof.comm_streams) == {"reduce_scatter", "all_gather", "all_reduce"}
+    for kind_, (total, ops, seconds) in prof.comm_streams.items():
+        # the model's bytes, each bucket rounded down to a multiple of the ranks' count of floats
+        assert total == pytest.approx(sum(s.nbytes for s in prof.params), abs=8 * ops) and ops >= 1 and seconds > 0
+        cost = prof.comm[kind_]
+        if seconds > ops * cost.time(0, 2):  # the bytes took time beyond the fixed costs
+            assert ops * cost.time(total / ops, 2) == pytest.approx(seconds)
     assert 0 < prof.copy_per_byte < 1e-6  # a copy runs faster than 1 MB/s
 
 

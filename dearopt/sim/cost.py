@@ -19,12 +19,12 @@ import math
 import re
 from typing import Sequence, Tuple
 
-__all__ = ["CommCost", "fit", "parse_link", "KINDS"]
+__all__ = ["CommCost", "fit", "op_steps", "parse_link", "KINDS"]
 
 KINDS = ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
 
 
-def _steps(kind: str, world: int) -> Tuple[float, float]:
+def op_steps(kind: str, world: int) -> Tuple[float, float]:
     """(latency steps, bytes fraction) of one op of ``kind`` on ``world`` ranks."""
     if world <= 1:
         return 0.0, 0.0
@@ -44,7 +44,7 @@ class CommCost:
     beta: float  # seconds per byte
 
     def time(self, nbytes: float, world: int) -> float:
-        steps, fraction = _steps(self.kind, world)
+        steps, fraction = op_steps(self.kind, world)
         return steps * self.alpha + fraction * nbytes * self.beta
 
     def on_link(self, bandwidth_bits: float, latency: float = None) -> "CommCost":
@@ -62,7 +62,7 @@ def fit(kind: str, samples: Sequence[Tuple[float, float]], world: int) -> CommCo
         raise ValueError("a collective's cost can only be measured with 2 or more ranks")
     if len({n for n, _ in samples}) < 2:
         raise ValueError(f"fitting {kind} needs timings at two or more sizes, got {samples}")
-    steps, fraction = _steps(kind, world)
+    steps, fraction = op_steps(kind, world)
     xs = [n for n, _ in samples]
     ys = [t for _, t in samples]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
