@@ -361,10 +361,9 @@ def _comm_fits(backend, sizes: Sequence[int], repeats: int):
     return comm, samples
 
 
-def _stream_times(backend, total_bytes: int, bucket_bytes: int, repeats: int) -> Dict[str, List[float]]:
-    """Per kind (reduce-scatter, all-gather, all-reduce): the model's bytes in buckets of ``bucket_bytes``, the
-    ops started back to back as the engine starts them, waited for together: ``[total bytes, ops, seconds]``
-    (per repeat the slowest rank's time, then the median)."""
+def _model_pieces(backend, total_bytes: int, bucket_bytes: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """The model's ``total_bytes`` of float32 in buckets of ``bucket_bytes`` (sizes divisible by the world size),
+    as the engine issues them: per bucket the full tensor and a shard-sized one."""
     world = backend.size
     per = max(world, (bucket_bytes // 4) // world * world)
     left = max(world, (total_bytes // 4) // world * world)
@@ -373,6 +372,14 @@ def _stream_times(backend, total_bytes: int, bucket_bytes: int, repeats: int) ->
         n = min(per, left)
         pieces.append((torch.ones(n, device=backend.device), torch.ones(n // world, device=backend.device)))
         left -= n
+    return pieces
+
+
+def _stream_times(backend, total_bytes: int, bucket_bytes: int, repeats: int) -> Dict[str, List[float]]:
+    """Per kind (reduce-scatter, all-gather, all-reduce): the model's bytes in buckets of ``bucket_bytes``, the
+    ops started back to back as the engine starts them, waited for together: ``[total bytes, ops, seconds]``
+    (per repeat the slowest rank's time, then the median)."""
+    pieces = _model_pieces(backend, total_bytes, bucket_bytes)
     start = {"reduce_scatter": lambda full, shard: backend.reduce_scatter(shard, full),
              "all_gather": lambda full, shard: backend.all_gather(full, shard),
              "all_reduce": lambda full, shard: backend.all_reduce(full)}
@@ -427,13 +434,7 @@ def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeat
     """
     world = backend.size
     device = backend.device
-    per = max(world, (bucket_bytes // 4) // world * world)
-    left = max(world, (total_bytes // 4) // world * world)
-    pieces = []
-    while left > 0:
-        n = min(per, left)
-        pieces.append((torch.ones(n, device=device), torch.ones(n // world, device=device)))
-        left -= n
+    pieces = _model_pieces(backend, total_bytes, bucket_bytes)
 
     def start(phase, chosen):
         if phase == "forward":
