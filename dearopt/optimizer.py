@@ -44,7 +44,7 @@ _WRAPPED = weakref.WeakSet()
 
 
 def _preserver(preserver):
-    """``preserver=``: True (the defaults), False/None (off) or a :class:`dearopt.schedules.deft.Preserver`."""
+    """``preserver=``: True (the defaults), False/None (off) or a :class:`dearopt.Preserver`."""
     from .schedules.deft import Preserver
 
     if preserver is True:
@@ -53,7 +53,7 @@ def _preserver(preserver):
         return None
     if isinstance(preserver, Preserver):
         return preserver
-    raise TypeError(f"preserver= takes True, False or a dearopt.schedules.deft.Preserver, got {preserver!r}")
+    raise TypeError(f"preserver= takes True, False or a dearopt.Preserver, got {preserver!r}")
 
 
 def _check_arguments(optimizer, model):
@@ -152,7 +152,7 @@ class DistOptim(torch.optim.Optimizer):
         deft_schedule: under ``schedule="deft"``, a :class:`dearopt.schedules.deft.DeftSchedule` to follow
             instead of solving one from ``profile`` (delayed, merged updates: see :mod:`dearopt.delayed`).
         preserver: under ``schedule="deft"`` with a solved schedule, the convergence check it must pass
-            (``True``: :class:`dearopt.schedules.deft.Preserver` with its defaults, or one given; ``False``: the
+            (``True``: :class:`dearopt.Preserver` with its defaults, or one given; ``False``: the
             solver's schedule unchecked).  It needs the training loss of the first steps: call
             ``optimizer.step(loss=loss)``.  Its outcome: :attr:`deft_preserved`.
         deft_links: under ``schedule="deft"``, 2 sends part of the buckets over a second communicator

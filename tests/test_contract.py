@@ -19,7 +19,7 @@ from harness import run_workers
 from models import global_batch, loss_fn, make_model, shard
 from test_distoptim import assert_params_match
 
-SCHEDULES = ["dear", "wfbp", "rsag", "bytescheduler", "dear-sharded"]
+SCHEDULES = ["dear", "wfbp", "rsag", "bytescheduler", "prophet", "prophet-allreduce", "dear-sharded"]
 STEPS = 4
 OVERFLOW_STEP = 2  # GradScaler cases: the gradient of one sample is NaN at this step
 
