@@ -3,7 +3,7 @@
 
 * torch's clip_grad_norm_ / clip_grad_value_ on p.grad, and GradScaler.unscale_(optimizer): exact where p.grad
   holds the averaged gradient when backward() returns (wfbp, rsag, and every schedule on one rank); a named
-  UsageError at step() where the schedule keeps its own copy (dear, bytescheduler), which names what to call.
+  UsageError at step() where the schedule keeps its own copy (dear, bytescheduler, prophet), which names what to call.
 * GradScaler driving step() (scale, step, update), with an overflow on one rank at a chosen step: exact under
   every schedule; every rank skips the same step and keeps the same scale.
 * Parameters written or read right after step() (a WGAN clamp, an EMA): exact.
