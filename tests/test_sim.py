@@ -82,9 +82,9 @@ def test_compute_loses_the_cpu_each_ops_bytes_take():
 
 
 def test_ranks_with_a_core_each_run_at_the_pace_of_the_one_that_loses_most():
-    # per sample each rank's own loss; with a core per rank the phase's loss is the median over samples of the
-    # largest: forward max(1, 3), max(2, 2), max(5, 0) -> median of 3, 2, 5 = 3; backward 1, 4, 2 -> 2; one
-    # number for both phases: their mean, 2.5 (units of 0.01 / 4000 s per byte)
+    # per sample each rank's own loss; with a core per rank a sample's loss is the largest of the ranks':
+    # forward max(1, 3), max(2, 2), max(5, 0) = 3, 2, 5; backward 1, 4, 2; one number for both phases, the
+    # median of all six samples: median(1, 2, 2, 3, 4, 5) = 2.5 (units of 0.01 / 4000 s per byte)
     unit = 0.01 / 4000
     losses = {"forward": [[1 * unit, 3 * unit], [2 * unit, 2 * unit], [5 * unit, 0.0]],
               "backward": [[1 * unit, 0.0], [4 * unit, -1 * unit], [2 * unit, 2 * unit]]}
@@ -92,12 +92,22 @@ def test_ranks_with_a_core_each_run_at_the_pace_of_the_one_that_loses_most():
     own.lost_samples, own.cores_per_rank = losses, 1.0
     own.cpu_per_byte = {"forward": 2 * unit, "backward": 1.5 * unit}  # the means' medians, as recorded
     assert cpu_per_byte(own) == pytest.approx(2.5 * unit)
-    # ranks sharing cores (3 on 2), or a profile that did not record the cores: the recorded means' medians
+    # ranks sharing cores (3 on 2), or a profile that did not record the cores: each sample's mean over the
+    # ranks, forward 2, 2, 2.5 and backward 0.5, 1.5, 2: median(0.5, 1.5, 2, 2, 2, 2.5) = 2
     shared = profile(beta=2.5e-5)
     shared.lost_samples, shared.cores_per_rank, shared.cpu_per_byte = losses, 2 / 3, own.cpu_per_byte
-    assert cpu_per_byte(shared) == pytest.approx(1.75 * unit)
+    assert cpu_per_byte(shared) == pytest.approx(2.0 * unit)
     shared.cores_per_rank = 0.0
-    assert cpu_per_byte(shared) == pytest.approx(1.75 * unit)
+    assert cpu_per_byte(shared) == pytest.approx(2.0 * unit)
+    # one phase's high samples do not carry the number: the pooled median, not the phases' medians' mean
+    skewed = profile(beta=2.5e-5)
+    skewed.cores_per_rank = 2 / 3
+    skewed.lost_samples = {"forward": [[1 * unit]] * 3, "backward": [[1 * unit], [9 * unit], [9 * unit]]}
+    assert cpu_per_byte(skewed) == pytest.approx(1.0 * unit)  # median(1, 1, 1, 1, 9, 9); the means' mean: 5
+    # no per-rank samples: the recorded phases' mean, leaving out a phase that measured nothing
+    recorded = profile(beta=2.5e-5)
+    recorded.cpu_per_byte = {"forward": 3 * unit, "backward": 0.0}
+    assert cpu_per_byte(recorded) == pytest.approx(3.0 * unit)
     # the replay uses it: a profile whose recorded loss is that number predicts the same timeline
     fixed = profile(beta=2.5e-5)
     fixed.cpu_per_byte = dict.fromkeys(("forward", "backward"), 2.5 * unit)

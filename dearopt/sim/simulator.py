@@ -85,25 +85,26 @@ def compute_rate(per_byte: float, nbytes: float, seconds: float) -> float:
 
 def cpu_per_byte(profile: Profile) -> float:
     """The compute seconds a byte of collectives takes, one number for both phases: the CPU a byte costs is the
-    machine's and the backend's, not the phase's, so the phases' measurements are two samples of it (they
-    differ by up to 2x between runs of one cell); their mean, leaving out one that measured nothing (a short
-    or noisy phase can hide it: ResNet-50 on an unshaped link measured 0 in backward, 0.42 ns/B in forward).
+    machine's and the backend's, not the phase's, so every sample of either phase measures it.  The median of
+    all of them (seven per phase): a single sample reads anything from nothing to four times the median (three
+    ranks on two cores: 0.09 to 5.47 ns/B in one run's backward), and the two phases' own medians, averaged as
+    before, followed whichever phase drew more high samples (that run: 1.22 forward, 2.30 backward, 1.76 used;
+    the pooled median 1.27).  Over the 258 stored predictions of 44 bench runs with samples, 233 were within
+    10 % of the measured median with the pooled median and 230 with the phases' mean.
 
-    Each phase's value is the loss of the rank that loses most (per sample the largest of the ranks' own
-    losses, their median) where each rank has a core of its own (``profile.cores_per_rank >= 1``): the
-    collectives' CPU lands unevenly (two ranks on two cores lost 0.17 and 1.14 ns/B in one sample, 0.96 and
-    0.33 in the next), and ranks that meet at every collective run at the pace of the one that lost most.
-    Where ranks share cores (three on two) the operating system moves the loss between them, and the ranks'
-    mean is the measure (``profile.cpu_per_byte``); likewise for profiles without per-rank samples."""
-    values = [v for v in _phase_losses(profile).values() if v > 0]
-    return sum(values) / len(values) if values else 0.0
-
-
-def _phase_losses(profile: Profile) -> Dict[str, float]:
-    if profile.cores_per_rank < 1 or not profile.lost_samples:
-        return dict(profile.cpu_per_byte)
-    return {phase: max(statistics.median(max(sample) for sample in samples), 0.0)
-            for phase, samples in profile.lost_samples.items() if samples}
+    Each sample's value is the loss of the rank that loses most where each rank has a core of its own
+    (``profile.cores_per_rank >= 1``): the collectives' CPU lands unevenly (two ranks on two cores lost 0.17
+    and 1.14 ns/B in one sample, 0.96 and 0.33 in the next), and ranks that meet at every collective run at
+    the pace of the one that lost most.  Where ranks share cores (three on two), or the cores were not
+    recorded, the operating system moves the loss between them and the ranks' mean is the measure.  Profiles
+    without per-rank samples: the mean of the phases' recorded values, leaving out one that measured nothing
+    (a short or noisy phase can hide it: ResNet-50 on an unshaped link measured 0 in backward)."""
+    samples = [sample for phase in profile.lost_samples.values() for sample in phase if sample]
+    if not samples:
+        values = [v for v in profile.cpu_per_byte.values() if v > 0]
+        return sum(values) / len(values) if values else 0.0
+    own = profile.cores_per_rank >= 1
+    return max(statistics.median(max(s) if own else sum(s) / len(s) for s in samples), 0.0)
 
 
 def op_time(profile: Profile, plan: Plan, op, world: int, comm: Dict[str, CommCost]) -> float:
