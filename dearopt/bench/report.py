@@ -40,7 +40,7 @@ BOUND_FORMULAS = {
     "ddp": "t_ff + max(t_bp, t_ar)",
     "wfbp": "t_ff + max(t_bp, t_ar)",
     "rsag": "t_ff + max(t_bp, t_rs + t_ag)",
-    "deft": "max(t_ff + t_bp, min(t_ar, t_rs + t_ag)) (one update per step)",
+    "deft": "max(t_ff + t_bp, min(t_ar, t_rs + t_ag)) (at one update per step; merged updates go below it)",
 }
 
 
