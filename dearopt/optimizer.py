@@ -404,6 +404,18 @@ class DistOptim(torch.optim.Optimizer):
         return getattr(self._executor, "reduction", None) if hasattr(self._executor, "deft_state") else None
 
     @property
+    def deft_times(self) -> Optional[Dict[str, List[float]]]:
+        """Under ``schedule="deft"`` once solved: what the solver was given, per piece (seconds, rank 0's
+        measurement or the profile's, the same on every rank): ``forward`` and ``backward`` compute (the knapsack
+        capacities) and ``comm`` (each piece's reduction, the items' weights); None before and under every other
+        schedule."""
+        measured = getattr(self._executor, "measured", None)
+        if measured is None or not hasattr(self._executor, "deft_state"):
+            return None
+        forward, backward, comm = measured
+        return {"forward": list(forward), "backward": list(backward), "comm": list(comm)}
+
+    @property
     def deft_repartitions(self) -> Optional[List[int]]:
         """Under ``schedule="deft"``: the sizes in bytes the measuring steps re-partitioned buckets and pieces to,
         where one outlasted a stage (empty: none); None under every other schedule."""

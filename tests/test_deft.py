@@ -379,7 +379,7 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None):
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
            executor.measured, opt.applied_steps, opt.deft_repartitions, len(executor.units), opt.deft_preserved,
            executor.mu, len(executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))],
-           opt.deft_reduction)
+           opt.deft_reduction, opt.deft_times)
     opt.close()
     return out
 
@@ -392,7 +392,7 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
     mu = outcomes[0].value[9]  # two links: the second's time over the first's, measured alone on rank 0
     assert (mu is None) == (links == 1) and all(o.value[9] == mu for o in outcomes)
     assert mu is None or mu > 0
-    assert len({o.value[-1] for o in outcomes}) == 1  # the reduction rank 0 measured faster, on every rank
+    assert len({o.value[12] for o in outcomes}) == 1  # the reduction rank 0 measured faster, on every rank
     want_preserved = Preserver().solve([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, loss=loss,
                                        drift=drift, noise=noise, mu=mu)
     assert want_preserved.passed
@@ -424,10 +424,13 @@ def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measu
     steps = 11  # (and the units are summed by reduce-scatter + all-gather, as if measured faster)
     for o in run_workers(_measured, 2, 4096, steps, False, 1, RSAG, timeout=100):
         params, offset, schedule, _, shared, applied, repartitions, n_units, preserved, _, n_buckets, nbytes, \
-            reduction = o.value
+            reduction, times = o.value
         assert reduction == RSAG
         assert preserved is None  # preserver=False
         assert schedule == deft_schedule(*shared)
+        # what the solver was given, as the optimizer reports it (the bench records it): it solves to the same
+        assert times == dict(zip(("forward", "backward", "comm"), map(list, shared)))
+        assert schedule == deft_schedule(times["forward"], times["backward"], times["comm"])
         # one bucket (the MLP's 155 floats, 6 used flags and 2 step tags: 164 floats, 656 bytes) measured 1 s on
         # the link against 0.1 s stages: re-planned to buckets and pieces of 0.8 * 0.1 / 1 of its bytes (52), but
         # to no more than GROWTH (4) times as many pieces: a quarter of its bytes

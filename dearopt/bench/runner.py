@@ -397,6 +397,10 @@ def run_rank(cfg: dict) -> dict:
                            + f", summed by {runner.opt.deft_reduction}")
                 if deft.mu is not None:
                     _log(rank, f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
+                times = runner.opt.deft_times
+                if times is not None:
+                    _log(rank, f"  {s:>5}: solved from forward {sum(times['forward']):.3f}s, backward "
+                               f"{sum(times['backward']):.3f}s of compute and {sum(times['comm']):.3f}s of reductions")
                 kept = runner.opt.deft_preserved
                 if kept is not None:
                     _log(rank, f"  {s:>5}: Preserver: ratio {kept.ratio:.4f}, capacities x{kept.capacity_factor:.3g} "
@@ -417,7 +421,7 @@ def run_rank(cfg: dict) -> dict:
                         "schedule": schedule_to_json(deft), "partition_size": plan.partition_size,
                         "pieces": deft.buckets, "updates_per_step": deft.updates_per_iteration,
                         "period": len(deft.period), "repartitions": runner.opt.deft_repartitions,
-                        "reduction": runner.opt.deft_reduction,
+                        "reduction": runner.opt.deft_reduction, "times": runner.opt.deft_times,
                         "preserver": None if kept is None else {"ratio": kept.ratio, "factor": kept.capacity_factor,
                                                                 "resolves": kept.resolves, "passed": kept.passed}}
             if plan is not None and plan.allreduce:
