@@ -89,6 +89,25 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
 
 
+def test_the_summary_counts_the_predictions_within_10_and_5_percent():
+    from dearopt.bench.report import summary
+
+    def run(link, measured, predicted):
+        schedules = {name: {"iter_time": t, "speedup_vs_ddp": measured["ddp"] / t, "fraction_of_bound": 0.9,
+                            "predicted": {"iter": predicted[name]}, "prediction_error": predicted[name] / t - 1}
+                     for name, t in measured.items()}
+        return {"model": "resnet50", "describe": "ResNet-50, batch 16/rank", "link": link, "ranks": 2, "cr": 1.0,
+                "schedules": schedules}
+
+    # errors by hand: +2 %, -4 %, +9 % | -12 %, +4 %, 0 %: within 10 %: 5 of 6; within 5 %: 4
+    docs = [run("3gbit", {"ddp": 1.0, "wfbp": 1.0, "dear": 1.0}, {"ddp": 1.02, "wfbp": 0.96, "dear": 1.09}),
+            run("1gbit", {"ddp": 2.0, "wfbp": 2.0, "dear": 1.6}, {"ddp": 1.76, "wfbp": 2.08, "dear": 1.6})]
+    last = summary(docs).splitlines()[-1]
+    assert last.startswith("5 of 6 predictions within 10 %, 4 within 5 %; the largest error -12.0% (ddp, ")
+    assert last.endswith(", 1gbit, 2 ranks)")
+    assert "| 1.090 / 1.000 (+9.0%) |" in summary(docs)
+
+
 def _affinity():
     return sorted(os.sched_getaffinity(0))
 

@@ -531,4 +531,18 @@ def summary(docs: List[dict]) -> str:
                      f"({100 * rows[n]['prediction_error']:+.1f}%)" if "predicted" in rows.get(n, {}) else "-"
                      for n in names]
             lines.append(f"| {_cell(doc)} | {doc['link']} | {doc['ranks']} | " + " | ".join(cells) + " |")
+        lines += ["", prediction_tally(docs)]
     return "\n".join(lines)
+
+
+def prediction_tally(docs: List[dict]) -> str:
+    """How many of the runs' predictions fall within 10 % and 5 % of the measured medians, and the largest
+    error with its schedule and run (the issue's criterion is 10 % for every schedule and cell)."""
+    errors = [(row["prediction_error"], name, doc) for doc in docs for name, row in doc["schedules"].items()
+              if "prediction_error" in row]
+    if not errors:
+        return "no predictions"
+    worst, name, doc = max(errors, key=lambda e: abs(e[0]))
+    within = lambda limit: sum(abs(e) <= limit for e, _, _ in errors)  # noqa: E731
+    return (f"{within(0.10)} of {len(errors)} predictions within 10 %, {within(0.05)} within 5 %; the largest "
+            f"error {100 * worst:+.1f}% ({name}, {_cell(doc)}, {doc['link']}, {doc['ranks']} ranks)")
