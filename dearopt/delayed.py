@@ -14,11 +14,17 @@ measures them in its first :data:`MEASURED_STEPS` steps, which are exact.
 
 **What it computes** (tested against a single-process emulation): at step
 ``t`` the gradient of the global batch ``g_t`` (at the parameters current at
-``t``) either starts a new group (summed with the held ones) or is held; when
-the schedule applies a group, the wrapped optimizer runs once over every
-parameter with ``p.grad`` set to the group's average, ``sum(g_i) / k`` over
-its ``k`` iterations.  Between ``backward()`` and ``step()`` ``p.grad`` holds
-this rank's own gradient of this step; after ``step()`` it holds it again.
+``t``) either starts a new group (summed with the held ones) or is held.  Each
+bucket of a group is applied with ``p.grad`` set to the group's average,
+``sum(g_i) / k`` over its ``k`` iterations: with ``deft_apply="bucket"`` (the
+default) at the ``step()`` that ends the iteration that sent its last piece
+(carried out lazily, before its module's next forward or when user code
+touches its parameters, as ``dear`` does), so the buckets the schedule sends in
+their own backward are applied at once and only those it sends later are
+late; with ``deft_apply="group"`` (the paper's Algorithm 2) all of them at once,
+at the ``step()`` the schedule applies the group.  Between ``backward()`` and
+``step()`` ``p.grad`` holds this rank's own gradient of this step; after
+``step()`` it holds it again.
 
 **The Preserver** (:class:`~dearopt.schedules.deft.Preserver`, on by default
 for a solved schedule): the measuring steps also record the loss the user
@@ -28,9 +34,11 @@ one period is within ``1 +- epsilon`` of exact training's (the paper's test;
 ``Preserver(statistic="progress")``: its expected loss decrease at least
 ``1 - epsilon`` of exact training's) (``DistOptim.deft_preserved``).
 
-**Waits**: ``step()`` waits only for the group it applies; the sends of the
-group formed in this backward run on into the next forward (the link stays
-busy), and the next backward waits for them with the forward stage's sends.
+**Waits**: ``step()`` waits only for the group it applies (``"group"``) or for
+nothing (``"bucket"``: each due bucket waits for its own sends just before its
+module's next forward); the sends of the group formed in this backward run on
+into the next forward (the link stays busy), and the next backward waits for
+them with the forward stage's sends.
 Between ``step()`` and the next ``backward()``, ``synchronize()`` (and so
 ``state_dict()`` and ``close()``) waits for every send in flight.
 
@@ -50,11 +58,12 @@ buckets and pieces where one outlasts a stage.  Each unit is summed by one
 all-reduce or, where that measured faster (gloo), a reduce-scatter and an
 all-gather on a second communicator (:data:`RSAG`).
 
-**Clipping**: ``optimizer.clip_grad_norm_`` / ``clip_grad_value_`` between
-``backward()`` and ``step()`` clip what that step's ``step()`` applies: the
-group's average over every step it covers (as torch's clipping would clip
-that average in the single-process emulation); at a step that applies no
-group they clip nothing (the norm returned is NaN).
+**Clipping** (``deft_apply="group"``; refused by name under ``"bucket"``, where
+no step applies one whole average): ``optimizer.clip_grad_norm_`` /
+``clip_grad_value_`` between ``backward()`` and ``step()`` clip what that
+step's ``step()`` applies: the group's average over every step it covers (as
+torch's clipping would clip that average in the single-process emulation); at
+a step that applies no group they clip nothing (the norm returned is NaN).
 
 **Status** (issue 16): no comm hook and no loss scaling (``unscale_``,
 GradScaler) of a delayed group (refused by name), ``backward_passes_per_step``
@@ -104,6 +113,14 @@ measures again, at most this many times, then raises."""
 
 GROWTH = 4
 """A re-partition makes at most about this many times as many pieces as the plan had."""
+
+APPLY_MODES = ("bucket", "group")
+"""When a reduced sum is applied (``DistOptim(deft_apply=...)``).  ``"bucket"`` (the default): each bucket of a
+group as soon as every piece of it was sent, at the ``step()`` that ends the iteration that sent its last piece,
+lazily (just before its module's next forward; earlier where user code touches its parameters, as under
+``dear``), so only the buckets the schedule sends in a later iteration are applied late.  ``"group"``: the paper's
+Algorithm 2, the whole group as one update at the ``step()`` after its last bucket was sent (every parameter
+one step late at least)."""
 
 
 def plan_units(plan) -> List[Tuple[int, int]]:
@@ -173,14 +190,25 @@ class _Group:
         self.covers = covers
         self.sent: set = set()
         self.handles: List = []
+        self.unit_handles: Dict[int, object] = {}  # unit -> its send's handle (per-bucket application waits on it)
+        self.due: set = set()  # the buckets whose sums were handed to per-bucket application (all units sent)
+        self.serial = 0  # which of two reduce-scatter outputs per unit its sends use (consecutive groups differ)
 
 
 class DelayedExecutor(Executor):
     """Carries out a :class:`DeftSchedule` over the buckets of a plan (see the module's docstring)."""
 
     def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None,
-                 preserver: Optional[Preserver] = None, links: int = 1, **kwargs):
+                 preserver: Optional[Preserver] = None, links: int = 1, apply: str = "bucket", **kwargs):
         super().__init__(*args, **kwargs)
+        if apply not in APPLY_MODES:
+            raise ValueError(f"deft_apply must be one of {APPLY_MODES}, got {apply!r}")
+        self.apply_mode = apply
+        # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
+        # last of the old group's and all of the new group's)
+        self._due_buckets: Dict[int, List[_Group]] = {}
+        self._due_landing = False  # the step whose due buckets are not all applied yet (its post hooks wait)
+        self._stale_deft: set = set()  # buckets applied only when backward began (read before their module ran)
         if schedule is not None and links == 1 and any(it.second_old or it.second_new
                                                        for it in schedule.warmup + schedule.period):
             raise UsageError("the given DeFT schedule sends on a second link: pass deft_links=2")
@@ -196,7 +224,10 @@ class DelayedExecutor(Executor):
             from .collectives import ReduceScatterThenGather
             self._rsag = ReduceScatterThenGather(self.backend, self.backend.fork())
         self.reduction = ALL_REDUCE  # how a unit is summed (RSAG once measured or profiled faster)
-        self._shards: Dict[int, torch.Tensor] = {}  # per unit: the reduce-scatter's output (RSAG)
+        # per (unit, group parity): the reduce-scatter's output (RSAG); two, since the next group may send a unit
+        # while the one before still gathers it (its bucket applied only when the next forward reaches it)
+        self._shards: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._groups_formed = 0
         self._in_flight: List = []  # with a timeline: the sends whose span is open
         if self.options.backward_passes_per_step != 1:
             raise UsageError("schedule='deft' accumulates across steps itself; backward_passes_per_step must be 1")
@@ -230,6 +261,7 @@ class DelayedExecutor(Executor):
         self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(self.plan)
+        self._units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in self.buckets]
         self._shards = {}
         if self.deft is None and self._deft_profile is not None and not self.offset:
             self._choose_profiled_reduction()
@@ -262,6 +294,10 @@ class DelayedExecutor(Executor):
 
     def _module_pre_hook(self, module, args) -> None:
         super()._module_pre_hook(module, args)
+        if self._due_buckets:
+            bucket = self._module_bucket.get(id(module))
+            if bucket is not None:
+                self._apply_due(bucket)
         self._poll_timeline()
         if self._measuring(1) and module.training and "start" in self._marks:
             now = time.perf_counter()
@@ -403,10 +439,12 @@ class DelayedExecutor(Executor):
         if on_second:
             handle = self.second.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count)
         elif self.reduction == RSAG and self.step_count >= self.offset:
-            handle = self._rsag.start(self._unit_tensor(group, u), self._shard(u), bucket=b, step=self.step_count)
+            handle = self._rsag.start(self._unit_tensor(group, u), self._shard(u, group.serial % 2), bucket=b,
+                                      step=self.step_count)
         else:
             handle = self.backend.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count)
         group.handles.append(handle)
+        group.unit_handles[u] = handle
         if self.timeline.enabled:  # its span ends when a hook, a wait or step() first sees it complete
             kind = "second link" if on_second else self.reduction if self.step_count >= self.offset else ALL_REDUCE
             self.timeline.begin(("deft", id(handle)), f"{kind} unit {u}", "comm", bucket=b, unit=u,
@@ -426,13 +464,13 @@ class DelayedExecutor(Executor):
                 left.append(handle)
         self._in_flight = left
 
-    def _shard(self, u: int) -> torch.Tensor:
-        """Unit ``u``'s reduce-scatter output (allocated once per plan)."""
-        if u not in self._shards:
+    def _shard(self, u: int, parity: int = 0) -> torch.Tensor:
+        """Unit ``u``'s reduce-scatter output for groups of this ``parity`` (allocated once per plan)."""
+        if (u, parity) not in self._shards:
             b, k = self.units[u]
             start, end = self.buckets[b].spec.pieces[k]
-            self._shards[u] = self.buckets[b].buffer.new_empty((end - start) // self.world)
-        return self._shards[u]
+            self._shards[(u, parity)] = self.buckets[b].buffer.new_empty((end - start) // self.world)
+        return self._shards[(u, parity)]
 
     # ----------------------------------------------------------- forward
     def _root_pre_hook(self, module, args) -> None:
@@ -459,6 +497,10 @@ class DelayedExecutor(Executor):
         if self.no_sync:
             raise UsageError("no_sync() is not supported under schedule='deft' (it holds gradients itself)")
         self.pass_id += 1
+        # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
+        # before its own module ran, at its old value: refused in its gradient hook)
+        self._stale_deft = set(self._due_buckets)
+        self._apply_due()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._hook_new_params()
         if any(id(p) not in self._where for p in self._trainable()):
@@ -480,6 +522,9 @@ class DelayedExecutor(Executor):
             for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
                 self._all_reduce(self.group, u)
         self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
+        if self.forming is not None:
+            self._groups_formed += 1
+            self.forming.serial = self._groups_formed
         self._new_cursor = 0
 
     def _on_grad_ready(self, p) -> None:
@@ -488,6 +533,11 @@ class DelayedExecutor(Executor):
         if located is None:
             return
         bucket, j = located
+        if bucket.index in self._stale_deft:
+            raise UsageError(
+                f"parameter {bucket.names[j]!r} received a gradient although its delayed update was not applied "
+                f"before it was used: it was read in forward before its own module ran. Use "
+                f"deft_apply='group', or call optimizer.synchronize() before such a forward")
         bucket.take_gradient(p, j)
         if bucket.stamp[j] != self.pass_id:
             bucket.stamp[j] = self.pass_id
@@ -596,6 +646,8 @@ class DelayedExecutor(Executor):
             self._wait(self.forming)
             self._apply(self.forming, measure=self.preserver is not None)
             self.forming = None
+        elif self.apply_mode == "bucket":
+            self._hand_over(it)
         elif it.applies is not None:
             self._wait(self.group)
             self._apply(self.group)
@@ -608,8 +660,77 @@ class DelayedExecutor(Executor):
         if self.deft is None and self.step_count == self.offset:
             self._solve_measured()
         self.timeline.span("step", "update", t0)
-        if self.on_step_landed is not None:
+        if self._due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
+            self._due_landing = True
+            self.guard.arm({id(p): b for b in self._due_buckets for p in self.buckets[b].params})
+        elif self.on_step_landed is not None:
             self.on_step_landed()
+
+    # ------------------------------------------- per-bucket application
+    def _hand_over(self, it: DeftIteration) -> None:
+        """``deft_apply="bucket"``: every bucket of the groups in flight all of whose pieces are sent by the end
+        of this iteration becomes due, to be applied (with this step's hyperparameters) before its parameters are
+        next used; a group the schedule applies now must have none left."""
+        fresh = 0
+        for group in (self.group, self.forming):
+            if group is None:
+                continue
+            for b in range(len(self.buckets)):
+                if b not in group.due and all(u in group.sent for u in self._units_of[b]):
+                    group.due.add(b)
+                    self._due_buckets.setdefault(b, []).append(group)
+                    fresh += 1
+        if it.applies is not None:
+            if self.group is None or len(self.group.due) != len(self.buckets):
+                raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the "
+                                   "solver and the executor disagree")
+            self.applied_steps.append(self.step_count)
+            self.group = None
+        if fresh:
+            self.updater.begin_step(fresh)
+
+    def _apply_due(self, upto: Optional[int] = None) -> None:
+        """Apply the due buckets numbered up to ``upto`` (all: ``None``), in one optimizer call, each after its
+        sends are complete."""
+        chosen = sorted(b for b in self._due_buckets if upto is None or b <= upto)
+        if not chosen:
+            return
+        t0 = self.timeline.now()
+        with self.guard.suspended():
+            rounds = max(len(self._due_buckets[b]) for b in chosen)
+            pending = {b: self._due_buckets.pop(b) for b in chosen}
+            for r in range(rounds):  # the older group's sum first: one optimizer call per round
+                members = [[] for _ in self.optimizer.param_groups]
+                saved: Dict[int, tuple] = {}
+                waited = []
+                now = [b for b in chosen if r < len(pending[b])]
+                for b in now:
+                    group = pending[b][r]
+                    for u in self._units_of[b]:
+                        group.unit_handles[u].wait()
+                        waited.append(group.unit_handles[u])
+                    self._take_average(self.buckets[b], group, members, saved)
+                if self.timeline.enabled:
+                    self._poll_timeline(waited)
+                try:
+                    self.updater.apply_members(members, updates=len(now))
+                finally:
+                    for p, grad in saved.values():
+                        p.grad = grad
+        self.timeline.span("update", "update", t0, buckets=chosen)
+        if self.guard.armed:
+            if self._due_buckets:
+                self.guard.arm({id(p): b for b in self._due_buckets for p in self.buckets[b].params})
+            else:
+                self.guard.disarm()
+        if not self._due_buckets and self._due_landing:
+            self._due_landing = False
+            if self.on_step_landed is not None:
+                self.on_step_landed()
+
+    def _make_current(self, bucket: int) -> None:
+        """User code touched a parameter of ``bucket`` after step(): apply the due buckets up to it first."""
+        self._apply_due(bucket)
 
     def record_loss(self, loss) -> None:
         """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
@@ -622,26 +743,10 @@ class DelayedExecutor(Executor):
         if group is None or len(group.sent) != len(self.units):
             raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
                                "and the executor disagree")
-        scale = 1.0 / (self.world * group.covers)
         members = [[] for _ in self.optimizer.param_groups]
         saved = {}
         for bucket in self.buckets:
-            storage = group.storage[bucket.index]
-            storage[:bucket.spec.grad_numel].mul_(scale)
-            used = [count > 0 for count in storage[bucket.spec.flags_offset:
-                                                   bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
-            if self.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
-                raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
-                                             f"{', '.join(bucket.names[:3])}) is not finite", rank=self.rank,
-                                             op="update", bucket=bucket.index, step=self.step_count)
-            for gi, params in enumerate(bucket.group_members):
-                for p in params:
-                    j = bucket.position[id(p)]
-                    if used[j]:
-                        saved[id(p)] = (p, p.grad)
-                        offset = bucket.spec.offsets[j]
-                        p.grad = storage[offset:offset + p.numel()].view_as(p)
-                        members[gi].append(p)
+            self._take_average(bucket, group, members, saved)
         before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
         self.updater.begin_step(1)
         try:
@@ -653,6 +758,26 @@ class DelayedExecutor(Executor):
             self._dots[self.step_count] = sum(float(torch.sum(p.grad.double() * (p.detach() - old).double()))
                                               for p, old in before if p.grad is not None)
         self.applied_steps.append(self.step_count)
+
+    def _take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
+        """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
+        (the old ``p.grad`` kept in ``saved``), each added to its param group's ``members``."""
+        storage = group.storage[bucket.index]
+        storage[:bucket.spec.grad_numel].mul_(1.0 / (self.world * group.covers))
+        used = [count > 0 for count in storage[bucket.spec.flags_offset:
+                                               bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
+        if self.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
+            raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
+                                         f"{', '.join(bucket.names[:3])}) is not finite", rank=self.rank,
+                                         op="update", bucket=bucket.index, step=self.step_count)
+        for gi, params in enumerate(bucket.group_members):
+            for p in params:
+                j = bucket.position[id(p)]
+                if used[j]:
+                    saved[id(p)] = (p, p.grad)
+                    offset = bucket.spec.offsets[j]
+                    p.grad = storage[offset:offset + p.numel()].view_as(p)
+                    members[gi].append(p)
 
     def _check_gradient_writes(self) -> None:
         """The step's gradients were copied into the group (or the held sum) as backward made them: a change of
@@ -671,6 +796,7 @@ class DelayedExecutor(Executor):
         """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
         nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
         if self.state is TrainingState.IDLE:
+            self._apply_due()
             self._wait(self.group)
         self.timeline.flush()
 
@@ -685,10 +811,12 @@ class DelayedExecutor(Executor):
 
         def dump(group):
             return None if group is None else {"storage": {b: t.clone() for b, t in group.storage.items()},
-                                               "covers": group.covers, "sent": sorted(group.sent)}
+                                               "covers": group.covers, "sent": sorted(group.sent),
+                                               "due": sorted(group.due)}
 
         if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
             return dict(self._loaded)
+        self._apply_due()  # the parameters saved are current
         self._wait(self.group)  # its sends may still be in flight (step() waits only for a group it applies)
         return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
                 "preserved": self.preserved, "mu": self.mu, "reduction": self.reduction,
@@ -699,6 +827,9 @@ class DelayedExecutor(Executor):
         if self.state is not TrainingState.IDLE:
             raise UsageError("load the optimizer's state between step() and the next backward()")
         self._wait(self.group)  # nothing of the replaced group may still be on the link
+        self._due_buckets.clear()  # the replaced run's pending updates: the checkpoint's parameters supersede them
+        self._due_landing = False
+        self.guard.disarm()
         self.step_count = int(saved["step"])
         self.deft = saved["schedule"]
         self.offset, self.measured = saved.get("offset", 0), saved.get("measured")
@@ -729,6 +860,8 @@ class DelayedExecutor(Executor):
             group = _Group({b: t.clone().to(self.buckets[b].buffer.device) for b, t in entry["storage"].items()},
                            entry["covers"])
             group.sent = set(entry["sent"])
+            group.due = set(entry.get("due", ()))  # (applied already, under deft_apply="bucket")
+            group.serial = self._groups_formed  # the next group formed uses the other reduce-scatter outputs
             return group
 
         self.group, self.held = load(saved["group"]), load(saved["held"])
@@ -739,6 +872,10 @@ class DelayedExecutor(Executor):
         """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
         its sums the average, or ``(None, 0.0)`` at a step that applies none."""
         self._require_gradients("clip the gradients")
+        if self.apply_mode == "bucket" and self.step_count >= self.offset:
+            raise UsageError("under deft_apply='bucket' a group's buckets are applied at different steps, so no "
+                             "step applies one whole average to clip: pass deft_apply='group' to clip with "
+                             "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)")
         it = self.iteration
         group = self.forming if it.applies == 0 else self.group if it.applies is not None else None
         if group is None:

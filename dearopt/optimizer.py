@@ -158,6 +158,9 @@ class DistOptim(torch.optim.Optimizer):
         deft_links: under ``schedule="deft"``, 2 sends part of the buckets over a second communicator
             concurrently (DeFT's heterogeneous links: gloo beside NCCL, a second gloo group beside gloo), with
             the ratio of the two links' times measured on the job; helps only where the links are distinct.
+        deft_apply: under ``schedule="deft"``, when a reduced sum is applied: ``"bucket"`` (each bucket once
+            all its pieces are sent: only the buckets sent in a later iteration are applied late) or
+            ``"group"`` (the paper's: the whole group at once after its last bucket is sent; needed to clip).
         backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); a
             :class:`dearopt.collectives.CollectiveBackend` over a subset of the ranks restricts the averaging to
             them (``dearopt.horovod``'s process sets use this).
@@ -181,12 +184,14 @@ class DistOptim(torch.optim.Optimizer):
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
                  comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
                  tuning_steps: int = 10, profile=None, deft_schedule=None, preserver=True, deft_links: int = 1,
-                 backend=None):
+                 deft_apply: str = "bucket", backend=None):
         _check_arguments(optimizer, model)
         preserver = _preserver(preserver)
         hook = resolve_comm_hook(comm_hook)
         if deft_links not in (1, 2):
             raise ValueError(f"deft_links must be 1 or 2, got {deft_links!r}")
+        if deft_apply not in ("bucket", "group"):
+            raise ValueError(f"deft_apply must be 'bucket' or 'group', got {deft_apply!r}")
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
                           embedding_rows=embedding_rows, allreduce=allreduce, shard_optimizer=shard_optimizer,
                           partition_size=partition_size,
@@ -221,10 +226,11 @@ class DistOptim(torch.optim.Optimizer):
 
             self._executor = DelayedExecutor(optimizer, model, engine, options, buffer, partition, credit_bytes,
                                              hook, on_step_landed=self._step_landed, schedule=deft_schedule,
-                                             profile=profile, preserver=preserver, links=deft_links)
+                                             profile=profile, preserver=preserver, links=deft_links,
+                                             apply=deft_apply)
         else:
-            if deft_schedule is not None or deft_links != 1:
-                raise ValueError("deft_schedule= and deft_links= are for schedule='deft'")
+            if deft_schedule is not None or deft_links != 1 or deft_apply != "bucket":
+                raise ValueError("deft_schedule=, deft_links= and deft_apply= are for schedule='deft'")
             self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
                                       on_step_landed=self._step_landed)
         self._profile = profile

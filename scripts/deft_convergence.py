@@ -18,6 +18,9 @@ Two local ranks train, under each of:
 * ``deft-progress``: the same with ``Preserver(statistic="progress")``: the expected loss decrease over one
   period at least 99 % of exact training's.
 
+Each ``deft-*`` applies a bucket's sum as soon as all of it is sent (``deft_apply="bucket"``, the default); the
+same name with ``-group`` appended (``deft-late-group``...) applies each group at once, the paper's way.
+
 The tasks: digits, examples/digits_dearopt.py's CNN (Adam 2e-3, 32 samples per rank and step, test accuracy
 after each epoch); ``lm``, a character-level GRU language model on a fixed text (Python 3.11's own
 ``argparse.py``, ``textwrap.py`` and ``string.py``, so nothing is downloaded; Adam 3e-3, 16 sequences of 64
@@ -65,6 +68,8 @@ def _optimizer(name, model, world, lr):
     n_params = len(list(model.parameters()))
     inner = torch.optim.Adam(model.parameters(), lr=lr)
     kwargs = {}
+    if name.endswith("-group"):
+        name, kwargs["deft_apply"] = name[:-len("-group")], "group"
     if name == "deft-late":
         kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [2.0] * n_params, [0.5] * n_params)
     elif name == "deft-merged":
@@ -111,7 +116,7 @@ def _rank_lm(args) -> dict:
 
     rank, world = dearopt.rank(), dearopt.size()
     out = {}
-    for name in [s for s in args.schedules if s != "deft-late"]:
+    for name in [s for s in args.schedules if not s.startswith("deft-late")]:
         curve, opt = train_lm(lambda model: _optimizer(name, model, world, 3e-3), args.lm_steps, rank, world)
         out[name] = {"held_out_loss": curve, **_summary(opt, args.lm_steps)}
         opt.close()
@@ -135,11 +140,13 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=1, help="digits: runs per schedule, seeds 0..N-1 (initial weights "
                     "and sample order)")
     ap.add_argument("--schedules", default="dear,deft-late,deft-merged,deft-preserved",
-                    help="which of dear, deft-late (digits only), deft-merged, deft-preserved, deft-progress")
+                    help="which of dear, deft-late (digits only), deft-merged, deft-preserved, deft-progress "
+                         "(each deft-* also with -group: the whole group applied at once)")
     ap.add_argument("--out", default="bench-out/deft")
     args = ap.parse_args()
     args.schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
-    unknown = sorted(set(args.schedules) - {"dear", "deft-late", "deft-merged", "deft-preserved", "deft-progress"})
+    known = {"deft-late", "deft-merged", "deft-preserved", "deft-progress"}
+    unknown = sorted({s for s in args.schedules if s != "dear" and s.removesuffix("-group") not in known})
     if unknown:
         ap.error(f"unknown schedules {unknown}")
     from dearopt.bench.spawn import spawn

@@ -30,13 +30,18 @@ SCHEDULES = {
 PIECES = "solver: pieces (partition_size=64)"  # every parameter of more than 16 floats sent in several pieces
 
 
-def pieces_schedule(world):
-    """The communication-bound solver schedule over the MLP's buckets split at 64 bytes (the pieces depend on
-    the world size: each a multiple of it)."""
+def pieces_units(world):
+    """The MLP's units (bucket, piece) with its buckets split at 64 bytes (the pieces depend on the world size:
+    each a multiple of it)."""
     from dearopt.delayed import plan_units
     from dearopt.plan import build_plan
 
-    n = len(plan_units(build_plan(_synthetic_profile().params, 64, world, "deft", partition_size=64)))
+    return plan_units(build_plan(_synthetic_profile().params, 64, world, "deft", partition_size=64))
+
+
+def pieces_schedule(world):
+    """The communication-bound solver schedule over the MLP's buckets split at 64 bytes."""
+    n = len(pieces_units(world))
     assert n > N_BUCKETS
     return deft_schedule([1.0] * n, [1.0] * n, [2.5] * n)
 
@@ -45,12 +50,19 @@ CLIP = 0.05  # the clipped runs' max_norm: below most averages' norms here, so i
 CLIP_VALUE = 0.004  # and clip_grad_value_'s bound: below the largest entries of most averages
 
 
-def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=None):
+def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=None, apply="group", units=None,
+            buckets=None):
     """One process, global batch: the gradients of each step grouped, held and applied as ``schedule`` says;
     with ``clip``, each applied average clipped to that norm by torch (its norms appended to ``norms``); with
-    ``clip_value``, clamped to that bound by torch."""
+    ``clip_value``, clamped to that bound by torch.  ``apply="group"``: a group as one update at the step the
+    schedule applies it; ``"bucket"``: each bucket (``buckets[b]``: its parameters' positions, default one each; sent
+    as the ``units`` whose bucket is ``b``, default one each) at the step that ends the iteration that sent its
+    last unit."""
     model = make_model("mlp")
     opt = make_optimizer(opt_name, model)
+    params = list(model.parameters())
+    buckets = buckets or [[i] for i in range(len(params))]
+    units = units or [(b, 0) for b in range(len(buckets))]
     group, held, held_count, applied = None, None, 0, []
     for t in range(steps):
         it = schedule.iteration(t)
@@ -71,6 +83,30 @@ def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=N
         else:
             new = (g if held is None else [a + b for a, b in zip(held, g)], held_count + 1)
             held, held_count = None, 0
+        if apply == "bucket":  # sums: the group's, sent: its units sent so far, done: its buckets applied
+            if group is not None:
+                group[2].update(it.forward + it.backward_old)
+            if new is not None:
+                new = (new[0], new[1], set(it.backward_new), set())
+            for grp in (group, new):  # the old group's due buckets first, then the new group's
+                due = []
+                for b in ([] if grp is None else range(len(buckets))):
+                    if b not in grp[3] and all(u in grp[2] for u, (ub, _) in enumerate(units) if ub == b):
+                        grp[3].add(b)
+                        due += [(i, grp[0][i] / grp[1]) for i in buckets[b]]
+                for p in params:
+                    p.grad = None
+                for i, avg in due:
+                    params[i].grad = avg
+                if due:
+                    opt.step()
+            if it.applies is not None:
+                assert len(group[3]) == len(buckets)
+                applied.append(t)
+                group = None
+            if new is not None:
+                group = new
+            continue
         if it.applies is not None:
             sums, k = group
             assert k == it.covers
@@ -89,11 +125,12 @@ def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=N
 
 
 def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
-    """Each schedule with each optimizer; the ``clipped`` ones once more with ``optimizer.clip_grad_norm_(CLIP)``
-    at every step (its returned norms kept), the ``value_clipped`` ones with ``clip_grad_value_(CLIP_VALUE)``."""
+    """Each schedule with each optimizer, each way of applying (``deft_apply``: key ``(name, opt_name, apply)``);
+    the ``clipped`` ones once more with ``optimizer.clip_grad_norm_(CLIP)`` at every step (its returned norms
+    kept), the ``value_clipped`` ones with ``clip_grad_value_(CLIP_VALUE)`` (both per group)."""
     rank, world = dearopt.rank(), dearopt.size()
     out = {}
-    runs = [(name, opt_name, False) for name in names for opt_name in opt_names]
+    runs = [(name, opt_name, apply) for name in names for opt_name in opt_names for apply in ("bucket", "group")]
     runs += [(name, opt_name, "clip") for name in clipped for opt_name in opt_names]
     runs += [(name, opt_name, "clip value") for name in value_clipped for opt_name in opt_names]
     for name, opt_name, clip in runs:
@@ -101,7 +138,8 @@ def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
         schedule = pieces_schedule(world) if name == PIECES else SCHEDULES[name]
         opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule="deft", buffer_size=64,
                                 partition_size=64 if name == PIECES else None, deft_schedule=schedule,
-                                deft_links=2 if schedule.mu else 1)
+                                deft_links=2 if schedule.mu else 1,
+                                deft_apply="bucket" if clip == "bucket" else "group")
         norms = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -109,10 +147,10 @@ def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
             loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
             if clip == "clip":
                 norms.append(float(opt.clip_grad_norm_(CLIP)))
-            elif clip:
+            elif clip == "clip value":
                 opt.clip_grad_value_(CLIP_VALUE)
             opt.step()
-        out[(name, opt_name) + ((clip,) if clip else ())] = (
+        out[(name, opt_name, clip)] = (
             [p.detach().clone() for p in model.parameters()], opt.applied_steps, len(opt.plan.buckets), norms)
         opt.close()
     return out
@@ -131,12 +169,18 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
     assert any(it.second_old for it in two) and any(it.second_new for it in two)  # both groups use the 2nd link
     for name in names:
         for opt_name in opt_names:
-            want, want_applied = emulate(pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name)
-            for o in outcomes:
-                params, applied, n_buckets, _ = o.value[(name, opt_name)]
-                assert n_buckets == N_BUCKETS
-                assert applied == want_applied, name
-                assert_params_match(params, want)
+            for apply in ("bucket", "group"):
+                want, want_applied = emulate(pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name,
+                                             apply=apply, units=pieces_units(world) if name == PIECES else None)
+                for o in outcomes:
+                    params, applied, n_buckets, _ = o.value[(name, opt_name, apply)]
+                    assert n_buckets == N_BUCKETS
+                    assert applied == want_applied, name
+                    assert_params_match(params, want)
+    # applying per bucket is a different training from the paper's group at once (the buckets sent in their
+    # own backward are applied a step earlier)
+    late = [o.value[("solver: compute-rich", "sgd", a)][0] for o in outcomes[:1] for a in ("bucket", "group")]
+    assert not torch.allclose(late[0][-1], late[1][-1])
     # clipping clips what a step applies: the group's average over the steps it covers, as torch clips it in
     # the emulation; the norm returned is that average's (NaN at a step that applies none)
     for name in clipped:
@@ -152,16 +196,16 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
                 got = [norms[t] for t in applied]
                 assert got == pytest.approx(want_norms, rel=1e-5)
                 assert all(n != n for t, n in enumerate(norms) if t not in applied)  # NaN: nothing applied
-                assert not all(torch.allclose(a, b) for a, b in zip(params, o.value[(name, opt_name)][0]))
+                assert not all(torch.allclose(a, b) for a, b in zip(params, o.value[(name, opt_name, "group")][0]))
     for name in value_clipped:
         for opt_name in opt_names:
             want, _ = emulate(SCHEDULES[name], opt_name, clip_value=CLIP_VALUE)
-            unclipped = o.value[(name, opt_name)][0]
+            unclipped = o.value[(name, opt_name, "group")][0]
             assert not all(torch.allclose(a, b) for a, b in zip(want, unclipped))  # it binds
             for o in outcomes:
                 assert_params_match(o.value[(name, opt_name, "clip value")][0], want)
     # and it is not the exact result: the delays change the training (that is the trade)
-    got = outcomes[0].value[("given: one step late", "sgd")][0]
+    got = outcomes[0].value[("given: one step late", "sgd", "bucket")][0]
     assert not torch.allclose(got[0], reference("mlp", "sgd", world, STEPS)[0][0])
 
 
@@ -238,7 +282,7 @@ def test_the_solver_schedule_from_a_profile_and_a_bit_identical_resume(world):
         assert had_group  # the checkpoint was taken with gradients in flight
         assert reductions == (RSAG,) * 3  # chosen by the profile's fits, saved, and resumed with
         assert schedule.updates_per_iteration < 1.0 or any(it.forward for it in schedule.period)
-        want, _ = emulate(schedule, "adam")
+        want, _ = emulate(schedule, "adam", apply="bucket")
         assert_params_match(whole, want)
         for a, b in zip(whole, resumed):
             assert torch.equal(a, b)
@@ -257,9 +301,14 @@ def _refusals():
     loss_fn("mlp", model(x), y).backward()
     attempt("unscale", lambda: opt.unscale_(128.0))
     attempt("reduce now", opt.reduce_gradients)
+    attempt("clip per bucket", lambda: opt.clip_grad_norm_(1.0))  # deft_apply="bucket", the default
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     attempt("torch clip", opt.step)
     opt.close()
+    attempt("apply how", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                                   schedule="deft", deft_apply="now"))
+    attempt("apply not deft", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                                        deft_apply="group"))
     model = make_model("mlp")
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=4096,
                             deft_schedule=SCHEDULES["given: one step late"])
@@ -303,6 +352,8 @@ def test_what_deft_cannot_do_is_refused_by_name():
         "auto buffer": ("ValueError", "cannot re-plan"), "unscale": ("UsageError", "unscaling them"),
         "reduce now": ("UsageError", "reduce_gradients() are not supported"),
         "torch clip": ("UsageError", "already taken into a delayed group"),
+        "clip per bucket": ("UsageError", "pass deft_apply='group'"), "apply how": ("ValueError", "deft_apply"),
+        "apply not deft": ("ValueError", "are for schedule='deft'"),
         "wrong bucket count": ("UsageError", "6 buckets"), "preserver type": ("TypeError", "preserver="),
         "second link not asked for": ("UsageError", "deft_links=2"), "three links": ("ValueError", "deft_links"),
         # named at the step that solves the schedule: the third, after the exact measuring steps
@@ -379,7 +430,7 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None):
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
            executor.measured, opt.applied_steps, opt.deft_repartitions, len(executor.units), opt.deft_preserved,
            executor.mu, len(executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))],
-           opt.deft_reduction, opt.deft_times)
+           opt.deft_reduction, opt.deft_times, [list(b.params) for b in opt.plan.buckets], list(executor.units))
     opt.close()
     return out
 
@@ -414,7 +465,8 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
             assert len(forward) == len(backward) == len(comm) == N_BUCKETS
             assert all(t >= 0 for t in forward + backward) and all(c > 0 for c in comm)
             assert sum(forward) > 0 and sum(backward) > 0
-        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2)
+        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2, apply="bucket",
+                                     buckets=o.value[14], units=o.value[15])
         assert applied == want_applied
         assert_params_match(params, want)
 
@@ -424,7 +476,7 @@ def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measu
     steps = 11  # (and the units are summed by reduce-scatter + all-gather, as if measured faster)
     for o in run_workers(_measured, 2, 4096, steps, False, 1, RSAG, timeout=100):
         params, offset, schedule, _, shared, applied, repartitions, n_units, preserved, _, n_buckets, nbytes, \
-            reduction, times = o.value
+            reduction, times, buckets, units = o.value
         assert reduction == RSAG
         assert preserved is None  # preserver=False
         assert schedule == deft_schedule(*shared)
@@ -440,7 +492,8 @@ def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measu
         assert n_units > n_buckets and max(nbytes) <= size and len(nbytes) == n_units
         assert offset == 6 and applied[:6] == list(range(6))  # measured twice, exact meanwhile
         assert shared == ([1.0] * n_units, [1.0] * n_units, [2.5] * n_units)
-        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", steps)
+        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", steps, apply="bucket",
+                                     buckets=buckets, units=units)
         assert applied == want_applied
         assert_params_match(params, want)
 

@@ -305,6 +305,18 @@ def test_deft_replay_lets_the_new_groups_sends_run_into_the_next_forward():
     p = simulate_deft(prof, plan, schedule)
     assert p.iteration == pytest.approx(4.0) and p.link_busy == pytest.approx(3.0)
     assert (p.forward, p.backward, p.step) == pytest.approx((2.0, 2.0, 0.0))
+    # 2.5 s on the link: the new group's bucket 1 goes 1 s into backward (3.0-5.5 of a step that ends at 4.0), the
+    # next forward's bucket 0 queues behind it (5.5-8.0).  Applied as a group (the paper's), the next backward
+    # waits for both at its start (6.0-8.0): forward 2 s, backward 2 + 2 s.  Applied per bucket (the default),
+    # bucket 1 (all sent in its own backward) is due at step() and the next forward waits for its send before
+    # computing it (5.0-5.5): forward 2.5 s, backward 1.5 + 2 s.  6 s per step either way (the link is busy 5 s)
+    slow = _deft_profile(2.5, n=2)
+    group = simulate_deft(slow, plan, schedule)
+    bucket = simulate_deft(slow, plan, schedule, apply="bucket")
+    for q in (group, bucket):
+        assert q.iteration == pytest.approx(6.0) and q.link_busy == pytest.approx(5.0) and q.step == pytest.approx(0)
+    assert (group.forward, group.backward) == pytest.approx((2.0, 4.0))
+    assert (bucket.forward, bucket.backward) == pytest.approx((2.5, 3.5))
 
 
 def test_a_profile_without_twins_is_the_model_as_deft_sees_it():

@@ -170,7 +170,8 @@ def predictions(doc: dict) -> Dict[str, dict]:
                     plan = build_plan(dense.params, r["buffer_size"], dense.world, "deft",
                                       partition_size=r["deft"]["partition_size"], groups=r.get("groups"))
                     per_round.append(simulate_deft(dense, plan, schedule_from_json(r["deft"]["schedule"]),
-                                                   reduction=r["deft"]["reduction"]))
+                                                   reduction=r["deft"]["reduction"],
+                                                   apply=r["deft"].get("apply", "group")))
             except (UsageError, ValueError):
                 continue
             mean = lambda f: sum(f(p) for p in per_round) / len(per_round)  # noqa: E731

@@ -38,6 +38,7 @@ VARIANTS = {
     "dear-paper": ("dear", {"allreduce": 0.0}),
     "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
     "deft-2links": ("deft", {"deft_links": 2}),
+    "deft-group": ("deft", {"deft_apply": "group"}),
     "dear+deft1": ("dear", {"comm_hook": Sparsify(0.01)}),
     "dear+deft10": ("dear", {"comm_hook": Sparsify(0.10)}),
     "dear+topk1": ("dear", {"comm_hook": Sparsify(0.01, selection="topk")}),
@@ -49,7 +50,9 @@ VARIANTS = {
 ``dear`` all-reduces in backward as many buckets as fit in the link's idle time there (``allreduce="auto"``);
 ``dear-tuned`` tunes its buffer size online (Bayesian optimization, 10 trials of 3 measured steps; untimed
 until tuning and the measured choice are over) instead of --bucket-mb; ``deft-2links`` is deft over two
-concurrent communicators (DeFT's heterogeneous links, issue 16); ``dear+deft1``/``dear+deft10`` sparsify with
+concurrent communicators (DeFT's heterogeneous links, issue 16) and ``deft-group`` deft applying each group at
+once as the paper does (``deft_apply="group"``; ``deft`` applies each bucket once all of it is sent);
+``dear+deft1``/``dear+deft10`` sparsify with
 DEFT at 1 %/10 % density and ``dear+topk1``/``dear+topk10`` with the plain top-k baseline (issue 18)."""
 
 SCHEDULES = ("ddp",) + _dearopt_schedules() + tuple(VARIANTS)
@@ -422,6 +425,7 @@ def run_rank(cfg: dict) -> dict:
                         "pieces": deft.buckets, "updates_per_step": deft.updates_per_iteration,
                         "period": len(deft.period), "repartitions": runner.opt.deft_repartitions,
                         "reduction": runner.opt.deft_reduction, "times": runner.opt.deft_times,
+                        "apply": runner.opt._executor.apply_mode,
                         "preserver": None if kept is None else {"ratio": kept.ratio, "factor": kept.capacity_factor,
                                                                 "resolves": kept.resolves, "passed": kept.passed}}
             if plan is not None and plan.allreduce:

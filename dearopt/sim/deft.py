@@ -19,6 +19,9 @@ prediction is their mean in the steady state.  The walk follows
   update of every bucket; the sends of the group formed in this backward (and
   of a group not applied yet) run on into the next forward, where the forward
   stage's sends queue behind them, and the next backward waits for all of them.
+  With ``apply="bucket"`` (``deft_apply``, the default) ``step()`` waits for
+  nothing: each bucket all of whose units are sent by then is due, and the
+  next forward waits for its sends and updates it just before computing it.
 
 Each unit is one all-reduce, or a reduce-scatter and an all-gather (the
 reduction the job measured faster); compute loses the CPU an op's bytes take
@@ -98,10 +101,10 @@ class _Clock:
 
 def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduction: str = ALL_REDUCE,
                   world: Optional[int] = None, comm: Optional[Dict[str, CommCost]] = None,
-                  periods: int = 3) -> Prediction:
+                  periods: int = 3, apply: str = "group") -> Prediction:
     """Predict ``plan`` (its buckets and pieces: the units) carried out by ``schedule`` on ``world`` ranks; the
     iteration time is the mean over one period in the steady state (after the warm-up and ``periods - 1``
-    periods), its parts likewise."""
+    periods), its parts likewise.  ``apply``: ``deft_apply`` (``"group"`` or ``"bucket"``)."""
     from ..delayed import deft_times, plan_units
 
     world = world or plan.world_size
@@ -120,20 +123,43 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
     elements = sum(b.grad_numel for b in plan.buckets)
     update = profile.update_per_call * len(plan.buckets) + profile.update_per_element * elements
     clock = _Clock(dict.fromkeys(("forward", "backward"), cpu_per_byte(profile)))
+    if apply not in ("group", "bucket"):
+        raise ValueError(f"apply must be 'group' or 'bucket', got {apply!r}")
     held = False
     in_flight: List[int] = []  # the sends of the group in flight not waited for yet
+    # apply="bucket": per group (old: in flight, new: formed in this backward) the op of each unit sent so far and
+    # the buckets handed over; per bucket due, the ops its update waits for
+    old_ops: Dict[int, int] = {}
+    old_due: set = set()
+    due: Dict[int, List[List[int]]] = {}  # bucket -> per due sum (two where a step completes two groups'), its ops
+    first_unit = {b: min(u for u, (ub, _) in enumerate(units) if ub == b) for b in range(len(plan.buckets))}
+    unit_bucket = [b for b, _ in units]
     spans: List[Tuple[float, float, float, float, float]] = []  # per iteration: start, backward, step, end, busy
     n_iter = len(schedule.warmup) + periods * len(schedule.period)
     for t in range(n_iter):
         it = schedule.iteration(t)
         start, busy0 = clock.now, clock.busy
-        in_flight += [clock.send(seconds[u], nbytes[u]) for u in it.forward]
+        for u in it.forward:
+            op = clock.send(seconds[u], nbytes[u])
+            in_flight.append(op)
+            old_ops[u] = op
         for u in range(len(units)):
+            b = unit_bucket[u]
+            if b in due and first_unit[b] == u:  # its updates, once their sends are done, before it computes
+                for ops in due.pop(b):
+                    clock.wait(ops)
+                    clock.work(profile.update_per_call + profile.update_per_element * plan.buckets[b].grad_numel,
+                               "forward")
             clock.work(forward_u[u], "forward")
         backward_at = clock.now
         clock.wait(in_flight)  # the group's sends so far are done before backward's
-        in_flight = [clock.send(seconds[u], nbytes[u]) for u in it.backward_old]
+        in_flight = []
+        for u in it.backward_old:
+            op = clock.send(seconds[u], nbytes[u])
+            in_flight.append(op)
+            old_ops[u] = op
         new_ops: List[int] = []
+        new_unit_ops: Dict[int, int] = {}
         order, cursor, done_compute = list(it.backward_new), 0, 0.0
         for b in sorted(range(len(plan.buckets)), key=lambda b: ready_b[b]):
             clock.work(max(ready_b[b] - done_compute, 0.0), "backward")
@@ -141,15 +167,30 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
             ready = {c for c in range(len(plan.buckets)) if ready_b[c] <= done_compute}
             while cursor < len(order) and units[order[cursor]][0] in ready:
                 new_ops.append(clock.send(seconds[order[cursor]], nbytes[order[cursor]]))
+                new_unit_ops[order[cursor]] = new_ops[-1]
                 cursor += 1
         clock.work(max(profile.t_bp - done_compute, 0.0), "backward")
-        new_ops += [clock.send(seconds[u], nbytes[u]) for u in order[cursor:]]
+        for u in order[cursor:]:
+            new_ops.append(clock.send(seconds[u], nbytes[u]))
+            new_unit_ops[u] = new_ops[-1]
         # every bucket's gradient copied into the new group (and the held sums added), or added to the held sums
         passes = 2 if held and not it.held else 1
         clock.work(sum(bucket_bytes) * passes * profile.copy_per_byte, "backward")
         held = it.held
         step_at = clock.now
-        if it.applies is not None:  # step() waits for the group it applies, and only for that
+        if apply == "bucket":  # every bucket all of whose units are sent is due; step() waits for nothing
+            new_due: set = set()
+            for ops, handed in ((old_ops, old_due), (new_unit_ops, new_due)):
+                for b in range(len(plan.buckets)):
+                    mine = [u for u in range(len(units)) if unit_bucket[u] == b]
+                    if b not in handed and all(u in ops for u in mine):
+                        handed.add(b)
+                        due.setdefault(b, []).append([ops[u] for u in mine])
+            if it.applies is not None:
+                old_ops, old_due = {}, set()
+            if not it.held:  # a group forms only where none is in flight after this step (the executor refuses
+                old_ops, old_due = new_unit_ops, new_due  # a schedule that would form one otherwise)
+        elif it.applies is not None:  # step() waits for the group it applies, and only for that
             clock.wait(in_flight)
             in_flight = []
             clock.work(update, "backward")
