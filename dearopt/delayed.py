@@ -65,9 +65,15 @@ step's ``step()`` applies: the group's average over every step it covers (as
 torch's clipping would clip that average in the single-process emulation); at
 a step that applies no group they clip nothing (the norm returned is NaN).
 
+**Accumulation** (``no_sync()``, ``backward_passes_per_step``): the backward
+passes before the one that communicates only accumulate into ``p.grad``; the
+step of the schedule is that last backward's (its gradient the sum of the
+micro-batches', as under DDP), and its forward stage's sends run from the
+step's first forward on.  The measuring steps time the forward stage from the
+first forward to the communicating backward.
+
 **Status** (issue 16): no comm hook and no loss scaling (``unscale_``,
-GradScaler) of a delayed group (refused by name), ``backward_passes_per_step``
-1 only.
+GradScaler) of a delayed group (refused by name).
 
 **Checkpoints**: ``DistOptim.state_dict()`` carries, besides the wrapped
 optimizer's state, the schedule, the step within it and the group sums (the
@@ -229,8 +235,7 @@ class DelayedExecutor(Executor):
         self._shards: Dict[Tuple[int, int], torch.Tensor] = {}
         self._groups_formed = 0
         self._in_flight: List = []  # with a timeline: the sends whose span is open
-        if self.options.backward_passes_per_step != 1:
-            raise UsageError("schedule='deft' accumulates across steps itself; backward_passes_per_step must be 1")
+        self._accumulating = False  # this backward only accumulates (no_sync(), backward_passes_per_step)
         self.deft: Optional[DeftSchedule] = schedule
         # A given schedule is followed as it is.  Otherwise the first MEASURED_STEPS steps are exact and measure
         # the job: its times (unless a profile gives them) and what the Preserver needs (unless it is off)
@@ -477,7 +482,7 @@ class DelayedExecutor(Executor):
         super()._root_pre_hook(module, args)
         if self.plan is None or not (module.training and torch.is_grad_enabled()):
             return
-        if self._measuring(1):
+        if self._measuring(1) and self.forwards == 1:  # the step's first forward (more where it accumulates)
             self._marks = {"start": time.perf_counter()}
         self._send_forward_stage()
 
@@ -494,8 +499,6 @@ class DelayedExecutor(Executor):
         if self.state is TrainingState.REDUCING:
             raise UsageError("backward() was called again before step(): under schedule='deft' every backward "
                              "is one step of the schedule")
-        if self.no_sync:
-            raise UsageError("no_sync() is not supported under schedule='deft' (it holds gradients itself)")
         self.pass_id += 1
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
@@ -507,6 +510,12 @@ class DelayedExecutor(Executor):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
         self.state = TrainingState.BACKWARD
         self._backward_start = self.timeline.now()
+        # inside no_sync(), or before the last of backward_passes_per_step: the gradients accumulate in p.grad
+        # and this step of the schedule begins with the backward that communicates (its forward stage's sends
+        # started with the step's first forward and run on meanwhile)
+        self._accumulating = self.no_sync or self.accumulated + 1 < self.options.backward_passes_per_step
+        if self._accumulating:
+            return
         if self._measuring(1):
             self._marks["backward"] = time.perf_counter()
         for b in self.buckets:
@@ -539,6 +548,8 @@ class DelayedExecutor(Executor):
                 f"before it was used: it was read in forward before its own module ran. Use "
                 f"deft_apply='group', or call optimizer.synchronize() before such a forward")
         bucket.take_gradient(p, j)
+        if self._accumulating:
+            return
         if bucket.stamp[j] != self.pass_id:
             bucket.stamp[j] = self.pass_id
             bucket.ready += 1
@@ -582,6 +593,11 @@ class DelayedExecutor(Executor):
 
     def _end_backward(self) -> None:
         self.timeline.span("backward", "compute", self._backward_start)
+        if self._accumulating:
+            self.state = TrainingState.ACCUMULATED
+            self.accumulated += 1
+            return
+        self.accumulated = 0
         self.state = TrainingState.REDUCING
         for b in self.buckets:  # unused since zero_grad(): a zero gradient
             b.clear_stale()

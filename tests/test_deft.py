@@ -51,13 +51,14 @@ CLIP_VALUE = 0.004  # and clip_grad_value_'s bound: below the largest entries of
 
 
 def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=None, apply="group", units=None,
-            buckets=None):
+            buckets=None, micro=1, world=1):
     """One process, global batch: the gradients of each step grouped, held and applied as ``schedule`` says;
     with ``clip``, each applied average clipped to that norm by torch (its norms appended to ``norms``); with
     ``clip_value``, clamped to that bound by torch.  ``apply="group"``: a group as one update at the step the
     schedule applies it; ``"bucket"``: each bucket (``buckets[b]``: its parameters' positions, default one each; sent
     as the ``units`` whose bucket is ``b``, default one each) at the step that ends the iteration that sent its
-    last unit."""
+    last unit.  With ``micro`` > 1 each step's gradient is the sum over its micro-batches (the k-th of every one of
+    ``world`` ranks' shards together), as accumulating ranks make it."""
     model = make_model("mlp")
     opt = make_optimizer(opt_name, model)
     params = list(model.parameters())
@@ -68,7 +69,9 @@ def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=N
         it = schedule.iteration(t)
         opt.zero_grad()
         x, y = global_batch(t, "mlp")
-        loss_fn("mlp", model(x), y).backward()
+        for k in range(micro):
+            part = [torch.cat([shard(v, r, world).chunk(micro)[k] for r in range(world)]) for v in (x, y)]
+            loss_fn("mlp", model(part[0]), part[1]).backward()
         g = [p.grad.detach().clone() for p in model.parameters()]
         new = None
         if it.applies == 0:  # a measuring step: exact
@@ -207,6 +210,43 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
     # and it is not the exact result: the delays change the training (that is the trade)
     got = outcomes[0].value[("given: one step late", "sgd", "bucket")][0]
     assert not torch.allclose(got[0], reference("mlp", "sgd", world, STEPS)[0][0])
+
+
+def _accumulating_runs():
+    """Two micro-batches per step: by ``no_sync()`` (the communication-bound schedule: held and merged steps) and
+    by ``backward_passes_per_step=2`` (the compute-rich one), per bucket and as groups."""
+    rank, world = dearopt.rank(), dearopt.size()
+    out = {}
+    for name, how in (("solver: communication-bound", "no_sync"), ("solver: compute-rich", "bpps")):
+        for apply in ("bucket", "group"):
+            model = make_model("mlp")
+            opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=64,
+                                    deft_schedule=SCHEDULES[name], deft_apply=apply,
+                                    backward_passes_per_step=2 if how == "bpps" else 1)
+            for step in range(STEPS):
+                opt.zero_grad()
+                x, y = global_batch(step, "mlp")
+                parts = [shard(v, rank, world).chunk(2) for v in (x, y)]
+                for k in range(2):
+                    if how == "no_sync" and k == 0:
+                        with opt.no_sync():
+                            loss_fn("mlp", model(parts[0][k]), parts[1][k]).backward()
+                    else:
+                        loss_fn("mlp", model(parts[0][k]), parts[1][k]).backward()
+                opt.step()
+            out[(name, apply)] = ([p.detach().clone() for p in model.parameters()], opt.applied_steps)
+            opt.close()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_deft_accumulates_micro_batches_by_no_sync_and_backward_passes_per_step():
+    world = 2
+    for o in run_workers(_accumulating_runs, world, timeout=70):
+        for (name, apply), (params, applied) in o.value.items():
+            want, want_applied = emulate(SCHEDULES[name], "adamw", apply=apply, micro=2, world=world)
+            assert applied == want_applied, (name, apply)
+            assert_params_match(params, want)
 
 
 def _synthetic_profile(halves=False):
