@@ -723,8 +723,10 @@ class DelayedExecutor(Executor):
                 for b in now:
                     group = pending[b][r]
                     for u in self._units_of[b]:
-                        group.unit_handles[u].wait()
-                        waited.append(group.unit_handles[u])
+                        handle = group.unit_handles.get(u)  # none for a unit reduced before a checkpoint
+                        if handle is not None:
+                            handle.wait()
+                            waited.append(handle)
                     self._take_average(self.buckets[b], group, members, saved)
                 if self.timeline.enabled:
                     self._poll_timeline(waited)
@@ -762,7 +764,8 @@ class DelayedExecutor(Executor):
         members = [[] for _ in self.optimizer.param_groups]
         saved = {}
         for bucket in self.buckets:
-            self._take_average(bucket, group, members, saved)
+            if bucket.index not in group.due:  # (applied already: a checkpoint of deft_apply="bucket")
+                self._take_average(bucket, group, members, saved)
         before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
         self.updater.begin_step(1)
         try:
@@ -834,7 +837,8 @@ class DelayedExecutor(Executor):
             return dict(self._loaded)
         self._apply_due()  # the parameters saved are current
         self._wait(self.group)  # its sends may still be in flight (step() waits only for a group it applies)
-        return {"step": self.step_count, "schedule": self.deft, "offset": self.offset, "measured": self.measured,
+        return {"step": self.step_count, "apply": self.apply_mode, "schedule": self.deft, "offset": self.offset,
+                "measured": self.measured,
                 "preserved": self.preserved, "mu": self.mu, "reduction": self.reduction,
                 "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
 
@@ -842,7 +846,13 @@ class DelayedExecutor(Executor):
         """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
         if self.state is not TrainingState.IDLE:
             raise UsageError("load the optimizer's state between step() and the next backward()")
+        if saved.get("apply", "group") == "bucket" and self.apply_mode == "group":
+            raise UsageError("this checkpoint was saved with deft_apply='bucket' (part of its group in flight is "
+                             "applied already): resume with deft_apply='bucket'")
         self._wait(self.group)  # nothing of the replaced group may still be on the link
+        for groups in self._due_buckets.values():
+            for group in groups:
+                self._wait(group)
         self._due_buckets.clear()  # the replaced run's pending updates: the checkpoint's parameters supersede them
         self._due_landing = False
         self.guard.disarm()

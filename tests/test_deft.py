@@ -328,6 +328,41 @@ def test_the_solver_schedule_from_a_profile_and_a_bit_identical_resume(world):
             assert torch.equal(a, b)
 
 
+def _pieces_resume():
+    """Pieces (a bucket's units sent in different iterations), per bucket: checkpoints between them resume
+    bit-identically; one of "bucket" resumed with deft_apply="group" is refused."""
+    rank, world = dearopt.rank(), dearopt.size()
+
+    def make(apply):
+        return lambda model: dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
+                                               partition_size=64, deft_schedule=pieces_schedule(world),
+                                               deft_apply=apply)
+
+    out = {}
+    for save_at in (0, 3):
+        whole, saved, opt = resumable_run(make("bucket"), STEPS, rank, world, save_at=save_at)
+        opt.close()
+        resumed, _, opt = resumable_run(make("bucket"), STEPS - save_at - 1, rank, world, save_at + 1, saved)
+        opt.close()
+        out[save_at] = (whole, resumed)
+    try:
+        resumable_run(make("group"), 1, rank, world, 1, saved)
+    except dearopt.UsageError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_pieces_sent_across_a_checkpoint_resume_bit_identically():
+    for o in run_workers(_pieces_resume, 2, timeout=70):
+        for save_at in (0, 3):
+            whole, resumed = o.value[save_at]
+            want, _ = emulate(pieces_schedule(2), "adam", apply="bucket", units=pieces_units(2))
+            assert_params_match(whole, want)
+            assert all(torch.equal(a, b) for a, b in zip(whole, resumed)), save_at
+        assert "resume with deft_apply='bucket'" in o.value["mismatch"]
+
+
 def _refusals():
     model = make_model("mlp")
     out = Attempts()
