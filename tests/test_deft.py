@@ -477,11 +477,11 @@ def preserver_inputs(opt_name, world, steps=3):
     return sum(losses) / len(losses), -sum(dots) / steps, (sum(variances) / steps / world) ** 0.5
 
 
-def _measured(buffer_size, steps, preserver=False, links=1, reduction=None):
+def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micro=1):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
     opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size,
-                            preserver=preserver, deft_links=links)
+                            preserver=preserver, deft_links=links, backward_passes_per_step=micro)
     executor = opt._executor
     measured = executor._measured_times
     real = {}
@@ -499,8 +499,10 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None):
     for step in range(steps):
         opt.zero_grad()
         x, y = global_batch(step, "mlp")
-        loss = loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world))
-        loss.backward()
+        for k in range(micro):
+            parts = [shard(v, rank, world).chunk(micro)[k] for v in (x, y)]
+            loss = loss_fn("mlp", model(parts[0]), parts[1])
+            loss.backward()
         opt.step(loss=loss)
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
            executor.measured, opt.applied_steps, opt.deft_repartitions, len(executor.units), opt.deft_preserved,
@@ -542,6 +544,20 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
             assert sum(forward) > 0 and sum(backward) > 0
         want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2, apply="bucket",
                                      buckets=o.value[14], units=o.value[15])
+        assert applied == want_applied
+        assert_params_match(params, want)
+
+
+@pytest.mark.timeout(90)
+def test_a_job_that_accumulates_measures_itself_and_follows_its_schedule():
+    for o in run_workers(_measured, 2, 64, STEPS + 2, False, 1, None, 2, timeout=70):
+        params, offset, schedule, real, shared, applied, *_ = o.value
+        assert offset == 3 and applied[:3] == [0, 1, 2] and schedule == deft_schedule(*shared)
+        if o.rank == 0:  # the forward stage measured from the step's first forward to its communicating backward
+            forward, backward, comm = real
+            assert sum(forward) > 0 and sum(backward) > 0 and all(c > 0 for c in comm)
+        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2, apply="bucket",
+                                     buckets=o.value[14], units=o.value[15], micro=2, world=2)
         assert applied == want_applied
         assert_params_match(params, want)
 
