@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from dearopt.schedules import names as _dearopt_schedules
+from dearopt.schedules.deft import Preserver
 from dearopt.sparsify import Sparsify
 
 VARIANTS = {
@@ -39,6 +40,7 @@ VARIANTS = {
     "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
     "deft-2links": ("deft", {"deft_links": 2}),
     "deft-group": ("deft", {"deft_apply": "group"}),
+    "deft-progress": ("deft", {"preserver": Preserver(statistic="progress")}),
     "dear+deft1": ("dear", {"comm_hook": Sparsify(0.01)}),
     "dear+deft10": ("dear", {"comm_hook": Sparsify(0.10)}),
     "dear+topk1": ("dear", {"comm_hook": Sparsify(0.01, selection="topk")}),
@@ -51,7 +53,8 @@ VARIANTS = {
 ``dear-tuned`` tunes its buffer size online (Bayesian optimization, 10 trials of 3 measured steps; untimed
 until tuning and the measured choice are over) instead of --bucket-mb; ``deft-2links`` is deft over two
 concurrent communicators (DeFT's heterogeneous links, issue 16) and ``deft-group`` deft applying each group at
-once as the paper does (``deft_apply="group"``; ``deft`` applies each bucket once all of it is sent);
+once as the paper does (``deft_apply="group"``; ``deft`` applies each bucket once all of it is sent),
+``deft-progress`` deft whose Preserver tests the expected loss decrease (``Preserver(statistic="progress")``);
 ``dear+deft1``/``dear+deft10`` sparsify with
 DEFT at 1 %/10 % density and ``dear+topk1``/``dear+topk10`` with the plain top-k baseline (issue 18)."""
 

@@ -133,6 +133,14 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
     old_due: set = set()
     due: Dict[int, List[List[int]]] = {}  # bucket -> per due sum (two where a step completes two groups'), its ops
     first_unit = {b: min(u for u, (ub, _) in enumerate(units) if ub == b) for b in range(len(plan.buckets))}
+    # a module's forward time goes to the first of its parameters' buckets (deft_times); the executor applies the
+    # due buckets up to the last of them in that module's pre-hook, before it computes
+    bucket_of = {p: b.index for b in plan.buckets for p in b.params}
+    reach = list(range(len(plan.buckets)))
+    for positions, _ in profile.forward_segments:
+        owned = [bucket_of[p] for p in positions if p in bucket_of]
+        if owned:
+            reach[min(owned)] = max(reach[min(owned)], max(owned))
     unit_bucket = [b for b, _ in units]
     spans: List[Tuple[float, float, float, float, float]] = []  # per iteration: start, backward, step, end, busy
     n_iter = len(schedule.warmup) + periods * len(schedule.period)
@@ -145,11 +153,12 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
             old_ops[u] = op
         for u in range(len(units)):
             b = unit_bucket[u]
-            if b in due and first_unit[b] == u:  # its updates, once their sends are done, before it computes
-                for ops in due.pop(b):
-                    clock.wait(ops)
-                    clock.work(profile.update_per_call + profile.update_per_element * plan.buckets[b].grad_numel,
-                               "forward")
+            if first_unit[b] == u:  # the due updates up to its modules' buckets, each once its sends are done
+                for c in sorted(c for c in due if c <= reach[b]):
+                    for ops in due.pop(c):
+                        clock.wait(ops)
+                        clock.work(profile.update_per_call + profile.update_per_element
+                                   * plan.buckets[c].grad_numel, "forward")
             clock.work(forward_u[u], "forward")
         backward_at = clock.now
         clock.wait(in_flight)  # the group's sends so far are done before backward's
