@@ -11,12 +11,12 @@ Two local ranks train, under each of:
   of backward, 1 s of forward and 0.5 s on the link per bucket): every step's gradients applied one step late;
 * ``deft-merged``: the schedule it makes where communication exceeds computation (2.5 s on the link per
   1 + 1 s of compute per bucket): steps held and merged, fewer updates; given, so the Preserver is off;
-* ``deft-preserved``: the same per-bucket times, given as a profile, with the Preserver on (the default): the
-  first three steps are exact and measure the loss (``optimizer.step(loss=loss)``), the drift and the noise;
-  the Preserver raises the knapsack capacities until its check passes (the paper's: the expected losses after
-  one period within 1 %);
-* ``deft-progress``: the same with ``Preserver(statistic="progress")``: the expected loss decrease over one
-  period at least 99 % of exact training's.
+* ``deft-preserved``: the same per-bucket times, given as a profile, with the paper's Preserver test
+  (``Preserver(statistic="loss")``): the first three steps are exact and measure the loss
+  (``optimizer.step(loss=loss)``), the drift and the noise; the Preserver raises the knapsack capacities until
+  its check passes (the expected losses after one period within 1 %);
+* ``deft-progress``: the same with the default Preserver (``statistic="progress"``): the expected loss decrease
+  over one period at least 99 % of exact training's.
 
 Each ``deft-*`` applies a bucket's sum as soon as all of it is sent (``deft_apply="bucket"``, the default); the
 same name with ``-group`` appended (``deft-late-group``...) applies each group at once, the paper's way.

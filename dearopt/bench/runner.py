@@ -40,7 +40,7 @@ VARIANTS = {
     "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
     "deft-2links": ("deft", {"deft_links": 2}),
     "deft-group": ("deft", {"deft_apply": "group"}),
-    "deft-progress": ("deft", {"preserver": Preserver(statistic="progress")}),
+    "deft-paper": ("deft", {"preserver": Preserver(statistic="loss")}),
     "dear+deft1": ("dear", {"comm_hook": Sparsify(0.01)}),
     "dear+deft10": ("dear", {"comm_hook": Sparsify(0.10)}),
     "dear+topk1": ("dear", {"comm_hook": Sparsify(0.01, selection="topk")}),
@@ -54,7 +54,8 @@ VARIANTS = {
 until tuning and the measured choice are over) instead of --bucket-mb; ``deft-2links`` is deft over two
 concurrent communicators (DeFT's heterogeneous links, issue 16) and ``deft-group`` deft applying each group at
 once as the paper does (``deft_apply="group"``; ``deft`` applies each bucket once all of it is sent),
-``deft-progress`` deft whose Preserver tests the expected loss decrease (``Preserver(statistic="progress")``);
+``deft-paper`` deft whose Preserver is the paper's test, the expected losses' ratio
+(``Preserver(statistic="loss")``; ``deft``'s default tests the expected loss decrease);
 ``dear+deft1``/``dear+deft10`` sparsify with
 DEFT at 1 %/10 % density and ``dear+topk1``/``dear+topk10`` with the plain top-k baseline (issue 18)."""
 
