@@ -89,6 +89,22 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
 
 
+def test_a_run_of_a_variant_no_longer_defined_is_still_predicted_where_it_can_be():
+    from dearopt.bench.report import predictions
+    from dearopt.sim import predict
+    from test_sim import _deft_profile
+
+    from dearopt.sim import CommCost
+
+    prof = _deft_profile(2.5)
+    prof.comm.update({k: CommCost(k, alpha=0.5, beta=0.0) for k in ("reduce_scatter", "all_gather")})
+    doc = {"profile": prof.to_json(), "bucket_mb": 1.0, "plans": {},
+           "schedules": {"ddp": {}, "dear+gone": {}}}  # a dear variant of an older version, with nothing recorded
+    got = predictions(doc)
+    assert set(got) == {"ddp"}  # the unknown variant is left out, not an error
+    assert got["ddp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
+
+
 def test_the_summary_counts_the_predictions_within_10_and_5_percent():
     from dearopt.bench.report import summary
 
