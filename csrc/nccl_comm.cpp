@@ -491,7 +491,10 @@ class Communicator {
       free_events_.clear();
       if (ready_ != nullptr) cudaEventDestroy(ready_);
       ready_ = nullptr;
-      if (stream_ != nullptr) cudaStreamDestroy(stream_);
+      // The stream is left alive (one per communicator, as torch never destroys its own streams): tensors the
+      // ops used were record_stream()ed on it, and torch's caching allocator records an event on it when they
+      // are freed, later; on a destroyed stream that fails inside a destructor and aborts the process (seen on
+      // an H100: tests/test_nccl_native.py::test_closed_backend_raises_collective_error).
       stream_ = nullptr;
       cudaGetLastError();
     } catch (...) {
