@@ -207,14 +207,11 @@ class DelayedExecutor(Executor):
     def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None,
                  preserver: Optional[Preserver] = None, links: int = 1, apply: str = "bucket", **kwargs):
         super().__init__(*args, **kwargs)
-        if apply not in APPLY_MODES:
-            raise ValueError(f"deft_apply must be one of {APPLY_MODES}, got {apply!r}")
-        self.apply_mode = apply
+        self.apply_mode = apply  # one of APPLY_MODES (DistOptim checks it)
         # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
         # last of the old group's and all of the new group's)
         self._due_buckets: Dict[int, List[_Group]] = {}
         self._due_landing = False  # the step whose due buckets are not all applied yet (its post hooks wait)
-        self._stale_deft: set = set()  # buckets applied only when backward began (read before their module ran)
         if schedule is not None and links == 1 and any(it.second_old or it.second_new
                                                        for it in schedule.warmup + schedule.period):
             raise UsageError("the given DeFT schedule sends on a second link: pass deft_links=2")
@@ -502,7 +499,7 @@ class DelayedExecutor(Executor):
         self.pass_id += 1
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
-        self._stale_deft = set(self._due_buckets)
+        self._stale = set(self._due_buckets)
         self._apply_due()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._hook_new_params()
@@ -542,7 +539,7 @@ class DelayedExecutor(Executor):
         if located is None:
             return
         bucket, j = located
-        if bucket.index in self._stale_deft:
+        if bucket.index in self._stale:
             raise UsageError(
                 f"parameter {bucket.names[j]!r} received a gradient although its delayed update was not applied "
                 f"before it was used: it was read in forward before its own module ran. Use "

@@ -26,6 +26,7 @@ from .errors import NotInitializedError, UsageError
 from . import functions
 from .comm_hooks import resolve_comm_hook
 from .sparsify import Sparsify
+from .delayed import APPLY_MODES, DelayedExecutor
 from .executor import Executor
 from .options import Options
 from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE
@@ -190,8 +191,8 @@ class DistOptim(torch.optim.Optimizer):
         hook = resolve_comm_hook(comm_hook)
         if deft_links not in (1, 2):
             raise ValueError(f"deft_links must be 1 or 2, got {deft_links!r}")
-        if deft_apply not in ("bucket", "group"):
-            raise ValueError(f"deft_apply must be 'bucket' or 'group', got {deft_apply!r}")
+        if deft_apply not in APPLY_MODES:
+            raise ValueError(f"deft_apply must be one of {APPLY_MODES}, got {deft_apply!r}")
         options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
                           embedding_rows=embedding_rows, allreduce=allreduce, shard_optimizer=shard_optimizer,
                           partition_size=partition_size,
@@ -222,8 +223,6 @@ class DistOptim(torch.optim.Optimizer):
         partition = None if options.partition_size == "auto" else options.partition_size
         credit_bytes = None if options.credit == "auto" else options.credit
         if get_schedule(options.schedule).delays_updates:
-            from .delayed import DelayedExecutor
-
             self._executor = DelayedExecutor(optimizer, model, engine, options, buffer, partition, credit_bytes,
                                              hook, on_step_landed=self._step_landed, schedule=deft_schedule,
                                              profile=profile, preserver=preserver, links=deft_links,
