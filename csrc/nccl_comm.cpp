@@ -35,10 +35,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -62,11 +63,32 @@ struct CommAbortedError : NcclError {
   using NcclError::NcclError;
 };
 
+// Error messages are built without iostreams: on the first GPU run a
+// std::ostringstream in this module segfaulted inside the locale's codecvt
+// facet (the C++ runtime loaded beside torch is not always the one whose
+// headers compiled this file).  std::to_string and snprintf use the C library.
+inline std::string text(const std::string& s) { return s; }
+inline std::string text(const char* s) { return s != nullptr ? std::string(s) : std::string("(null)"); }
+inline std::string text(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+template <typename T, typename = typename std::enable_if<std::is_integral<T>::value>::type>
+inline std::string text(T v) {
+  return std::to_string(v);
+}
+template <typename... Parts>
+std::string cat(const Parts&... parts) {
+  std::string out;
+  using expand = int[];
+  (void)expand{0, (out += text(parts), 0)...};
+  return out;
+}
+
 std::string cuda_message(cudaError_t err, const char* what) {
-  std::ostringstream os;
-  os << "CUDA error in " << what << ": " << cudaGetErrorString(err) << " (" << cudaGetErrorName(err) << ", code "
-     << static_cast<int>(err) << ")";
-  return os.str();
+  return cat("CUDA error in ", what, ": ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ", code ",
+             static_cast<int>(err), ")");
 }
 
 void cuda_check(cudaError_t err, const char* what) {
@@ -77,12 +99,11 @@ void cuda_check(cudaError_t err, const char* what) {
 }
 
 std::string nccl_message(ncclResult_t res, const char* what, ncclComm_t comm) {
-  std::ostringstream os;
-  os << "NCCL error in " << what << ": " << ncclGetErrorString(res) << " (ncclResult_t " << static_cast<int>(res)
-     << ")";
+  std::string message =
+      cat("NCCL error in ", what, ": ", ncclGetErrorString(res), " (ncclResult_t ", static_cast<int>(res), ")");
   const char* last = ncclGetLastError(comm);
-  if (last != nullptr && last[0] != '\0') os << "; last NCCL error: " << last;
-  return os.str();
+  if (last != nullptr && last[0] != '\0') message += cat("; last NCCL error: ", last);
+  return message;
 }
 
 #define CUDA_CHECK(expr) cuda_check((expr), #expr)
@@ -148,14 +169,10 @@ class Communicator {
       : rank_(rank), size_(size), device_(device), timeout_s_(timeout_s) {
     std::string raw = unique_id;
     if (raw.size() != sizeof(ncclUniqueId)) {
-      std::ostringstream os;
-      os << "the NCCL unique id must be " << sizeof(ncclUniqueId) << " bytes, got " << raw.size();
-      throw std::invalid_argument(os.str());
+      throw std::invalid_argument(cat("the NCCL unique id must be ", sizeof(ncclUniqueId), " bytes, got ", raw.size()));
     }
     if (size < 1 || rank < 0 || rank >= size) {
-      std::ostringstream os;
-      os << "rank " << rank << " is not a rank of a world of size " << size;
-      throw std::invalid_argument(os.str());
+      throw std::invalid_argument(cat("rank ", rank, " is not a rank of a world of size ", size));
     }
     if (!(timeout_s > 0)) throw std::invalid_argument("timeout_s must be positive");
     ncclUniqueId id;
@@ -316,10 +333,9 @@ class Communicator {
           return;
         }
         if (Clock::now() >= deadline) {
-          std::ostringstream os;
-          os << "NCCL " << op_name(it->second.kind) << " (handle " << handle << ") timed out: not complete after "
-             << timeout_s << " s on rank " << rank_ << " of " << size_ << "; the communicator was aborted";
-          abort_locked(os.str(), true);
+          abort_locked(cat("NCCL ", op_name(it->second.kind), " (handle ", handle, ") timed out: not complete after ",
+                           timeout_s, " s on rank ", rank_, " of ", size_, "; the communicator was aborted"),
+                       true);
           throw NcclTimeoutError(failure_);
         }
       }
@@ -398,10 +414,9 @@ class Communicator {
     int spins = 0;
     while (res == ncclInProgress) {
       if (Clock::now() >= deadline) {
-        std::ostringstream os;
-        os << what << " timed out on rank " << rank_ << " of " << size_
-           << " (is every rank calling it? the communicator was aborted)";
-        abort_locked(os.str(), true);
+        abort_locked(cat(what, " timed out on rank ", rank_, " of ", size_,
+                         " (is every rank calling it? the communicator was aborted)"),
+                     true);
         throw NcclTimeoutError(failure_);
       }
       sleep_backoff(spins);
@@ -418,9 +433,7 @@ class Communicator {
 
   void check_handle(std::int64_t handle) const {
     if (handle <= 0 || handle >= next_handle_) {
-      std::ostringstream os;
-      os << "unknown NCCL handle " << handle;
-      throw std::invalid_argument(os.str());
+      throw std::invalid_argument(cat("unknown NCCL handle ", handle));
     }
   }
 
@@ -523,11 +536,10 @@ class Communicator {
             continue;
           }
           if (q == cudaErrorNotReady && now >= it->second.deadline) {
-            std::ostringstream os;
-            os << "NCCL " << op_name(it->second.kind) << " (handle " << it->first
-               << ") timed out: the watchdog found it unfinished past its deadline (timeout " << timeout_s_
-               << " s) on rank " << rank_ << " of " << size_ << "; the communicator was aborted";
-            abort_locked(os.str(), true);
+            abort_locked(cat("NCCL ", op_name(it->second.kind), " (handle ", it->first,
+                             ") timed out: the watchdog found it unfinished past its deadline (timeout ", timeout_s_,
+                             " s) on rank ", rank_, " of ", size_, "; the communicator was aborted"),
+                         true);
             break;
           }
           ++it;

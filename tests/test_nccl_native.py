@@ -104,6 +104,10 @@ def test_gpu_calls_raise_cleanly_in_a_subprocess():
             _nccl.Communicator(b"short", 0, 1, 0, 5.0)
         except ValueError as exc:
             out["bad_id"] = str(exc)
+        try:
+            _nccl.Communicator(uid, 3, 2, 0, 5.0)
+        except ValueError as exc:
+            out["bad_rank"] = str(exc)
         if out["devices"] == 0:
             try:
                 _nccl.Communicator(uid, 0, 1, 0, 5.0)
@@ -117,7 +121,8 @@ def test_gpu_calls_raise_cleanly_in_a_subprocess():
     assert line, _describe(proc)
     out = json.loads(line[-1][len("RESULT "):])
     assert out["uid_len"] == 128
-    assert "128 bytes" in out["bad_id"]
+    assert out["bad_id"] == "the NCCL unique id must be 128 bytes, got 5"
+    assert out["bad_rank"] == "rank 3 is not a rank of a world of size 2"
     if out["devices"] == 0:
         assert "CUDA" in out["count_error"], out
         assert out["comm_error"].startswith("CudaError: CUDA error"), out
