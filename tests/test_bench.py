@@ -190,6 +190,27 @@ def test_iteration_time_is_the_jobs_pace_not_the_slowest_rank_per_iteration():
     assert doc["schedules"]["bytescheduler"]["speedup_vs_ddp"] == pytest.approx(1.0 / 0.75)
 
 
+def test_each_rounds_throughput_is_its_block_time_over_its_iterations():
+    """Hand computation: a schedule whose steps alternate long and short (a send running on into the next
+    iteration) has the median step 2.5 s but takes 2.2 s per iteration in each round: (2.5 + 2.5 + 1.6) / 3 in
+    round 1, (2.5 + 1.6 + 2.5) / 3 in round 2; the median over rounds of those paces is 2.2 s."""
+    from dearopt.bench.report import _round_means, derive
+
+    assert _round_means([1.0, 2.0, 3.0, 5.0], [2, 2]) == [1.5, 4.0]
+    assert _round_means([1.0, 2.0, 3.0], [2, 2]) == [1.5, 3.0]  # a short last block still counts
+    steps = [2.5, 2.5, 1.6, 2.5, 1.6, 2.5]
+    parts = {k: [[1.0], [1.0]] for k in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag")}
+    doc = {"parts_samples": parts, "global_batch": 4, "rounds": 2, "iterations": 6,
+           "schedules": {"ddp": {"samples": [[3.3] * 6, [3.3] * 6]}, "deft": {"samples": [steps, steps]}}}
+    derive(doc)
+    deft = doc["schedules"]["deft"]
+    assert deft["iter_time"] == pytest.approx(2.5)
+    assert deft["round_times"] == pytest.approx([2.2, 2.2])
+    assert deft["iter_time_rounds"] == pytest.approx(2.2)
+    assert deft["speedup_vs_ddp_rounds"] == pytest.approx(3.3 / 2.2)
+    assert doc["schedules"]["ddp"]["iter_time_rounds"] == pytest.approx(3.3)
+
+
 def _timeline_run(path, steps):
     from torch import nn
 
