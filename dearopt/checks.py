@@ -81,23 +81,26 @@ class Checks:
 
     # ------------------------------------------------------------- non-finite
     def nonfinite(self, regions: Sequence[torch.Tensor], sharded: bool, buckets: Sequence[BucketState],
-                  step: int, own: Sequence[int] = (), agreed: Optional[bool] = None) -> bool:
+                  step: int, own: Sequence[int] = (), agreed: Optional[bool] = None,
+                  local: Optional[bool] = None) -> bool:
         """Check the averaged gradients (this rank's shards if ``sharded``): True means skip the step.
 
         ``own``: the buckets whose buffers still hold this rank's own gradients
         (their average is kept as shards), from which the ranks a non-finite
         gradient came from can be named.  ``agreed``: the answer over every
         rank, where the caller already combined :meth:`local_nonfinite` with
-        another message (the sharded update's).
+        another message (the sharded update's).  ``local``: this rank's answer where the caller has it
+        (the averaging pass flagged the regions), else the regions are summed.
         """
         policy = self.options.nonfinite
         if policy == "ignore" or (not regions and agreed is None):
             return False
         if agreed is None:
-            local = torch.tensor([1.0 if self.local_nonfinite(regions) else 0.0], device=self.device)
+            found = self.local_nonfinite(regions) if local is None else local
+            flag = torch.tensor([1.0 if found else 0.0], device=self.device)
             if sharded and self.world > 1:
-                self.control.all_reduce(local, "max", step=step).wait()
-            agreed = float(local) > 0
+                self.control.all_reduce(flag, "max", step=step).wait()
+            agreed = float(flag) > 0
         if not agreed:
             return False
         if policy == "skip":

@@ -122,6 +122,7 @@ class Round:
     forward_reached: int = -1  # the next forward has reached buckets <= this one
     updates_left: int = 0
     scaler_checked: bool = False  # a GradScaler judged the gradients: no non-finite policy for this step
+    written: bool = False  # clipping or unscale_ wrote to the averaged gradients after their averaging pass
     shards_updated: int = 0  # sharded update: buckets < this one hold their updated shard (may be gathered)
     combined: set = dataclasses.field(default_factory=set)  # tied weights whose twin gradient was added
 
@@ -180,10 +181,12 @@ class Executor:
         self._early_ops: List[OpState] = []  # ops that may start before step(): what averaging needs
         self._averaged: List[Tuple[torch.Tensor, bool]] = []  # (region, is a shard) once the early ops completed
         self._checked_at_step: List[Tuple[torch.Tensor, bool]] = []  # the subset that is due by step()
+        self._checked_ops: List = []  # the op that left each of them (its averaging pass flags inf/NaN)
         self._late_checked: set = set()  # buckets whose gradients are checked at their update
         self._own_gradient_buckets: List[int] = []  # buckets whose buffers hold this rank's gradients at step()
         self._final_after_backward: set = set()  # buckets whose p.grad holds the average once backward returns
         self._combines: List[Tuple[BucketState, int, BucketState, int, Point]] = []  # owner, twin, when
+        self._combined_into: set = set()
         # the life cycle
         self.state = TrainingState.IDLE
         self.round: Optional[Round] = None
@@ -365,6 +368,7 @@ class Executor:
         self.plan = plan
         self._index_plan()
         self._combines = []
+        self._combined_into = set()  # buckets a tied weight's second gradient is added to
         for owner_id, uses in self.tied.twins.items():
             for _, _, twin in uses:
                 if id(twin) in self._where and owner_id in self._where:
@@ -372,6 +376,7 @@ class Executor:
                     twin_bucket, k = self._where[id(twin)]
                     rows = [op.spec.due for op in self.issuer.ops if op.spec.bucket == owner_bucket.index]
                     self._combines.append((owner_bucket, j, twin_bucket, k, rows[-1]))
+                    self._combined_into.add(owner_bucket.index)
 
     def _specs(self, ordered: List[torch.Tensor]) -> List[ParamSpec]:
         position = {id(p): i for i, p in enumerate(ordered)}
@@ -431,7 +436,7 @@ class Executor:
         last_early = {}
         for op in early:
             last_early[(op.spec.bucket, op.spec.piece)] = op
-        self._averaged, self._checked_at_step = [], []
+        self._averaged, self._checked_at_step, self._checked_ops = [], [], []
         checked_buckets = set()
         for (b, _), op in sorted(last_early.items()):
             if self.buckets[b].spec.twin_of is not None:  # added to its weight's gradient: counted there
@@ -441,6 +446,7 @@ class Executor:
             self._averaged.append(entry)
             if moment_key(op.spec.due) <= moment_key(STEP):
                 self._checked_at_step.append(entry)
+                self._checked_ops.append(op)
                 checked_buckets.add(b)
         self._late_checked = {b.index for b in self.buckets} - checked_buckets
         self._own_gradient_buckets = sorted({op.spec.bucket for op in last_early.values() if op.spec.result == "shard"})
@@ -711,14 +717,13 @@ class Executor:
         r.stepped = True
         regions = [region for region, _ in self._checked_at_step]
         judge = not scaler_checked and self.options.nonfinite != "ignore"
-        agreed = self._share_meta(r.step, judge and self.checks.local_nonfinite(regions)) \
-            if self.sharding is not None else None
+        agreed = self._share_meta(r.step, judge and self._local_nonfinite()) if self.sharding is not None else None
         for b in (range(len(self.buckets)) if self.sharding is not None else self._updates_at.get(STEP, ())):
             self.checks.check_tags(self.buckets[b], r.step)
         if judge:
             sharded = any(is_shard for _, is_shard in self._checked_at_step)
             skip = self.checks.nonfinite(regions, sharded, self.buckets, r.step, own=self._own_gradient_buckets,
-                                         agreed=agreed)
+                                         agreed=agreed, local=None if agreed is not None else self._local_nonfinite())
         if self.profile.recording:
             self.profile.share(self.control, self.issuer.reduction_services(), r.step)
         self.forwards = 0
@@ -740,6 +745,23 @@ class Executor:
             self.issuer.pump(self._may_start)  # the ops that start at step()
             self.guard.arm({id(p): b.index for b in self.buckets if b.pending for p in b.params})
         self.timeline.span("step", "update", t0)
+
+    def _local_nonfinite(self) -> bool:
+        """Whether this rank's averaged gradients due by ``step()`` hold inf or NaN.  Where the averaging pass
+        flagged a region (:meth:`Issuer._average`) and nothing wrote to it since (clipping, ``unscale_``, a tied
+        weight's second gradient added, the user's code on ``p.grad``), its flag answers; any other region is
+        summed."""
+        r = self.round
+        flags, summed = [], []
+        for (region, _), op in zip(self._checked_at_step, self._checked_ops):
+            if (op.nonfinite is not None and not r.written and op.spec.bucket not in self._combined_into
+                    and not op.bucket.written_by_others()):
+                flags.append(op.nonfinite)
+            else:
+                summed.append(region)
+        if flags and bool(torch.cat(flags).sum() > 0):
+            return True
+        return self.checks.local_nonfinite(summed)
 
     def _check_gradient_writes(self) -> None:
         """Gradients changed between backward() and step() must not be changed behind the engine's back."""
@@ -929,6 +951,8 @@ class Executor:
     def _mark_written(self) -> None:
         for b in self.buckets:
             b.mark_seen()
+        if self.round is not None:  # the averaging pass's inf/NaN flags no longer describe the gradients
+            self.round.written = True
 
     def _global_norm(self, regions, norm_type: float) -> torch.Tensor:
         """The norm over whole pieces and shards; shards are combined over ranks on the control channel."""

@@ -36,7 +36,7 @@ __all__ = ["CreditWindow", "OpState", "Issuer"]
 class OpState:
     """A planned collective bound to its piece, with its handle for the current round."""
 
-    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at")
+    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at", "nonfinite")
 
     def __init__(self, position: int, spec: CommOp, piece):
         self.position = position
@@ -47,6 +47,9 @@ class OpState:
         self.ctx = None  # the comm hook's context from encode
         self.started_at = 0.0
         self.finished_at: Optional[float] = None  # when it was first seen finished (profiling)
+        # averaged ops: a one-element tensor, > 0 where the average holds inf/NaN (set in the averaging pass);
+        # None until then, and where the result was not averaged here
+        self.nonfinite: Optional[torch.Tensor] = None
 
     @property
     def nbytes(self) -> int:
@@ -122,11 +125,12 @@ class Issuer:
         self.rows_reductions = rows_reductions if rows_reductions is not None else {"rows": 0, "dense": 0}
         self.first_reduction_at: Optional[float] = None  # perf_counter of the round's first reduction
         self.last_reduction_done_at: Optional[float] = None
+        self._inverse: dict = {}  # device -> 1/world as the one-element float32 tensor the fused pass takes
 
     # ----------------------------------------------------------------- round
     def start_round(self, step: int) -> None:
         for op in self.ops:
-            op.handle, op.done, op.ctx, op.finished_at = None, False, None, None
+            op.handle, op.done, op.ctx, op.finished_at, op.nonfinite = None, False, None, None, None
         self.cursor = 0
         self.step = step
         self.window.clear()
@@ -288,13 +292,32 @@ class Issuer:
             self.hook.decode(wire[:n], result, op.ctx)
             whole[n:].copy_(wire[n:])
         if spec.average and self.world > 1:
-            result.div_(self.world)
+            op.nonfinite = self._average(result)
         piece.bucket.mark_seen()
         op.done = True
         if op.finished_at is None:
             op.finished_at = time.perf_counter()
         if spec.reduces:
             self.last_reduction_done_at = time.perf_counter()
+
+    def _average(self, result: torch.Tensor) -> Optional[torch.Tensor]:
+        """Divide the sum by the number of ranks and find any inf/NaN in the same pass over it (torch's fused
+        GradScaler kernel: multiply by 1/world, flag non-finite elements); returns the flag, which the
+        ``nonfinite`` check at ``step()`` reads instead of summing the averaged gradients once more.  Multiplying
+        by 1/world equals dividing by world exactly where world is a power of two, and to within
+        one unit in the last place elsewhere."""
+        inverse = self._inverse.get(result.device)
+        if inverse is None:
+            inverse = self._inverse[result.device] = torch.full((1,), 1.0 / self.world, dtype=torch.float32,
+                                                                device=result.device)
+        found = torch.zeros(1, dtype=torch.float32, device=result.device)
+        if result.numel():
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_([result], found, inverse)
+            except (AttributeError, NotImplementedError, RuntimeError):  # a device or dtype without the kernel
+                result.div_(self.world)
+                return None
+        return found
 
     def observe(self) -> None:
         """Note when started ops are first seen finished (for the link's busy time)."""

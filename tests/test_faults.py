@@ -226,6 +226,43 @@ def test_nonfinite_skip_keeps_ranks_identical_and_equal_to_a_reference_that_skip
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _nonfinite_written_after_averaging():
+    """Inf/NaN that appears after the averaging pass flagged the gradients finite: written into p.grad by the
+    user's code (allowed under wfbp, whose p.grad holds the average), or made by unscale_ with a tiny scale."""
+    rank, world = dearopt.rank(), dearopt.size()
+    seen = {}
+    for case, knobs in [("written", dict(schedule="wfbp")), ("unscaled", dict(allreduce=1.0)),
+                        ("clean", dict(allreduce=1.0))]:
+        model = make_model("mlp")
+        opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64,
+                                nonfinite="raise", **knobs)
+        x, y = global_batch(0, "mlp")
+        loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        if case == "written":
+            model.fc2.bias.grad[0] = float("inf")  # every rank, so that every rank must raise
+        elif case == "unscaled":
+            opt.unscale_(1e-300)  # finite and positive, but the gradients overflow
+        try:
+            opt.step()
+            opt.synchronize()
+            seen[case] = "stepped"
+        except dearopt.NonFiniteGradientError as exc:
+            seen[case] = "NonFiniteGradientError: " + str(exc)
+        opt.close()
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_made_after_the_averaging_pass_is_still_caught():
+    # the averaging pass flags inf/NaN as it divides (no second pass over the gradients at step()); gradients
+    # written after it must be summed again
+    for o in run_workers(_nonfinite_written_after_averaging, 2, timeout=40):
+        assert o.value["written"].startswith("NonFiniteGradientError"), o.value
+        assert "'fc2.bias'" in o.value["written"]
+        assert o.value["unscaled"].startswith("NonFiniteGradientError"), o.value
+        assert o.value["clean"] == "stepped", o.value
+
+
 def test_unscale_misuse_is_named():
     dearopt.init()
     try:
