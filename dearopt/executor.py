@@ -748,19 +748,25 @@ class Executor:
 
     def _local_nonfinite(self) -> bool:
         """Whether this rank's averaged gradients due by ``step()`` hold inf or NaN.  Where the averaging pass
-        flagged a region (:meth:`Issuer._average`) and nothing wrote to it since (clipping, ``unscale_``, a tied
-        weight's second gradient added, the user's code on ``p.grad``), its flag answers; any other region is
-        summed."""
+        flagged a region (:meth:`Issuer._average`) and nothing can have written to it since, its flag answers;
+        any other region is summed.  Written since: by clipping or ``unscale_`` (``round.written``), by adding a
+        tied weight's second gradient, or by the user's code where ``p.grad`` holds the average when backward
+        returns (``wfbp``, all-reduced buckets): such code may write through ``.data`` or a raw kernel, which no
+        version counter sees, so those buckets are always summed.  The choice depends only on the plan and on
+        calls every rank makes, so every rank judges alike."""
         r = self.round
         flags, summed = [], []
         for (region, _), op in zip(self._checked_at_step, self._checked_ops):
-            if (op.nonfinite is not None and not r.written and op.spec.bucket not in self._combined_into
-                    and not op.bucket.written_by_others()):
+            b = op.spec.bucket
+            if (op.nonfinite is not None and not r.written and b not in self._combined_into
+                    and b not in self._final_after_backward):
                 flags.append(op.nonfinite)
             else:
                 summed.append(region)
-        if flags and bool(torch.cat(flags).sum() > 0):
-            return True
+        if flags:
+            device = flags[0].device
+            if bool(torch.cat([f.to(device) for f in flags]).sum() > 0):
+                return True
         return self.checks.local_nonfinite(summed)
 
     def _check_gradient_writes(self) -> None:

@@ -304,8 +304,12 @@ class Issuer:
         """Divide the sum by the number of ranks and find any inf/NaN in the same pass over it (torch's fused
         GradScaler kernel: multiply by 1/world, flag non-finite elements); returns the flag, which the
         ``nonfinite`` check at ``step()`` reads instead of summing the averaged gradients once more.  Multiplying
-        by 1/world equals dividing by world exactly where world is a power of two, and to within
-        one unit in the last place elsewhere."""
+        by 1/world equals dividing by world exactly where world is a power of two, and for float32 and narrower
+        to within one unit in the last place elsewhere; the kernel's 1/world is a float32, so float64 gradients
+        of other world sizes are divided instead (no flag: they are summed at ``step()``)."""
+        if result.dtype == torch.float64 and self.world & (self.world - 1):
+            result.div_(self.world)
+            return None
         inverse = self._inverse.get(result.device)
         if inverse is None:
             inverse = self._inverse[result.device] = torch.full((1,), 1.0 / self.world, dtype=torch.float32,

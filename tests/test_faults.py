@@ -228,11 +228,12 @@ def test_nonfinite_skip_keeps_ranks_identical_and_equal_to_a_reference_that_skip
 
 def _nonfinite_written_after_averaging():
     """Inf/NaN that appears after the averaging pass flagged the gradients finite: written into p.grad by the
-    user's code (allowed under wfbp, whose p.grad holds the average), or made by unscale_ with a tiny scale."""
+    user's code (allowed where p.grad holds the average when backward returns: wfbp, all-reduced buckets; also
+    through .data, which no version counter sees), or made by unscale_ with a tiny scale."""
     rank, world = dearopt.rank(), dearopt.size()
     seen = {}
-    for case, knobs in [("written", dict(schedule="wfbp")), ("unscaled", dict(allreduce=1.0)),
-                        ("clean", dict(allreduce=1.0))]:
+    for case, knobs in [("written", dict(schedule="wfbp")), ("written .data", dict(allreduce=1.0)),
+                        ("unscaled", dict(allreduce=1.0)), ("clean", dict(allreduce=1.0)), ("clean rs", {})]:
         model = make_model("mlp")
         opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64,
                                 nonfinite="raise", **knobs)
@@ -240,6 +241,8 @@ def _nonfinite_written_after_averaging():
         loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
         if case == "written":
             model.fc2.bias.grad[0] = float("inf")  # every rank, so that every rank must raise
+        elif case == "written .data":  # no version counter sees a write through .data
+            model.fc2.bias.grad.data[0] = float("inf")
         elif case == "unscaled":
             opt.unscale_(1e-300)  # finite and positive, but the gradients overflow
         try:
@@ -259,8 +262,9 @@ def test_nonfinite_made_after_the_averaging_pass_is_still_caught():
     for o in run_workers(_nonfinite_written_after_averaging, 2, timeout=40):
         assert o.value["written"].startswith("NonFiniteGradientError"), o.value
         assert "'fc2.bias'" in o.value["written"]
+        assert o.value["written .data"].startswith("NonFiniteGradientError"), o.value
         assert o.value["unscaled"].startswith("NonFiniteGradientError"), o.value
-        assert o.value["clean"] == "stepped", o.value
+        assert o.value["clean"] == o.value["clean rs"] == "stepped", o.value
 
 
 def test_unscale_misuse_is_named():
