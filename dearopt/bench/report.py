@@ -125,7 +125,7 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
         "warmup": cfg["warmup"],
         "rounds": cfg["rounds"],
         "machine": dict(machine(), bound_to_cores=bool(cfg.get("bind"))),
-        "source": source(),
+        "source": first.get("source") or source(),
         "parts_samples": {k: [r["parts"][k] for r in rank_results] for k in first["parts"]},
         "overlap_samples": {k: [r["overlap"][k] for r in rank_results] for k in first.get("overlap", {})},
         "schedules": {s: {"samples": [r["schedules"][s]["iter"] for r in rank_results],

@@ -322,6 +322,8 @@ def run_rank(cfg: dict) -> dict:
     backend = dearopt.get_backend()
     schedules = cfg["schedules"]
     t_start = time.perf_counter()
+    from .report import source
+    code = source() if rank == 0 else None  # the commit these processes imported, not the one at the end
     parts = _Parts(cfg, world, backend)
     batches = [parts.workload.make_batch(1000 * rank + i) for i in range(cfg["distinct_batches"])]
     rebuild = cfg.get("rebuild", False)
@@ -452,6 +454,7 @@ def run_rank(cfg: dict) -> dict:
         runner.close()
     return {
         "rank": rank,
+        "source": code,
         "parts": parts.samples,
         "overlap": parts.overlap,
         "schedules": samples,
