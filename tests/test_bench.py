@@ -192,6 +192,32 @@ def test_iteration_time_is_the_jobs_pace_not_the_slowest_rank_per_iteration():
     assert doc["schedules"]["bytescheduler"]["speedup_vs_ddp"] == pytest.approx(1.0 / 0.75)
 
 
+def test_exact_schedules_bound_counts_the_links_idle_window(monkeypatch):
+    """Hand computation: the forward after the last module with parameters (and the loss) takes 0.1 s, the
+    first gradient is ready 0.2 s into backward, so every exact schedule leaves the link idle 0.3 s; with
+    t_ag = t_rs = 1 s against 0.4 s of compute, Eq. 7 is 2 s and the exact bound 2.3 s."""
+    from dearopt.bench.report import derive, exact_bound, idle_window
+
+    w = idle_window({"forward_tail": 0.1, "ready": [0.5, 0.2, 0.3]})
+    assert w == pytest.approx({"forward_tail": 0.1, "first_gradient": 0.2, "seconds": 0.3})
+    p = {"t_ff": 0.1, "t_bp": 0.3, "t_ag": 1.0, "t_rs": 1.0, "t_ar": 2.0}
+    assert exact_bound(p, 0.3) == pytest.approx(2.3)
+    assert exact_bound(dict(p, t_ag=0.05, t_rs=0.05), 0.3) == pytest.approx(0.4)  # compute-bound: Eq. 7 stays
+    doc = {"parts_samples": {k: [[v], [v]] for k, v in p.items()}, "global_batch": 4, "rounds": 1,
+           "iterations": 2, "schedules": {"ddp": {"samples": [[3.0] * 2] * 2}, "dear": {"samples": [[2.5] * 2] * 2}}}
+    derive(doc)
+    assert "bound_exact" not in doc["schedules"]["dear"]  # no profile recorded: no window
+    from dearopt.bench import report
+
+    monkeypatch.setattr(report, "predictions", lambda d: {})  # a partial profile: the window needs no simulation
+    doc["profile"] = {"forward_tail": 0.1, "ready": [0.2]}
+    derive(doc)
+    dear = doc["schedules"]["dear"]
+    assert dear["bound"] == pytest.approx(2.0) and dear["bound_exact"] == pytest.approx(2.3)
+    assert dear["fraction_of_bound_exact"] == pytest.approx(2.3 / 2.5)
+    assert "bound_exact" not in doc["schedules"]["ddp"]
+
+
 def test_each_rounds_throughput_is_its_block_time_over_its_iterations():
     """Hand computation: a schedule whose steps alternate long and short (a send running on into the next
     iteration) has the median step 2.5 s but takes 2.2 s per iteration in each round: (2.5 + 2.5 + 1.6) / 3 in
