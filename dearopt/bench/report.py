@@ -231,7 +231,9 @@ def _round_means(paced: List[float], per_round: List[int]) -> List[float]:
     """Each round's throughput: the mean of its block of :func:`_paced` increments, i.e. the slowest rank's time
     for the block over its iterations.  Where a schedule's iterations are not alike (``deft``: a send that ran
     on into the next iteration makes that one long and the one after short) the median of the increments can
-    sit far from this mean; the per-round means are the pace a user's epoch would see."""
+    sit far from this mean.  Both count only the block: work still running when it ends (``settle()`` drains it,
+    untimed) is not in it, which is exact only where the block started with the same backlog, hence the
+    runner's extra warm-up for such schedules (:data:`~dearopt.bench.runner.DELAYED_WARMUP_PERIODS`)."""
     out, start = [], 0
     for count in per_round:
         block = paced[start:start + count]
@@ -349,7 +351,7 @@ def table(doc: dict) -> str:
                      "; ".join(f"{s} {r['iter_time_min']:.3f}s {r['speedup_vs_ddp_min']:.3f}x "
                                f"{r['fraction_of_bound_min']:.3f} of bound"
                                for s, r in doc["schedules"].items() if r.get("speedup_vs_ddp_min")))
-    if any(r.get("speedup_vs_ddp_rounds") for r in doc["schedules"].values()):
+    if any(r.get("speedup_vs_ddp_rounds") and math.isfinite(r["iter_time_rounds"]) for r in doc["schedules"].values()):
         lines.append("per round (the slowest rank's time for the round's iterations / their number; median over "
                      f"{doc.get('rounds', 1)} rounds): " +
                      "; ".join(f"{s} {r['iter_time_rounds']:.3f}s {r['speedup_vs_ddp_rounds']:.3f}x"
