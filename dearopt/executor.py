@@ -180,13 +180,11 @@ class Executor:
         self._updates_at: Dict[Point, List[int]] = {}
         self._early_ops: List[OpState] = []  # ops that may start before step(): what averaging needs
         self._averaged: List[Tuple[torch.Tensor, bool]] = []  # (region, is a shard) once the early ops completed
-        self._checked_at_step: List[Tuple[torch.Tensor, bool]] = []  # the subset that is due by step()
-        self._checked_ops: List = []  # the op that left each of them (its averaging pass flags inf/NaN)
+        self._checked_at_step: List[OpState] = []  # the ops leaving the averaged regions due by step()
         self._late_checked: set = set()  # buckets whose gradients are checked at their update
         self._own_gradient_buckets: List[int] = []  # buckets whose buffers hold this rank's gradients at step()
         self._final_after_backward: set = set()  # buckets whose p.grad holds the average once backward returns
         self._combines: List[Tuple[BucketState, int, BucketState, int, Point]] = []  # owner, twin, when
-        self._combined_into: set = set()
         # the life cycle
         self.state = TrainingState.IDLE
         self.round: Optional[Round] = None
@@ -368,7 +366,6 @@ class Executor:
         self.plan = plan
         self._index_plan()
         self._combines = []
-        self._combined_into = set()  # buckets a tied weight's second gradient is added to
         for owner_id, uses in self.tied.twins.items():
             for _, _, twin in uses:
                 if id(twin) in self._where and owner_id in self._where:
@@ -376,7 +373,6 @@ class Executor:
                     twin_bucket, k = self._where[id(twin)]
                     rows = [op.spec.due for op in self.issuer.ops if op.spec.bucket == owner_bucket.index]
                     self._combines.append((owner_bucket, j, twin_bucket, k, rows[-1]))
-                    self._combined_into.add(owner_bucket.index)
 
     def _specs(self, ordered: List[torch.Tensor]) -> List[ParamSpec]:
         position = {id(p): i for i, p in enumerate(ordered)}
@@ -436,7 +432,7 @@ class Executor:
         last_early = {}
         for op in early:
             last_early[(op.spec.bucket, op.spec.piece)] = op
-        self._averaged, self._checked_at_step, self._checked_ops = [], [], []
+        self._averaged, self._checked_at_step = [], []
         checked_buckets = set()
         for (b, _), op in sorted(last_early.items()):
             if self.buckets[b].spec.twin_of is not None:  # added to its weight's gradient: counted there
@@ -445,8 +441,7 @@ class Executor:
             entry = (op.piece.region(op.spec.result), op.spec.result == "shard")
             self._averaged.append(entry)
             if moment_key(op.spec.due) <= moment_key(STEP):
-                self._checked_at_step.append(entry)
-                self._checked_ops.append(op)
+                self._checked_at_step.append(op)
                 checked_buckets.add(b)
         self._late_checked = {b.index for b in self.buckets} - checked_buckets
         self._own_gradient_buckets = sorted({op.spec.bucket for op in last_early.values() if op.spec.result == "shard"})
@@ -715,13 +710,13 @@ class Executor:
         self._complete_due(STEP)
         self._combine(STEP)
         r.stepped = True
-        regions = [region for region, _ in self._checked_at_step]
+        regions = [op.piece.region(op.spec.result) for op in self._checked_at_step]
         judge = not scaler_checked and self.options.nonfinite != "ignore"
         agreed = self._share_meta(r.step, judge and self._local_nonfinite()) if self.sharding is not None else None
         for b in (range(len(self.buckets)) if self.sharding is not None else self._updates_at.get(STEP, ())):
             self.checks.check_tags(self.buckets[b], r.step)
         if judge:
-            sharded = any(is_shard for _, is_shard in self._checked_at_step)
+            sharded = any(op.spec.result == "shard" for op in self._checked_at_step)
             skip = self.checks.nonfinite(regions, sharded, self.buckets, r.step, own=self._own_gradient_buckets,
                                          agreed=agreed, local=None if agreed is not None else self._local_nonfinite())
         if self.profile.recording:
@@ -755,14 +750,15 @@ class Executor:
         version counter sees, so those buckets are always summed.  The choice depends only on the plan and on
         calls every rank makes, so every rank judges alike."""
         r = self.round
+        combined_into = {owner.index for owner, *_ in self._combines}
         flags, summed = [], []
-        for (region, _), op in zip(self._checked_at_step, self._checked_ops):
+        for op in self._checked_at_step:
             b = op.spec.bucket
-            if (op.nonfinite is not None and not r.written and b not in self._combined_into
+            if (op.nonfinite is not None and not r.written and b not in combined_into
                     and b not in self._final_after_backward):
                 flags.append(op.nonfinite)
             else:
-                summed.append(region)
+                summed.append(op.piece.region(op.spec.result))
         if flags:
             device = flags[0].device
             if bool(torch.cat([f.to(device) for f in flags]).sum() > 0):

@@ -11,8 +11,7 @@ per iteration had read the 3-rank ResNet-50 cell 5-10 % slower than its
 throughput.  Each round's throughput is reported beside it (``iter_time_rounds``:
 the median over rounds of the slowest rank's block time over its iterations,
 :func:`_round_means`): the two differ where a schedule's iterations are not
-alike (``deft`` on BERT-Base at 3 Gbit/s, 2026-11-26: 2.534 s by the median of
-the steps, 2.269 s by the rounds).
+alike (``deft``, whose sends run on into the next iteration).
 
 Bounds (the DeAR paper):
 

@@ -503,8 +503,8 @@ class Preserver:
     step one step late has the ratio 1); per-bucket application (``deft_apply="bucket"``) removed most of it.
     Measured on digits and a character language model (docs/deft.md, five seeds), the progress test's
     schedule ends within the seeds' spread of exact training, the paper's does not on digits (1.1 points
-    behind); the price is speed where merging would have hidden more (BERT-Base at 3 Gbit/s: 1.31x DDP
-    against 1.86x).  What either promises is about one period in the random walk's model, not the final
+    behind); the price is speed where merging would have hidden more (BERT-Base at 3 Gbit/s, measured from a
+    steady backlog: 1.16x DDP at one update per step against the paper's test's 1.95x at 0.5).  What either promises is about one period in the random walk's model, not the final
     loss."""
 
     epsilon: float = 0.01
