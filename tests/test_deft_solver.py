@@ -2,6 +2,7 @@
 Algorithm 1 and Algorithm 2 (over one and two links) against hand-worked profiles, the Preserver by hand."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -208,7 +209,6 @@ def test_equation_1_by_hand():
     assert expected_loss(0.1, 0.1, 2.0, 0.0, 32) == pytest.approx(0.1)
     # at the objective with noise: E|X| of X ~ N(-lr*mean, (lr*std/sqrt(B))^2), computed by hand for a = -2
     spread = 0.1 * 4.0 / 4.0  # lr * std / sqrt(16)
-    import math
     want = -0.2 * (2 * 0.5 * (1 + math.erf(-2 / math.sqrt(2))) - 1) + spread * math.sqrt(2 / math.pi) * math.exp(-2)
     assert expected_loss(0.0, 0.1, 2.0, 4.0, 16) == pytest.approx(want)
 
@@ -230,6 +230,16 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
         kept = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, statistic=statistic)
         assert kept.passed and kept.resolves >= 1 and kept.capacity_factor == 1.5 ** kept.resolves
         assert kept.schedule.updates_per_iteration == 1.0
+        # every solve in turn: the first merges (refused with the ratio above), the last is the one kept
+        assert kept.tried[0] == (1.0, 0.5, preserver_ratio(merged, **stats, statistic=statistic), False)
+        assert kept.tried[-1] == (kept.capacity_factor, 1.0, kept.ratio, True)
+        assert len(kept.tried) == kept.resolves + 1 and not any(t[3] for t in kept.tried[:-1])
+    noise = 0.1 / math.sqrt(32)  # stats' walk per step: drift lr * mean, noise lr * std / sqrt(batch)
+    solved = Preserver(statistic="loss").solve([1.0] * 3, [1.0] * 3, [2.5] * 3, loss=2.0, drift=0.05, noise=noise)
+    assert solved.inputs == {"loss": 2.0, "drift": 0.05, "noise": noise}
+    want = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, statistic="loss").tried
+    assert [t[:2] + t[3:] for t in solved.tried] == [t[:2] + t[3:] for t in want]
+    assert [t[2] for t in solved.tried] == pytest.approx([t[2] for t in want], rel=1e-12)
     # a near-zero learning rate makes every schedule's loss the same: the paper's ratio passes the first one,
     # though it makes half the progress, which the progress ratio sees whatever the loss
     lazy = {**stats, "lr": 1e-6}

@@ -452,13 +452,18 @@ def preserver_ratio(schedule: DeftSchedule, *, loss: float, lr: float, mean: flo
 @dataclasses.dataclass(frozen=True)
 class Preserved:
     """The Preserver's outcome: the schedule kept, its ratio, the factor the knapsack capacities were raised by,
-    the re-solves it took, and whether the ratio is within ``1 +- epsilon``."""
+    the re-solves it took, and whether the ratio is within ``1 +- epsilon``.  ``tried``: every solve in turn as
+    ``(capacity factor, updates per step, ratio, passed)``, which says why merging was refused where it was;
+    ``inputs``: what the test was given (:meth:`Preserver.solve`: the measured ``loss``, ``drift`` and ``noise``
+    per step)."""
 
     schedule: DeftSchedule
     ratio: float
     capacity_factor: float
     resolves: int
     passed: bool
+    tried: Tuple[Tuple[float, float, float, bool], ...] = ()
+    inputs: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
@@ -470,13 +475,14 @@ def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm
     size: 1.5x each time is this library's).  Raising the capacity lets more be sent per iteration, so the update
     frequency comes closer to one per step; after the last re-solve the schedule is kept and ``passed`` is
     False."""
-    factor = 1.0
+    factor, tried = 1.0, []
     for resolves in range(max_resolves + 1):
         schedule = deft_schedule([f * factor for f in forward], [b * factor for b in backward], comm, mu=mu)
         ratio, passed = preserver_check(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch,
                                         target=target, statistic=statistic, epsilon=epsilon)
+        tried.append((factor, schedule.updates_per_iteration, ratio, passed))
         if passed or resolves == max_resolves:
-            return Preserved(schedule, ratio, factor, resolves, passed)
+            return Preserved(schedule, ratio, factor, resolves, passed, tuple(tried))
         factor *= growth
     raise AssertionError("unreachable")
 
@@ -527,9 +533,10 @@ class Preserver:
               loss: float, drift: float, noise: float, mu: Optional[float] = None) -> Preserved:
         """The preserved schedule for these per-bucket times (and second link ``mu``) and the measured loss,
         drift and noise per step."""
-        return preserved_schedule(forward, backward, comm, loss=loss, lr=1.0, mean=drift, std=noise, batch=1.0,
+        kept = preserved_schedule(forward, backward, comm, loss=loss, lr=1.0, mean=drift, std=noise, batch=1.0,
                                   target=self.target, epsilon=self.epsilon, growth=self.growth,
                                   max_resolves=int(self.max_resolves), mu=mu, statistic=self.statistic)
+        return dataclasses.replace(kept, inputs={"loss": loss, "drift": drift, "noise": noise})
 
 
 class DeFT(Schedule):
