@@ -267,6 +267,19 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
     assert not passed and (ratio, passed) == preserver_check(merged, **near, statistic="loss")
     assert preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **near, statistic="progress").schedule \
         .updates_per_iteration == 1.0
+    # outside the model: one step's first-order decrease (lr * mean = 2.0) reaches the objective from the loss 1.5
+    # (ResNet-50's first steps on the bench: drift 209.5, loss 7.11); merging is refused by either test, the
+    # schedule that does not merge passes with the ratio of identical walks
+    steep = dict(loss=1.5, lr=0.1, mean=20.0, std=1.0, batch=32)
+    for statistic in ("loss", "progress"):
+        ratio, passed = preserver_check(merged, **steep, statistic=statistic)
+        assert math.isnan(ratio) and not passed
+        assert preserver_check(every_step, **steep, statistic=statistic) == (1.0, True)
+        kept = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **steep, statistic=statistic)
+        assert kept.passed and kept.schedule.updates_per_iteration == 1.0 and kept.ratio == 1.0
+        assert math.isnan(kept.tried[0][2]) and kept.tried[0][1] < 1.0
+    # just inside it (lr * mean below the loss), the paper's test judges as before
+    assert not math.isnan(preserver_check(merged, **{**steep, "loss": 2.01}, statistic="loss")[0])
     with pytest.raises(ValueError, match="statistic"):
         preserver_ratio(merged, **stats, statistic="accuracy")
 
