@@ -427,9 +427,10 @@ def run_rank(cfg: dict) -> dict:
                 if kept is not None:
                     _log(rank, f"  {s:>5}: Preserver: ratio {kept.ratio:.4f}, capacities x{kept.capacity_factor:.3g} "
                                f"after {kept.resolves} re-solves, {'passed' if kept.passed else 'FAILED'}")
-                    _log(rank, f"  {s:>5}: Preserver's inputs: loss {kept.inputs.get('loss', math.nan):.4g}, drift "
-                               f"{kept.inputs.get('drift', math.nan):.4g} and noise "
-                               f"{kept.inputs.get('noise', math.nan):.4g} per step; solves (capacities: updates "
+                    given = kept.inputs or {}
+                    _log(rank, f"  {s:>5}: Preserver's inputs: loss {given.get('loss', math.nan):.4g}, drift "
+                               f"{given.get('drift', math.nan):.4g} and noise "
+                               f"{given.get('noise', math.nan):.4g} per step; solves (capacities: updates "
                                f"per step, ratio): " + "; ".join(f"x{f:.3g}: {u:.2f}, {r:.4f}"
                                                                   for f, u, r, _ in kept.tried))
             runner.settle()
@@ -453,7 +454,7 @@ def run_rank(cfg: dict) -> dict:
                         "preserver": None if kept is None else {"ratio": kept.ratio, "factor": kept.capacity_factor,
                                                                 "resolves": kept.resolves, "passed": kept.passed,
                                                                 "tried": [list(t) for t in kept.tried],
-                                                                "inputs": dict(kept.inputs)}}
+                                                                "inputs": dict(kept.inputs or {})}}
             if plan is not None and plan.allreduce:
                 _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
             if plan is not None and getattr(runner.opt, "tuning", None) is not None:

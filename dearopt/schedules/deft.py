@@ -433,15 +433,19 @@ def preserver_check(schedule: DeftSchedule, *, loss: float, lr: float, mean: flo
     ``mean``/``std``: the gradient's squared norm and the standard deviation of one sample's loss change
     along it (the random walk's drift and noise); ``loss``: the training loss now; ``target``: the objective.
 
-    **Outside the model** (``lr * mean >= loss - target``: one step's first-order loss decrease reaches the
-    objective), the walk's drift does not describe the training that was measured: it rebounds at once, and
-    the expected losses it gives for either schedule are arbitrary (ResNet-50's first steps on the bench, SGD
-    with momentum: a drift of 209.5 per step against a loss of 7.11).  There the test cannot judge merging: a
-    schedule that merges fails with the ratio NaN, and one that does not (every group one step's gradients,
-    the updates of exact training) passes with 1, so the Preserver keeps one update per step."""
+    **Outside the model** (``N * lr * mean >= loss - target`` for a period of ``N`` steps: exact training's
+    first-order loss decrease over the period reaches the objective), the measured drift does not describe the
+    training: the walk rebounds off the objective within the period, and the expected losses it gives for
+    either schedule are arbitrary (ResNet-50's first steps on the bench, SGD with momentum: a drift of 209.5
+    per step against a loss of 7.11; a rebounding walk can even find a merged schedule as good as exact
+    training, ratio 1).  There, by this library's own rule (the paper's Equation (1) models the rebound and
+    has none), the test does not judge merging.  A schedule that merges fails with the ratio NaN; one that does
+    not (every group one step's gradients: as many updates as exact training, the late ones a step late)
+    passes with 1, so the Preserver's re-solves end at one update per step where one reaches it."""
     if statistic not in STATISTICS:
         raise ValueError(f"Preserver statistic must be one of {STATISTICS}, got {statistic!r}")
-    if lr * mean >= loss - target and any(it.covers > 1 for it in schedule.period if it.applies is not None):
+    if len(schedule.period) * lr * mean >= loss - target and \
+            any(it.covers > 1 for it in schedule.period if it.applies is not None):
         return math.nan, False
     baseline, delayed = _period_losses(schedule, loss, lr, mean, std, batch, target)
     if statistic == "progress" and loss - baseline > 0:
@@ -464,7 +468,7 @@ class Preserved:
     the re-solves it took, and whether the ratio is within ``1 +- epsilon``.  ``tried``: every solve in turn as
     ``(capacity factor, updates per step, ratio, passed)``, which says why merging was refused where it was;
     ``inputs``: what the test was given (:meth:`Preserver.solve`: the measured ``loss``, ``drift`` and ``noise``
-    per step)."""
+    per step; None from :func:`preserved_schedule` and in checkpoints saved before it existed)."""
 
     schedule: DeftSchedule
     ratio: float
@@ -472,7 +476,7 @@ class Preserved:
     resolves: int
     passed: bool
     tried: Tuple[Tuple[float, float, float, bool], ...] = ()
-    inputs: Dict[str, float] = dataclasses.field(default_factory=dict)
+    inputs: Optional[Dict[str, float]] = None
 
 
 def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
@@ -520,8 +524,8 @@ class Preserver:
     schedule ends within the seeds' spread of exact training, the paper's does not on digits (1.1 points
     behind); the price is speed where merging would have hidden more (BERT-Base at 3 Gbit/s, measured from a
     steady backlog: 1.16x DDP at one update per step against the paper's test's 1.95x at 0.5).  What either promises is about one period in the random walk's model, not the final
-    loss; where the measured drift per step reaches the loss, the model does not apply and neither test lets a
-    schedule merge (:func:`preserver_check`)."""
+    loss; where exact training's measured drift over one period reaches the objective (``loss - target``), the
+    model does not apply and neither test lets a schedule merge (:func:`preserver_check`)."""
 
     epsilon: float = 0.01
     target: float = 0.0
