@@ -523,9 +523,10 @@ class Preserver:
     Measured on digits and a character language model (docs/deft.md, five seeds), the progress test's
     schedule ends within the seeds' spread of exact training, the paper's does not on digits (1.1 points
     behind); the price is speed where merging would have hidden more (BERT-Base at 3 Gbit/s, measured from a
-    steady backlog: 1.16x DDP at one update per step against the paper's test's 1.95x at 0.5).  What either promises is about one period in the random walk's model, not the final
-    loss; where exact training's measured drift over one period reaches the objective (``loss - target``), the
-    model does not apply and neither test lets a schedule merge (:func:`preserver_check`)."""
+    steady backlog: 1.16x DDP at one update per step against the paper's test's 1.95x at 0.5).  What either
+    promises is about one period in the random walk's model, not the final loss; where exact training's
+    measured drift over one period reaches the objective (``loss - target``), the model does not apply and
+    neither test lets a schedule merge (:func:`preserver_check`)."""
 
     epsilon: float = 0.01
     target: float = 0.0
