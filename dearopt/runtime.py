@@ -2,10 +2,15 @@
 
 ``init()`` works under torchrun, horovodrun, OpenMPI's ``mpirun``,
 MPICH/Hydra, Slurm's ``srun`` and with no launcher at all (a world of one).
-When MPI launched the job and ``MASTER_ADDR`` is not set, rank 0's address and
-a free port are broadcast with mpi4py.  If ``torch.distributed`` is already
-initialized (for example by a script that also uses DDP), that process group is
-adopted instead of creating a new one.
+Rank 0 (or torchrun's agent) serves a TCP store at ``MASTER_ADDR:MASTER_PORT``
+when they are set; otherwise on a port of its choosing, whose address it
+publishes on horovodrun's rendezvous server (``HOROVOD_GLOO_RENDEZVOUS_ADDR``)
+or sends over mpi4py (MPI launchers).  The store is kept for the life of the
+process and each ``init()`` meets under a key prefix of its own, so
+``shutdown(); init()`` joins anew under every launcher, every wait with a
+timeout.  If ``torch.distributed`` is already initialized (for example by a
+script that also uses DDP), that process group is adopted instead of creating
+a new one.
 """
 
 from __future__ import annotations
@@ -16,14 +21,21 @@ import datetime
 import os
 import re
 import socket
+import time
 from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from .collectives import CollectiveBackend, TorchDistBackend
-from .errors import BackendUnavailableError, LaunchEnvironmentError, NotInitializedError
-from .launch import LaunchInfo, detect_launch, free_port
+from .errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    LaunchEnvironmentError,
+    NotInitializedError,
+)
+from .launch import LaunchInfo, detect_launch, kv_put, kv_wait, route_address
 
 __all__ = [
     "init",
@@ -33,6 +45,7 @@ __all__ = [
     "size",
     "local_rank",
     "local_size",
+    "launch_info",
     "get_backend",
     "get_timeout",
     "DEFAULT_TIMEOUT",
@@ -100,37 +113,155 @@ def _first_slurm_host(nodelist: str) -> Optional[str]:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def _rendezvous_address(launch: LaunchInfo, env: Mapping[str, str]):
-    """Return (addr, port) for the TCP rendezvous, asking MPI when needed."""
+_STORE_SCOPE = "dearopt"
+"""The scope dearopt uses on horovodrun's rendezvous server (Horovod's own are ``global``, ``local_*``, ``cross_*``)."""
+
+_generation = 0
+"""How many times this process has started to join a job.  Each :func:`init`
+meets its peers under the key prefix of its generation, so a re-init after
+:func:`shutdown` never reads keys (peer addresses, counters) that an earlier
+generation left in the store, whichever rank arrives first."""
+
+_kept_store = None
+"""``(identity, store)``: the TCP store of this process's job, made at its first
+:func:`init` and kept for the life of the process.  Rank 0 serves it; were it
+closed at :func:`shutdown`, a rank that re-inits sooner than rank 0 could
+connect to the old server as it closes (or, on a fixed ``MASTER_PORT``, to
+the port while nobody listens)."""
+
+
+def _rendezvous_deadline_error(what: str, seconds: float, rank: int) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(f"rendezvous: {what} within {seconds:g} s (the timeout); did every rank call "
+                                  "init() (again, after shutdown())?", rank=rank, op="rendezvous")
+
+
+def _mpi_agree(comm, launch: LaunchInfo, choose, seconds: float):
+    """Rank 0 learns every rank's host name and sends ``choose(hosts)`` to all; each wait has a deadline.
+
+    Point-to-point messages polled with ``iprobe``/``test`` (MPI's blocking
+    collectives cannot be given a timeout).
+    """
+    tag = 0x0DEA
+    deadline = time.monotonic() + seconds
+    me, n = comm.Get_rank(), comm.Get_size()
+
+    def until(ready, what):
+        pause = 0.0005
+        while not ready():
+            if time.monotonic() >= deadline:
+                raise _rendezvous_deadline_error(what, seconds, launch.rank)
+            time.sleep(pause)
+            pause = min(0.02, pause * 2)
+
+    host = socket.gethostname()
+    if me == 0:
+        hosts = [host]
+        for peer in range(1, n):
+            until(lambda: comm.iprobe(source=peer, tag=tag), f"rank {peer} did not send its host name over MPI")
+            hosts.append(comm.recv(source=peer, tag=tag))
+        chosen = choose(hosts)
+        requests = [comm.isend(chosen, dest=peer, tag=tag) for peer in range(1, n)]
+        for peer, request in enumerate(requests, start=1):
+            until(lambda: request.test()[0], f"rank {peer} did not take the store's address over MPI")
+        return chosen
+    request = comm.isend(host, dest=0, tag=tag)
+    until(lambda: comm.iprobe(source=0, tag=tag), "rank 0 did not send the store's address over MPI")
+    chosen = comm.recv(source=0, tag=tag)
+    until(lambda: request.test()[0], "rank 0 did not take this rank's host name over MPI")
+    return chosen
+
+
+def _tcp_store(addr: str, port: int, launch: LaunchInfo, seconds: float, serve: bool):
+    """Rank 0's server (``serve``), or a client of ``addr:port`` that retries connecting until the timeout."""
+    timeout = datetime.timedelta(seconds=seconds)
+    if serve:
+        return dist.TCPStore(addr, port, launch.size, True, timeout, wait_for_workers=False, multi_tenant=True)
+    return dist.TCPStore(addr, port, launch.size, False, timeout)
+
+
+def _make_store(launch: LaunchInfo, env: Mapping[str, str], seconds: float):
     addr, port = launch.master_addr, launch.master_port
     if addr and port:
-        return addr, port
+        # torchrun's agent serves the store itself (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        return _tcp_store(addr, port, launch, seconds, serve=launch.rank == 0 and not agent)
+    if launch.rendezvous_server is not None:
+        # horovodrun's gloo mode: rank 0 serves a store on a port of its choosing and publishes its address
+        # on horovodrun's HTTP rendezvous server; the others read it from there.
+        server = launch.rendezvous_server
+        if launch.rank == 0:
+            own = route_address(*server)
+            store = _tcp_store(own, port or 0, launch, seconds, serve=True)
+            kv_put(server, _STORE_SCOPE, "store", f"{own}:{store.port}".encode(), timeout=seconds)
+            return store
+        value = kv_wait(server, _STORE_SCOPE, "store", seconds, waiting_for="rank 0 publishes its store there")
+        host, _, served = value.decode().rpartition(":")
+        return _tcp_store(host, int(served), launch, seconds, serve=False)
     if launch.launched_by_mpi or launch.launcher == "slurm":
         try:
             from mpi4py import MPI  # noqa: WPS433 (imported only when MPI launched us)
         except ImportError:
             MPI = None
         if MPI is not None and MPI.COMM_WORLD.Get_size() == launch.size:
-            comm = MPI.COMM_WORLD
-            hosts = comm.allgather(socket.gethostname())
-            if comm.Get_rank() == 0:
-                same_host = len(set(hosts)) == 1
-                chosen_addr = addr or ("127.0.0.1" if same_host else socket.gethostbyname(socket.gethostname()))
-                chosen = (chosen_addr, port or free_port(""))
-            else:
-                chosen = None
-            return comm.bcast(chosen, root=0)
+            if launch.rank == 0:
+                box = {}
+
+                def serve(hosts):
+                    own = addr or ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname()))
+                    box["store"] = _tcp_store(own, port or 0, launch, seconds, serve=True)
+                    return own, box["store"].port
+
+                _mpi_agree(MPI.COMM_WORLD, launch, serve, seconds)
+                return box["store"]
+            host, served = _mpi_agree(MPI.COMM_WORLD, launch, None, seconds)
+            return _tcp_store(host, served, launch, seconds, serve=False)
         if launch.launcher == "slurm":
             host = addr or _first_slurm_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST", ""))
             job = int(env.get("SLURM_JOB_ID", "0") or 0)
             if host:
-                return host, port or 20000 + job % 20000
+                port = port or 20000 + job % 20000
+                return _tcp_store(host, port, launch, seconds, serve=launch.rank == 0)
         raise LaunchEnvironmentError(
             f"{launch.launcher} launched this job but MASTER_ADDR/MASTER_PORT are not set and mpi4py "
             "is not available to agree on them; `pip install dearopt[mpi]` or export MASTER_ADDR and MASTER_PORT"
         )
     missing = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not value]
-    raise LaunchEnvironmentError(f"{launch.launcher} launched {launch.size} processes but {', '.join(missing)} is not set")
+    hint = (" (or HOROVOD_GLOO_RENDEZVOUS_ADDR/HOROVOD_GLOO_RENDEZVOUS_PORT, which horovodrun sets)"
+            if launch.launcher == "horovod" else "")
+    raise LaunchEnvironmentError(
+        f"{launch.launcher} launched {launch.size} processes but {', '.join(missing)} is not set{hint}")
+
+
+def _rendezvous_store(launch: LaunchInfo, env: Mapping[str, str], seconds: float):
+    """The job's TCP store: made at the first :func:`init` of this process and kept (see ``_kept_store``)."""
+    global _kept_store
+    identity = (launch.launcher, launch.rank, launch.size, launch.master_addr, launch.master_port,
+                launch.rendezvous_server, env.get("TORCHELASTIC_RUN_ID"), env.get("TORCHELASTIC_RESTART_COUNT"))
+    if _kept_store is not None and _kept_store[0] == identity:
+        store = _kept_store[1]
+        store.set_timeout(datetime.timedelta(seconds=seconds))
+        return store
+    _kept_store = None  # another job's (the environment changed): released
+    store = _make_store(launch, env, seconds)
+    _kept_store = (identity, store)
+    return store
+
+
+def _join_process_group(launch: LaunchInfo, env: Mapping[str, str], seconds: float, **kwargs) -> None:
+    """``init_process_group`` on the job's store, under this generation's key prefix; every wait has a timeout."""
+    global _generation
+    _generation += 1
+    try:
+        store = _rendezvous_store(launch, env, seconds)
+        prefix = f"dearopt/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}.{_generation}/"
+        dist.init_process_group(store=dist.PrefixStore(prefix, store), rank=launch.rank, world_size=launch.size,
+                                **kwargs)
+    except dist.DistStoreError as exc:
+        raise _rendezvous_deadline_error(f"not every rank arrived ({exc})".replace("\n", " ")[:600], seconds,
+                                         launch.rank) from exc
+    except dist.DistNetworkError as exc:
+        raise CollectiveError(f"rendezvous: the job's store failed: {exc}".replace("\n", " ")[:600],
+                              rank=launch.rank, op="rendezvous") from exc
 
 
 def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None:
@@ -159,13 +290,11 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
         pg_backend = "gloo" if chosen == "nccl-native" else chosen
         if chosen == "nccl":
             torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
-        kwargs = dict(backend=pg_backend, rank=launch.rank, world_size=launch.size,
-                      timeout=datetime.timedelta(seconds=seconds))
+        kwargs = dict(backend=pg_backend, timeout=datetime.timedelta(seconds=seconds))
         if launch.size == 1 and not (launch.master_addr and launch.master_port):
-            dist.init_process_group(store=dist.HashStore(), **kwargs)
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         else:
-            addr, port = _rendezvous_address(launch, env)
-            dist.init_process_group(init_method=f"tcp://{addr}:{port}", **kwargs)
+            _join_process_group(launch, env, seconds, **kwargs)
         owns = True
     comm: CollectiveBackend
     if chosen == "nccl-native":
@@ -260,6 +389,11 @@ def local_rank() -> int:
 def local_size() -> int:
     """The number of processes on this machine."""
     return _require().launch.local_size
+
+
+def launch_info() -> LaunchInfo:
+    """How the launcher placed this process (its variables as read at :func:`init`)."""
+    return _require().launch
 
 
 def get_backend() -> CollectiveBackend:

@@ -124,22 +124,29 @@ def local_size() -> int:
 
 
 def cross_size() -> int:
-    """The number of machines: ``size() // local_size()``.
+    """The number of machines: ``HOROVOD_CROSS_SIZE`` under horovodrun, else ``size() // local_size()``.
 
-    Derived, not measured: it assumes every machine runs ``local_size()``
-    processes (a homogeneous job, see :func:`is_homogeneous`).
+    Derived, where the launcher does not say: it assumes every machine runs
+    ``local_size()`` processes (a homogeneous job, see :func:`is_homogeneous`).
     """
     _check_init()
+    launch = runtime.launch_info()
+    if launch.cross_size is not None:
+        return launch.cross_size
     return max(1, runtime.size() // max(1, runtime.local_size()))
 
 
 def cross_rank() -> int:
-    """This machine's index: ``rank() // local_size()``.
+    """This machine's index: ``HOROVOD_CROSS_RANK`` under horovodrun, else ``rank() // local_size()``.
 
-    Derived, not measured: it assumes ranks are placed contiguously, machine
-    by machine (what horovodrun, ``mpirun --map-by slot`` and torchrun do).
+    Derived, where the launcher does not say: it assumes ranks are placed
+    contiguously, machine by machine (what horovodrun, ``mpirun --map-by slot``
+    and torchrun do).
     """
     _check_init()
+    launch = runtime.launch_info()
+    if launch.cross_rank is not None:
+        return launch.cross_rank
     return runtime.rank() // max(1, runtime.local_size())
 
 
