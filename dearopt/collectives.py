@@ -30,23 +30,31 @@ Semantics shared by every backend:
 
 Ops are matched across ranks by the order in which they are started, so
 callers must start the same ops in the same order on every rank.
+
+A rank whose engine fails with an unexpected exception (:func:`engine_failure`) posts it to the job's store
+(:func:`post_failure`); a wait that has lasted :data:`FAULT_POLL_SECONDS` looks there every
+:data:`FAULT_POLL_SECONDS` (one store round trip, ~0.1 ms on loopback; shorter waits never do) and raises
+:class:`~dearopt.errors.PeerFailedError` naming the failed rank and its error, also when that rank's process
+keeps running.  Every wait keeps its timeout.
 """
 
 from __future__ import annotations
 
 import abc
 import datetime
+import functools
 import queue
 import re
 import threading
 import time
 import weakref
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from .errors import (CollectiveError, CollectiveTimeoutError, DearoptError, PeerFailedError, PeerLostError,
+                     internal_error)
 from .plan import padded_numel
 
 __all__ = [
@@ -57,6 +65,11 @@ __all__ = [
     "TorchDistBackend",
     "padded_numel",
     "REDUCE_OPS",
+    "FAULT_POLL_SECONDS",
+    "post_failure",
+    "posted_failure",
+    "engine_failure",
+    "engine_boundary",
 ]
 
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
@@ -70,11 +83,104 @@ _PEER_LOST_PATTERNS = re.compile(
 _TIMEOUT_PATTERNS = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
+FAULT_KEY = "dearopt/failed"
+"""The job store's key under which the first rank whose engine failed posts ``"<rank>\\n<error text>"``."""
+
+FAULT_POLL_SECONDS = 0.25
+"""A wait on a collective looks for a peer's posted failure after this long, and again every this long."""
+
+
+def _job_store():
+    """The store of torch.distributed's default group (the job's rendezvous store), or None."""
+    try:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group (torch.distributed torn down): nothing to post to
+        return None
+
+
+def post_failure(error: BaseException) -> bool:
+    """Tell the other ranks that this one failed with ``error`` (the first failure posted wins: later ones are
+    what followed from it).  Returns whether it was posted; never raises."""
+    store = _job_store()
+    if store is None:
+        return False
+    text = " ".join(str(error).split()) or type(error).__name__
+    try:
+        store.compare_set(FAULT_KEY, "", f"{dist.get_rank()}\n{type(error).__name__}: {text}")
+        return True
+    except Exception:  # the store is gone (rank 0 died): the transport will tell the peers
+        return False
+
+
+def posted_failure(members: Optional[Tuple[int, ...]] = None) -> Optional[Tuple[int, str]]:
+    """``(rank, error text)`` of the failure another rank posted (one of ``members``, global ranks, if given),
+    or None; never raises."""
+    store = _job_store()
+    if store is None:
+        return None
+    try:
+        if not store.check([FAULT_KEY]):
+            return None
+        rank, text = store.get(FAULT_KEY).decode("utf-8", "replace").split("\n", 1)
+        rank = int(rank)
+        if rank == dist.get_rank() or (members is not None and rank not in members):
+            return None
+        return rank, text
+    except Exception:  # the store is unreachable: no news
+        return None
+
+
+def peer_failed_error(posted: Tuple[int, str], *, rank: int, op: str, **where) -> PeerFailedError:
+    failed, text = posted
+    return PeerFailedError(f"rank {failed} failed, so {op} cannot complete: {text}", failed_rank=failed,
+                           failure=text, rank=rank, op=op, **where)
+
+
+def engine_failure(exc: BaseException, owner=None, where: str = "engine") -> BaseException:
+    """What the engine raises for ``exc``: a :class:`~dearopt.errors.DearoptError` (or a ``BaseException`` that
+    is not an ``Exception``: ``KeyboardInterrupt``...) as it is; any other exception as an
+    :class:`~dearopt.errors.InternalError` naming the rank and step (from ``owner``, the executor), posted to the
+    job's store so that the other ranks stop waiting for this one (:func:`post_failure`)."""
+    if isinstance(exc, DearoptError) or not isinstance(exc, Exception):
+        return exc
+    rank = getattr(owner, "rank", None)
+    if rank is None:
+        try:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+        except Exception:
+            rank = None
+    error = internal_error(exc, rank=rank, step=getattr(owner, "step_count", None), where=where)
+    post_failure(error)
+    return error
+
+
+def engine_boundary(method):
+    """Decorate a ``DistOptim`` method: an unexpected exception inside becomes :func:`engine_failure`'s error."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            error = engine_failure(exc, getattr(self, "_executor", None), f"DistOptim.{method.__name__}()")
+            if error is exc:
+                raise
+            raise error from exc
+
+    return call
+
+
 def translate_error(exc: BaseException, *, rank: int, op: str, **where) -> CollectiveError:
-    """Map a transport exception to the dearopt hierarchy, keeping its text."""
+    """Map a transport exception to the dearopt hierarchy, keeping its text.  A failure another rank posted
+    (:func:`post_failure`) is what the transport's error followed from: it is named instead."""
     if isinstance(exc, CollectiveError):
         return exc
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    posted = posted_failure()
+    if posted is not None:
+        return peer_failed_error(posted, rank=rank, op=op, **where)
     if _PEER_LOST_PATTERNS.search(str(exc)):
         return PeerLostError(f"a peer process was lost during {op}: {text}", rank=rank, op=op, **where)
     if _TIMEOUT_PATTERNS.search(str(exc)):
@@ -151,6 +257,18 @@ class CollectiveBackend(abc.ABC):
         if self._closed:
             raise CollectiveError(f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
                                   rank=self.rank, op=op_name, **where)
+
+    def members(self) -> Optional[Tuple[int, ...]]:
+        """The global ranks of this backend's communicator (None: the whole job)."""
+        return None
+
+    def check_peers(self, op: str, where: dict) -> None:
+        """Raise :class:`~dearopt.errors.PeerFailedError` if a rank of this communicator posted a failure."""
+        if self.size == 1:
+            return
+        posted = posted_failure(self.members())
+        if posted is not None:
+            raise peer_failed_error(posted, rank=self.rank, op=op, **where)
 
     def _track_fork(self, child: "CollectiveBackend") -> "CollectiveBackend":
         """Remember a fork so that :meth:`_close_forks` (called by ``close``) closes it too."""
@@ -268,13 +386,27 @@ class _TorchHandle(Handle):
     def _seconds(self, timeout: Optional[float]) -> float:
         return self._backend.timeout if timeout is None else float(timeout)
 
+    def _running(self) -> bool:
+        try:
+            return not self._work.is_completed()
+        except Exception:
+            return False
+
     def wait(self, timeout: Optional[float] = None) -> None:
         if self._waited:
             return
-        try:
-            self._work.wait(timeout=datetime.timedelta(seconds=self._seconds(timeout)))
-        except Exception as exc:
-            raise translate_error(exc, rank=self._backend.rank, op=self.op, **self._where) from exc
+        deadline = time.monotonic() + self._seconds(timeout)
+        while True:  # in slices of FAULT_POLL_SECONDS: between them, a failure a peer posted is looked for
+            left = deadline - time.monotonic()
+            try:
+                self._work.wait(timeout=datetime.timedelta(seconds=max(min(left, FAULT_POLL_SECONDS), 0.001)))
+                break
+            except Exception as exc:
+                if self._running():  # only this slice ran out
+                    self._backend.check_peers(self.op, self._where)
+                    if time.monotonic() < deadline:
+                        continue
+                raise translate_error(exc, rank=self._backend.rank, op=self.op, **self._where) from exc
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -285,7 +417,11 @@ class _TorchHandle(Handle):
     def synchronize(self, timeout: Optional[float] = None) -> None:
         deadline = time.monotonic() + self._seconds(timeout)
         self.wait(timeout)
+        poll = time.monotonic() + FAULT_POLL_SECONDS
         while not self.is_completed():  # NCCL: wait() ordered the stream; now the host waits
+            if time.monotonic() > poll:
+                self._backend.check_peers(self.op, self._where)
+                poll = time.monotonic() + FAULT_POLL_SECONDS
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(f"{self.op} did not finish in time", rank=self._backend.rank,
                                              op=self.op, **self._where)
@@ -442,6 +578,16 @@ class TorchDistBackend(CollectiveBackend):
         else:  # a subset of the ranks: only its members take part in making the new group
             group = dist.new_group(ranks=members, backend=kind, timeout=timeout, use_local_synchronization=True)
         return self._track_fork(TorchDistBackend(self.rank, self.size, self.timeout, group=group))
+
+    def members(self) -> Optional[Tuple[int, ...]]:
+        if self.group is None:
+            return None
+        if not hasattr(self, "_members"):
+            try:
+                self._members = tuple(dist.get_process_group_ranks(self.group))
+            except Exception:  # torn down
+                return None
+        return self._members
 
     def second_link(self) -> "TorchDistBackend":
         """Beside NCCL: a gloo group (its all-reduce takes CUDA tensors through host memory); beside gloo:

@@ -27,6 +27,8 @@ __all__ = [
     "BackendUnavailableError",
     "NotElementwiseError",
     "CheckpointMismatchError",
+    "InternalError",
+    "PeerFailedError",
 ]
 
 
@@ -114,3 +116,43 @@ class StepMismatchError(CollectiveError):
 
 class NonFiniteGradientError(CollectiveError, FloatingPointError):
     """A gradient holds inf or NaN and ``nonfinite="raise"`` is in force."""
+
+
+class InternalError(DearoptError):
+    """An exception that is not a :class:`DearoptError` (an ``IndexError``, a ``RuntimeError``...) was raised
+    inside dearopt's engine: in one of its hooks (forward, backward) or in ``step()``, ``zero_grad()`` or
+    ``synchronize()``.  The original exception is the ``__cause__``; its type and message are in the text.
+    Carries ``rank``, ``step``, ``where`` (the engine method) and, where known, ``op`` and ``bucket``.  The other
+    ranks are told (they raise :class:`PeerFailedError` instead of waiting for the timeout)."""
+
+    def __init__(self, message: str, *, rank: Optional[int] = None, step: Optional[int] = None,
+                 where: Optional[str] = None, op: Optional[str] = None, bucket: Optional[int] = None):
+        place = _describe(rank, op, bucket, step)
+        super().__init__(f"{message} [{place}]" if place else message)
+        self.rank = rank
+        self.step = step
+        self.where = where
+        self.op = op
+        self.bucket = bucket
+
+
+def internal_error(exc: BaseException, *, rank: Optional[int] = None, step: Optional[int] = None,
+                   where: str = "engine") -> InternalError:
+    """``exc`` (not a :class:`DearoptError`) as an :class:`InternalError` naming the rank, the step and where it
+    was raised, ``exc`` its ``__cause__``."""
+    text = str(exc).strip() or "(no message)"
+    error = InternalError(f"an unexpected {type(exc).__name__} was raised inside dearopt ({where}): {text}",
+                          rank=rank, step=step, where=where)
+    error.__cause__ = exc
+    return error
+
+
+class PeerFailedError(CollectiveError):
+    """Another rank failed with an error its peers could not see through the transport (its process may still be
+    running: the user's code caught the error), and posted it to the job's store.  ``failed_rank`` is that
+    rank, ``failure`` its error's text; ``rank``, ``op``, ``bucket``, ``step`` say where this rank was waiting."""
+
+    def __init__(self, message: str, *, failed_rank: Optional[int] = None, failure: str = "", **where):
+        super().__init__(message, **where)
+        self.failed_rank = failed_rank
+        self.failure = failure
