@@ -14,16 +14,19 @@ from .errors import (
     CollectiveError,
     CollectiveTimeoutError,
     DearoptError,
+    InternalError,
     LaunchEnvironmentError,
     NonFiniteGradientError,
     NotElementwiseError,
     NotInitializedError,
+    PeerFailedError,
     PeerLostError,
     PlanMismatchError,
     StepMismatchError,
     UsageError,
 )
-from .functions import allreduce, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .functions import (allreduce, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
+                        check_same_model, no_sync)
 from .runtime import get_backend, get_timeout, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = "0.1.0"

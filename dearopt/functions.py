@@ -1,23 +1,27 @@
-"""Collective helpers for training scripts: broadcasting state and reducing metrics."""
+"""Collective helpers for training scripts: broadcasting state and reducing metrics; the check that every rank
+built the same model and optimizer; ``no_sync(model)`` over every ``DistOptim`` of a model."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import pickle
 import weakref
 import zlib
 from collections import defaultdict
-from typing import Any, Dict, Iterable, List, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from . import runtime
-from .errors import StepMismatchError
+from .errors import PlanMismatchError, StepMismatchError, UsageError
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce", "broadcast_tensors"]
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce", "broadcast_tensors",
+           "check_same_model", "no_sync"]
 
 
-_OP_CODES = {"allreduce": 1, "broadcast": 2, "broadcast_object": 3}
+_OP_CODES = {"allreduce": 1, "broadcast": 2, "broadcast_object": 3, "check_model": 4}
 _sequence = weakref.WeakKeyDictionary()  # backend -> number of helper collectives issued
 
 
@@ -157,3 +161,188 @@ def allreduce(value, op: str = "avg"):
     backend.all_reduce(work, op).wait()
     result = work.view(tensor.shape).to(original_device)
     return result.item() if as_float else result
+
+
+# ------------------------------------------------------------------ the same model and optimizer on every rank
+def _describe_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What must be equal on every rank: the tensors ``broadcast_parameters`` sends (name, shape, dtype, and for a
+    parameter whether it is trained), the optimizer's class and which parameters each of its groups holds."""
+    tensors = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor):
+            trained = bool(t.requires_grad) if isinstance(t, torch.nn.Parameter) else None
+            tensors.append((name, tuple(t.shape), str(t.dtype).replace("torch.", ""), trained))
+    position: Dict[int, int] = {}
+    for i, p in enumerate(model.parameters()):
+        position.setdefault(id(p), i)
+    groups = [tuple(position.get(id(p), -1) for p in group["params"]) for group in optimizer.param_groups]
+    return {"tensors": tensors, "optimizer": type(optimizer).__name__, "groups": groups}
+
+
+def _fingerprint(description: dict) -> int:
+    digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _gather_objects(backend, obj) -> List[Any]:
+    """Every rank's ``obj`` (pickled), in rank order: two all-gathers (the lengths, then the padded bytes)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=backend.device)
+    lengths = torch.empty(backend.size, dtype=torch.int64, device=backend.device)
+    backend.all_gather(lengths, length, op="check_model").wait()
+    lengths = lengths.tolist()
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:payload.numel()] = payload
+    everyone = torch.empty(longest * backend.size, dtype=torch.uint8, device=backend.device)
+    backend.all_gather(everyone, mine.to(backend.device), op="check_model").wait()
+    rows = everyone.cpu().view(backend.size, longest)
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+
+
+def _names(names: List[str], most: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _tensor_text(entry) -> str:
+    _, shape, dtype, trained = entry
+    return f"{tuple(shape)} {dtype}" + ("" if trained is None else (" trained" if trained else " frozen"))
+
+
+def _differences(ref: dict, other: dict, r: int) -> List[str]:
+    """How rank ``r``'s description differs from rank 0's, in words."""
+    out = []
+    if ref["optimizer"] != other["optimizer"]:
+        out.append(f"the optimizer is {other['optimizer']} on rank {r} and {ref['optimizer']} on rank 0")
+    a = {e[0]: e for e in ref["tensors"]}
+    b = {e[0]: e for e in other["tensors"]}
+    if len(a) != len(b):
+        out.append(f"rank {r}'s model has {len(b)} parameters and buffers, rank 0's has {len(a)}")
+    only_ref = [n for n in a if n not in b]
+    only_other = [n for n in b if n not in a]
+    if only_ref:
+        out.append(f"{_names(only_ref)} only on rank 0")
+    if only_other:
+        out.append(f"{_names(only_other)} only on rank {r}")
+    changed = [n for n in a if n in b and a[n] != b[n]]
+    for n in changed[:3]:
+        out.append(f"{n!r} is {_tensor_text(b[n])} on rank {r} and {_tensor_text(a[n])} on rank 0")
+    if len(changed) > 3:
+        out.append(f"{len(changed) - 3} more tensors differ in shape, dtype or requires_grad")
+    if not (only_ref or only_other or changed) and [e[0] for e in ref["tensors"]] != [e[0] for e in other["tensors"]]:
+        out.append(f"the model's parameters and buffers are registered in another order on rank {r}")
+    if ref["groups"] != other["groups"]:
+        sizes_ref, sizes_other = [len(g) for g in ref["groups"]], [len(g) for g in other["groups"]]
+        if sizes_ref != sizes_other:
+            out.append(f"the optimizer's param groups hold {sizes_other} parameters on rank {r} and {sizes_ref} on "
+                       f"rank 0")
+        else:
+            out.append(f"the optimizer's param groups hold other parameters on rank {r} than on rank 0")
+    return out or [f"rank {r}'s model or optimizer differs from rank 0's"]
+
+
+def check_same_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend=None) -> None:
+    """Raise :class:`~dearopt.PlanMismatchError` on every rank if the ranks' models or optimizers differ (the
+    number, names, shapes, dtypes or ``requires_grad`` of the parameters and buffers, the optimizer's class or its
+    param groups), naming what differs and on which rank.
+
+    One small all-gather (a fingerprint); only when they differ, a second exchange of the descriptions for the
+    message.  ``DistOptim`` calls it before it broadcasts rank 0's parameters.  ``backend``: see
+    :func:`broadcast_tensors`.
+    """
+    own = backend is None
+    backend = runtime.get_backend() if own else backend
+    if backend.size == 1:
+        return
+    description = _describe_model(model, optimizer)
+    seq = -1
+    if own:  # part of the helper collectives' sequence: an extra or a missing one is a StepMismatchError
+        seq = _sequence.get(backend, 0)
+        _sequence[backend] = seq + 1
+    header = torch.tensor([seq, _OP_CODES["check_model"], len(description["tensors"]), _fingerprint(description)],
+                          dtype=torch.int64, device=backend.device)
+    everyone = torch.empty(backend.size * header.numel(), dtype=torch.int64, device=backend.device)
+    backend.all_gather(everyone, header, op="check_model", step=None if seq < 0 else seq).wait()
+    rows = everyone.view(backend.size, -1).tolist()
+    if any(row[:2] != rows[0][:2] for row in rows):
+        names = {v: k for k, v in _OP_CODES.items()}
+        seen = "; ".join(f"rank {r}: #{row[0]} {names.get(row[1], row[1])}" for r, row in enumerate(rows))
+        raise StepMismatchError(f"ranks issued different collectives ({seen}): a rank ran an extra or a different "
+                                f"dearopt collective", rank=backend.rank, op="check_model", step=seq)
+    differing = [r for r, row in enumerate(rows) if row[2:] != rows[0][2:]]
+    if not differing:
+        return
+    descriptions = _gather_objects(backend, description)
+    details = [d for r in differing for d in _differences(descriptions[0], descriptions[r], r)]
+    raise PlanMismatchError(
+        f"the ranks built different models or optimizers: ranks {differing} differ from rank 0: "
+        f"{'; '.join(details[:8])}{'; ...' if len(details) > 8 else ''}. Every rank must build the same model and "
+        f"wrapped optimizer (the same parameters, shapes, dtypes and param groups) before DistOptim",
+        rank=backend.rank, op="check_model")
+
+
+# ------------------------------------------------------------------ every DistOptim of a model
+_distoptims: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> [weakref to DistOptim], in order
+
+
+def register_distoptim(model: torch.nn.Module, optimizer) -> None:
+    """Note that ``optimizer`` (a ``DistOptim``) was built on ``model`` (``DistOptim.__init__`` calls it)."""
+    refs = [ref for ref in _distoptims.get(model, []) if ref() is not None]
+    refs.append(weakref.ref(optimizer))
+    _distoptims[model] = refs
+
+
+def distoptims_of(model: torch.nn.Module) -> list:
+    """The live ``DistOptim`` objects built on ``model`` or on any module inside it, in the order they were built."""
+    found, seen = [], set()
+    for module in model.modules():
+        for ref in _distoptims.get(module, ()):
+            opt = ref()
+            if opt is not None and id(opt) not in seen:
+                seen.add(id(opt))
+                found.append(opt)
+    return found
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module):
+    """Backward passes inside accumulate gradients locally in every ``DistOptim`` built on ``model`` (or on a
+    module inside it), as DDP's ``model.no_sync()`` does; the first backward after the block communicates the
+    accumulated sums.  ``optimizer.no_sync()`` holds back only its own optimizer's parameters."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"dearopt.no_sync expects the model (an nn.Module), got {type(model).__name__}")
+    optimizers = distoptims_of(model)
+    if not optimizers:
+        raise UsageError(f"dearopt.no_sync(model): no DistOptim was built on this {type(model).__name__} or on a "
+                         f"module inside it; pass the model given to DistOptim (or one that contains it)")
+    with contextlib.ExitStack() as stack:
+        for opt in optimizers:
+            stack.enter_context(opt.no_sync())
+        yield
+
+
+def _distoptim_text(executor, number: Optional[int] = None, count: Optional[int] = None) -> str:
+    names = [executor._names.get(id(p), f"<shape {tuple(p.shape)}>")
+             for group in executor.optimizer.param_groups for p in group["params"]]
+    which = f"DistOptim {number} of {count} on this model" if number is not None and count > 1 else "this DistOptim"
+    return f"{which} ({type(executor.optimizer).__name__} over {_names(names)})"
+
+
+def second_backward_refusal(executor) -> UsageError:
+    """The error for a backward after ``executor`` sent the gradients of its step: it names the ``DistOptim``
+    that communicated and, where the model has several, those that accumulated inside their own ``no_sync()``."""
+    mates = [opt for opt in distoptims_of(executor.model) if getattr(opt, "_executor", None) is not None]
+    number = next((i + 1 for i, opt in enumerate(mates) if opt._executor is executor), None)
+    me = _distoptim_text(executor, number, len(mates))
+    held = [(i + 1, opt) for i, opt in enumerate(mates) if opt._executor is not executor and opt._executor.no_sync]
+    message = (f"backward() was called again after {me} sent the gradients of this step "
+               f"(backward_passes_per_step={executor.options.backward_passes_per_step}); call step() first, or "
+               f"accumulate inside `with dearopt.no_sync(model):`, which holds back every DistOptim of the model")
+    if held:
+        others = "; ".join(_distoptim_text(opt._executor, i, len(mates)) for i, opt in held)
+        message += (f" (`optimizer.no_sync()` holds back only its own optimizer: {others} accumulated inside its "
+                    f"own no_sync(), this one did not)")
+    else:
+        message += " (or `with optimizer.no_sync():` for this optimizer alone)"
+    return UsageError(f"{message} [rank {executor.rank}, step {executor.step_count}]")

@@ -392,3 +392,166 @@ def test_survivors_exit_by_themselves_under_launchers(launcher, tmp_path):
     assert "PeerLostError" in out.stderr, out.stderr[-3000:]
     print(f"{launcher}: the job ended {elapsed:.1f} s after launch (collective timeout 30 s)")
     assert elapsed < 25
+
+
+# ---------------------------------------------------------------- models or optimizers that differ across ranks
+def _differing_models(odd):
+    """Each case builds a DistOptim where rank `odd` differs from the others; every rank records what it raised."""
+    from harness import Attempts
+    from torch import nn
+
+    rank = dearopt.rank()
+    attempts = Attempts()
+
+    def build(case):
+        model = make_model("mlp")
+        params = model.parameters()
+        if rank == odd:
+            if case == "count":
+                model.extra = nn.Linear(3, 3)
+                params = model.parameters()
+            elif case == "shape":
+                model.fc3 = nn.Linear(8, 4)
+                params = model.parameters()
+            elif case == "dtype":
+                model.fc2.double()
+        if case == "groups":
+            if rank == odd:
+                params = [{"params": list(model.fc1.parameters())},
+                          {"params": list(model.fc2.parameters()) + list(model.fc3.parameters()), "lr": 0.01}]
+            else:
+                params = [{"params": list(model.fc1.parameters()) + list(model.fc2.parameters())},
+                          {"params": list(model.fc3.parameters()), "lr": 0.01}]
+        if case == "optimizer" and rank == odd:
+            return dearopt.DistOptim(torch.optim.Adam(params, lr=0.1), model)
+        return dearopt.DistOptim(torch.optim.SGD(params, lr=0.1), model)
+
+    for case in ("count", "shape", "dtype", "groups", "optimizer"):
+        attempts.attempt(case, lambda: build(case))
+    opt = build("same")  # the ranks still agree afterwards: the same model trains
+    x, y = global_batch(0, "mlp")
+    loss_fn("mlp", opt._executor.model(x), y).backward()
+    opt.step()
+    opt.synchronize()
+    return dict(attempts)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 3])
+def test_models_that_differ_across_ranks_are_a_plan_mismatch_at_construction(world):
+    from harness import Attempts
+
+    odd = world - 1
+    outcomes = run_workers(_differing_models, world, odd, timeout=60, init_kwargs={"timeout": 20.0})
+    where = f"ranks [{odd}] differ from rank 0"
+    for o in outcomes:
+        Attempts.expect(o.value, {
+            "count": ("PlanMismatchError", f"{where}: rank {odd}'s model has 8 parameters and buffers, rank 0's "
+                                           f"has 6; 'extra.weight', 'extra.bias' only on rank {odd}"),
+            "shape": ("PlanMismatchError", f"'fc3.weight' is (4, 8) float32 trained on rank {odd} and (3, 8) "
+                                           f"float32 trained on rank 0"),
+            "dtype": ("PlanMismatchError", f"'fc2.weight' is (8, 8) float64 trained on rank {odd} and (8, 8) "
+                                           f"float32 trained on rank 0"),
+            "groups": ("PlanMismatchError", f"the optimizer's param groups hold [2, 4] parameters on rank {odd} "
+                                            f"and [4, 2] on rank 0"),
+            "optimizer": ("PlanMismatchError", f"the optimizer is Adam on rank {odd} and SGD on rank 0"),
+        })
+        for case, (_, message) in o.value.items():
+            assert f"[rank {o.rank}, op check_model]" in message, (case, message)
+            assert where in message, (case, message)
+
+
+# ---------------------------------------------------------------- an unexpected exception inside the engine
+def _internal_failure(where, fault_dir, keeps_running):
+    """Rank 1's engine raises an IndexError (a bug) at step 2: in a forward hook, or in step().  With
+    `keeps_running` its code catches the error and the process lives on until rank 0 is done."""
+    from dearopt.executor import Executor
+
+    rank, world = dearopt.rank(), dearopt.size()
+    stamp, done = os.path.join(fault_dir, "fault_time"), os.path.join(fault_dir, "rank0_done")
+    name = {"hook": "_reach_forward", "step": "_check_gradient_writes"}[where]
+    original = getattr(Executor, name)
+
+    def buggy(self, *args, **kwargs):
+        if self.rank == 1 and self.step_count == 2:
+            _mark_fault(stamp)
+            raise IndexError("list index out of range (injected)")
+        return original(self, *args, **kwargs)
+
+    setattr(Executor, name, buggy)
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64)
+    try:
+        for step in range(5):
+            opt.zero_grad()
+            x, y = global_batch(step, "mlp")
+            loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+        opt.synchronize()
+    except dearopt.DearoptError as exc:
+        if rank == 0:
+            _mark_fault(done)
+            raise
+        if not keeps_running:
+            raise
+        caught = exc
+        deadline = time.monotonic() + 20
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)  # alive, not in dearopt: rank 0 cannot count on this process ending
+        return type(caught).__name__, str(caught), type(caught.__cause__).__name__
+    return "finished"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["hook", "step"])
+@pytest.mark.parametrize("keeps_running", [False, True])
+def test_an_internal_error_is_named_on_its_rank_and_on_every_peer_promptly(where, keeps_running, tmp_path):
+    outcomes = run_workers(_internal_failure, 2, where, str(tmp_path), keeps_running, expect_errors=True, timeout=60,
+                           init_kwargs={"timeout": 30.0})
+    failed = outcomes[1]
+    inside = {"hook": "Executor._module_pre_hook", "step": "DistOptim.step()"}[where]
+    if keeps_running:
+        kind, message, cause = failed.value
+        assert cause == "IndexError"
+    else:
+        kind, message = failed.error_type, failed.message
+    assert kind == "InternalError", (kind, message)
+    assert (f"an unexpected IndexError was raised inside dearopt ({inside}): list index out of range (injected) "
+            f"[rank 1, step 2]") == message
+    peer = outcomes[0]
+    assert peer.error_type == "PeerFailedError", f"{peer.error_type}: {peer.message}"
+    assert peer.message.startswith("rank 1 failed, so ") and f"InternalError: {message}" in peer.message
+    # where rank 0 waited: the op it was in (an all-gather of step 1's update, or step 2's reduction)
+    assert peer.message.rsplit("[", 1)[1].startswith("rank 0, op ") and " step " in peer.message.rsplit("[", 1)[1]
+    delay = _fault_to_error(peer, str(tmp_path))
+    print(f"internal error in {where} (rank 1 {'keeps running' if keeps_running else 'exits'}): rank 0 raised "
+          f"PeerFailedError {delay:.3f} s after it")
+    assert delay < 3.0, "rank 0 must not wait for the 30 s timeout"
+
+
+def test_an_internal_error_on_one_rank_keeps_its_cause(monkeypatch):
+    from dearopt.executor import Executor
+
+    dearopt.init()
+    try:
+        model = make_model("mlp")
+        opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64)
+
+        def buggy(self, *args):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(Executor, "_located_in_backward", buggy)  # called by the gradient hook
+        x, y = global_batch(0, "mlp")
+        with pytest.raises(dearopt.InternalError) as info:
+            loss_fn("mlp", model(x), y).backward()
+        assert str(info.value) == ("an unexpected RuntimeError was raised inside dearopt (Executor._on_grad_ready): "
+                                   "a bug [rank 0, step 0]")
+        assert isinstance(info.value.__cause__, RuntimeError) and info.value.rank == 0 and info.value.step == 0
+        monkeypatch.undo()
+        monkeypatch.setattr(Executor, "zero_grad", buggy)
+        with pytest.raises(dearopt.InternalError, match=r"inside dearopt \(DistOptim.zero_grad\(\)\): a bug"):
+            opt.zero_grad()
+        monkeypatch.undo()
+        opt.close()
+    finally:
+        dearopt.shutdown()
