@@ -90,14 +90,26 @@ FAULT_POLL_SECONDS = 0.25
 """A wait on a collective looks for a peer's posted failure after this long, and again every this long."""
 
 
+_unreachable_stores: "weakref.WeakSet" = weakref.WeakSet()  # stores that failed once (their server is gone)
+
+
 def _job_store():
-    """The store of torch.distributed's default group (the job's rendezvous store), or None."""
+    """The store of torch.distributed's default group (the job's rendezvous store), or None (also once it failed:
+    its server died with its process, and each failed call has torch log a warning with a stack trace)."""
     try:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
-        return dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()
     except Exception:  # no default group (torch.distributed torn down): nothing to post to
         return None
+    return None if store in _unreachable_stores else store
+
+
+def _store_failed(store) -> None:
+    try:
+        _unreachable_stores.add(store)
+    except TypeError:  # not weakly referenceable: looked up again next time
+        pass
 
 
 def post_failure(error: BaseException) -> bool:
@@ -110,7 +122,8 @@ def post_failure(error: BaseException) -> bool:
     try:
         store.compare_set(FAULT_KEY, "", f"{dist.get_rank()}\n{type(error).__name__}: {text}")
         return True
-    except Exception:  # the store is gone (rank 0 died): the transport will tell the peers
+    except Exception:  # the store is gone (its server died): the transport will tell the peers
+        _store_failed(store)
         return False
 
 
@@ -129,6 +142,7 @@ def posted_failure(members: Optional[Tuple[int, ...]] = None) -> Optional[Tuple[
             return None
         return rank, text
     except Exception:  # the store is unreachable: no news
+        _store_failed(store)
         return None
 
 
