@@ -32,6 +32,7 @@ class PieceState:
         first_element = start + rank * n  # the buffer element this rank's shard starts at
         self.shard_grad = shard[: max(0, min(n, grad_numel - first_element))]
         self.full_grad = self.full[: max(0, min(end, grad_numel) - start)]
+        self.own_in_full = self.full[rank * n: rank * n + self.shard_grad.numel()]  # where the shard came from
         self.wire_full: Optional[torch.Tensor] = None  # the same piece in a comm hook's wire dtype
         self.wire_shard: Optional[torch.Tensor] = None
         # sharded update (dearopt.sharding): the all-gather carries the piece's parameters, not its gradients

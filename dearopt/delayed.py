@@ -92,7 +92,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import NonFiniteGradientError, UsageError
-from .executor import Executor, TrainingState
+from .executor import Executor, TrainingState, _EngineHook
 from .profiling import fit_link
 from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
@@ -501,7 +501,7 @@ class DelayedExecutor(Executor):
         # before its own module ran, at its old value: refused in its gradient hook)
         self._stale = set(self._due_buckets)
         self._apply_due()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(_EngineHook(self._end_backward))
         self._hook_new_params()
         if any(id(p) not in self._where for p in self._trainable()):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")

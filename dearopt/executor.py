@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
+import logging
 import math
 import time
 import weakref
@@ -42,7 +43,7 @@ from .errors import PlanMismatchError, UsageError
 from .forward_order import ForwardOrderRecorder, parameters_in_forward_order
 from .issuer import CreditWindow, Issuer, OpState
 from .options import Options
-from .pending import PendingUpdateGuard
+from .pending import GradientGuard, PendingUpdateGuard
 from .plan import (ALL_GATHER, BACKWARD_END, STEP, ParamSpec, Plan, Point, When, allreduce_buckets, build_plan,
                    forward_of, moment_key)
 from .profiling import LinkMonitor, ReadyProfile
@@ -54,6 +55,13 @@ from .timeline import Timeline
 from .updater import BucketUpdater
 
 __all__ = ["Executor", "TrainingState", "Round"]
+
+_log = logging.getLogger("dearopt")
+
+GATHERED_STEPS_TO_ADAPT = 2
+"""Steps in a row whose ``p.grad`` was read before ``step()`` after which ``dear`` (``allreduce="auto"`` or
+``"predicted"``) re-plans every bucket as an all-reduce in backward: the loop reads the averaged gradients every
+step (torch's clip, ``GradScaler.unscale_``), so the gathers cannot overlap the next forward anyway."""
 
 
 class _EngineHook:
@@ -71,7 +79,17 @@ class _EngineHook:
 
     def __call__(self, *args, **kwargs):
         method = self._method() if self._method is not None else None
-        return None if method is None else method(*args, **kwargs)
+        if method is None:
+            return None
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:  # every engine hook passes here: a bug's exception becomes a named error
+            from .collectives import engine_failure
+
+            error = engine_failure(exc, method.__self__, f"{type(method.__self__).__name__}.{method.__name__}")
+            if error is exc:
+                raise
+            raise error from exc
 
     def __deepcopy__(self, memo) -> "_EngineHook":
         return _EngineHook()
@@ -123,6 +141,7 @@ class Round:
     updates_left: int = 0
     scaler_checked: bool = False  # a GradScaler judged the gradients: no non-finite policy for this step
     written: bool = False  # clipping or unscale_ wrote to the averaged gradients after their averaging pass
+    gathered: bool = False  # user code read p.grad before step(): every reduction finished, the average in p.grad
     shards_updated: int = 0  # sharded update: buckets < this one hold their updated shard (may be gathered)
     combined: set = dataclasses.field(default_factory=set)  # tied weights whose twin gradient was added
 
@@ -200,7 +219,14 @@ class Executor:
         self._names: Dict[int, str] = {}
         for name, p in model.named_parameters():
             self._names.setdefault(id(p), name)
-        self.guard = PendingUpdateGuard(self._make_current)
+        self.guard = PendingUpdateGuard(_EngineHook(self._make_current))
+        self.grad_guard = GradientGuard(_EngineHook(self._gradients_requested))
+        self._grad_views: Dict[int, int] = {}  # what the gradient guard watches (id -> bucket), from the plan
+        self._grad_params: Dict[int, int] = {}
+        self.gathered_steps = 0  # steps in a row whose p.grad user code read before step()
+        self.reads_gradients = False  # re-planned for a loop that reads p.grad before every step()
+        self.plan_generation = 0  # bumped when the trainable set or the groups change: what was derived is void
+        self._derived_from: Optional[tuple] = None  # the trainable set and groups the plan was made for
         self._hooks = []
         self._param_hooks = []
         self._hooked = set()
@@ -212,24 +238,33 @@ class Executor:
 
     # ------------------------------------------------------------------ hooks
     def _trainable(self) -> List[torch.nn.Parameter]:
+        """The parameters the plan covers: those of the optimizer's groups that require grad, and frozen ones
+        that still hold a gradient (torch's optimizer would still update them with it; they leave the plan once
+        ``zero_grad(set_to_none=True)`` cleared it)."""
         seen, out = set(), []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
+                if id(p) not in seen and (p.requires_grad or p.grad is not None):
                     seen.add(id(p))
                     out.append(p)
         return out
 
-    def _planned(self) -> List[torch.Tensor]:
+    def _plan_inputs(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> tuple:
+        """What the plan is derived from besides the knobs and the profile: the trainable set and the groups."""
+        planned = {id(p) for p in (self._trainable() if trainable is None else trainable)}
+        return tuple(tuple(id(p) for p in group["params"] if id(p) in planned)
+                     for group in self.optimizer.param_groups)
+
+    def _planned(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> List[torch.Tensor]:
         """What the plan covers: the trainable parameters and the twins of their tied uses (:mod:`dearopt.tied`)."""
-        trainable = self._trainable()
+        trainable = self._trainable() if trainable is None else trainable
         ids = {id(p) for p in trainable}
         return trainable + [twin for owner, uses in self.tied.twins.items() if owner in ids for _, _, twin in uses]
 
     def _hook_new_params(self) -> None:
         """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
         for p in self._planned():
-            if id(p) not in self._hooked:
+            if id(p) not in self._hooked and p.requires_grad:  # a frozen one that still holds a gradient: later
                 self._hooked.add(id(p))
                 self._param_hooks.append(p.register_post_accumulate_grad_hook(_EngineHook(self._on_grad_ready)))
                 watch = _SparseWatch(self._note_sparse, id(p))
@@ -244,9 +279,11 @@ class Executor:
 
     def _register_module_hooks(self) -> None:
         self._hooks.append(self.model.register_forward_pre_hook(_EngineHook(self._root_pre_hook)))
-        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        self._hooks.append(self.model.register_forward_hook(_EngineHook(self._root_post_hook)))
+        # every module with parameters of its own, also those outside the optimizer now: a group added later
+        # (add_param_group) must find its modules in the recorded forward order and their updates applied in time
         for module in self.model.modules():
-            if any(id(p) in owned for p in module.parameters(recurse=False)):
+            if next(module.parameters(recurse=False), None) is not None:
                 self._hooks.append(module.register_forward_pre_hook(_EngineHook(self._module_pre_hook)))
         self._hooks.append(self.model.register_state_dict_pre_hook(_EngineHook(self._synchronize_hook)))
         self._hooks.append(self.model.register_load_state_dict_pre_hook(_EngineHook(self._synchronize_hook)))
@@ -261,6 +298,7 @@ class Executor:
 
     def _root_pre_hook(self, module, args) -> None:
         self.guard.disarm()  # from here the module hooks apply pending updates as the forward reaches them
+        self.grad_guard.disarm()
         if self.plan is None:
             self.recorder.start()
         if not (module.training and torch.is_grad_enabled()):
@@ -271,6 +309,13 @@ class Executor:
         if self.options.broadcast_buffers and self.world > 1:
             self._broadcast_buffers()
         self.profile.begin_forward()
+
+    def _root_post_hook(self, module, args, output) -> None:
+        """A training forward ended: where this step's backward will leave ``p.grad`` without the average, the
+        gradient guard goes on the stack here, on the thread that runs the user's code (armed when backward ends)."""
+        if (module.training and torch.is_grad_enabled() and (self.plan is None or self._grad_params)
+                and not self.no_sync and self.accumulated + 1 >= self.options.backward_passes_per_step):
+            self.grad_guard.push()
 
     def _module_pre_hook(self, module, args) -> None:
         self.recorder.saw(module)
@@ -303,10 +348,13 @@ class Executor:
             b.copy_(flat[start:start + nbytes].view(b.dtype).view_as(b))
 
     # ------------------------------------------------------------- planning
-    def _build_plan(self) -> None:
+    def _build_plan(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> None:
+        """Plan for ``trainable`` (by default :meth:`_trainable`; a re-plan passes the set it saw before it took
+        the gradients out of the old buckets)."""
         if self.recorder.recording:
             self._module_order = self.recorder.stop()
-        planned = self._planned()
+        trainable = self._trainable() if trainable is None else trainable
+        planned = self._planned(trainable)
         twins_by_module: Dict[int, List[torch.Tensor]] = {}
         for uses in self.tied.twins.values():
             for module, _, twin in uses:
@@ -315,6 +363,8 @@ class Executor:
             parameters_in_forward_order(self.model, self._module_order, planned, twins_by_module), planned)
         specs = self._specs(ordered)
         measured = self.profile.result
+        if measured is not None and len(measured.ready) != len(specs):  # made for another trainable set
+            measured = None
         ready, bandwidth, latency = (measured.ready, measured.bandwidth, measured.latency) if measured else (None,) * 3
         hook_name = self.comm_hook.name if self.comm_hook is not None else "none"
         if self.sparse is not None:  # part of the plan's fingerprint: every rank must sparsify alike
@@ -330,6 +380,7 @@ class Executor:
                           first_bucket_size=self.options.first_bucket_size, allreduce=self.allreduce,
                           sharded_update=self.sharding is not None)
         self.checks.plan_agreement(plan, self.step_count)
+        self._derived_from = self._plan_inputs(trainable)
         group_of_param = {}
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
@@ -452,6 +503,14 @@ class Executor:
             shard = op.spec.result == "shard" and last_early.get((op.spec.bucket, op.spec.piece)) is op
             if late or shard:
                 self._final_after_backward.discard(op.spec.bucket)
+        self._averaged_whole = [(op.piece.full_grad, False) for (b, _), op in sorted(last_early.items())
+                                if self.buckets[b].spec.twin_of is None]
+        # what user code may not read before step() without finishing the reductions first
+        self._grad_views, self._grad_params = {}, {}
+        for b in self.buckets:
+            if b.spec.twin_of is None and b.index not in self._final_after_backward:
+                for p, view in zip(b.params, b.views):
+                    self._grad_params[id(p)] = self._grad_views[id(view)] = b.index
 
     def _profile_changes_plan(self) -> bool:
         """Whether rank 0's freshly shared profile changes the plan (the same answer on every rank: pure, from
@@ -489,7 +548,7 @@ class Executor:
         gradients exist keeps it busier than buckets of one size); plans alike counted once.  Empty without a
         profile or where nothing is to choose (one rank, another schedule, a fixed fraction)."""
         if (self.options.allreduce != "auto" or self.world == 1 or self.plan is None or self.profile.result is None
-                or not get_schedule(self.options.schedule).mixes_allreduce):
+                or self.reads_gradients or not get_schedule(self.options.schedule).mixes_allreduce):
             return []
         measured = self.profile.result
         ready, bandwidth, latency = measured.ready, measured.bandwidth, measured.latency
@@ -540,10 +599,11 @@ class Executor:
             self.sharding.release()
         saved = {id(p): (self._gradient_of(b, j), b.used[j], b.has_grad[j], b.stamp[j])
                  for b in self.buckets for j, p in enumerate(b.params)}
+        trainable = self._trainable()  # before the gradients are taken out: frozen ones that hold one stay
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
-        self._build_plan()
+        self._build_plan(trainable)
         for b in self.buckets:
             for j, (p, view) in enumerate(zip(b.params, b.views)):
                 if id(p) not in saved:  # newly trainable: _build_plan took its .grad, if any
@@ -566,11 +626,10 @@ class Executor:
 
     # ------------------------------------------------------------- backward
     def _begin_backward(self) -> None:
-        if self.state is TrainingState.REDUCING:
-            raise UsageError(
-                f"backward() was called again after the gradients of this step were sent "
-                f"(backward_passes_per_step={self.options.backward_passes_per_step}); call step() first, "
-                f"or accumulate inside `with optimizer.no_sync():`")
+        if self.state is TrainingState.REDUCING:  # names the DistOptim that communicated (several on one model)
+            from .functions import second_backward_refusal
+
+            raise second_backward_refusal(self)
         self.pass_id += 1
         # Buckets still waiting for their update were not reached by this
         # forward: apply them now (their parameters cannot have gradients
@@ -579,7 +638,7 @@ class Executor:
         if self._stale:
             self.synchronize()
         self._backward_start = self.timeline.now()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(_EngineHook(self._end_backward))
         self._hook_new_params()
         self.state = TrainingState.BACKWARD
         if self.profile.remeasured:  # the link monitor's measurement, shared by rank 0 at the last step()
@@ -587,8 +646,12 @@ class Executor:
             if self.link_monitor is not None and self.link_monitor.observe(
                     self.step_count, self.profile.result.bandwidth, self.profile.latest.bandwidth):
                 self.profile.result, self.profile.fresh = self.profile.latest, True
-        if any(id(p) not in self._where for p in self._trainable()) or self._profile_changes_plan():
-            # a parameter was unfrozen, or rank 0's profile changes the plan: re-plan (the same on every rank)
+        if self._plan_inputs() != self._derived_from:
+            # a parameter was unfrozen or frozen, or a group added: re-plan, and forget what was derived from the
+            # old set (the profile, Prophet's blocks, the measured choice); the same on every rank
+            self._forget_derived()
+            self.replan(_inside_backward=True)
+        elif self._profile_changes_plan():  # rank 0's profile changes the plan: re-plan (the same on every rank)
             self.replan(_inside_backward=True)
         communicates = (not self.no_sync) and (self.accumulated + 1 >= self.options.backward_passes_per_step)
         if communicates:
@@ -667,6 +730,8 @@ class Executor:
         self._combine(BACKWARD_END)
         self.round.backward_done = True
         self.issuer.pump(self._may_start)
+        if self._grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
+            self.grad_guard.arm(self._grad_views, self._grad_params)
 
     def _write_meta(self, bucket: BucketState) -> None:
         r = self.round
@@ -700,11 +765,16 @@ class Executor:
         rank); ``scaler_checked``: a GradScaler checked the gradients, so the
         ``nonfinite`` policy does not apply to this step.
         """
+        self.grad_guard.disarm()
         if self.options.debug and self.plan is not None:
             self.checks.parameters(self.buckets, self.step_count)
         self._require_gradients("step")
-        self._check_gradient_writes()
         r = self.round
+        if r.gathered:  # p.grad held the average since user code read it: what it holds now is the gradient
+            self._take_user_gradients()
+        else:
+            self._check_gradient_writes()
+        self.gathered_steps = self.gathered_steps + 1 if r.gathered else 0
         r.scaler_checked = scaler_checked
         t0 = self.timeline.now()
         self._complete_due(STEP)
@@ -782,10 +852,90 @@ class Executor:
             raise UsageError(
                 f"{what} between backward() and step(), but under schedule={self.options.schedule!r} p.grad holds "
                 f"this rank's own gradient while the average travels or is kept as shards, so the change would "
-                f"be lost or mixed in. torch.nn.utils.clip_grad_norm_/clip_grad_value_ and GradScaler.unscale_ do "
-                f"this: call optimizer.clip_grad_norm_(...), optimizer.clip_grad_value_(...) or "
-                f"optimizer.unscale_(scaler) instead (they act on the averaged gradients), or use schedule='wfbp', "
-                f"whose p.grad holds the average when backward() returns [rank {self.rank}, step {self.step_count}]")
+                f"be lost or mixed in. Change p.grad only after backward() has returned (the first read of a p.grad "
+                f"then gathers the average into every p.grad, as torch's clip_grad_norm_ and GradScaler.unscale_ "
+                f"find it), or call optimizer.clip_grad_norm_(...), optimizer.clip_grad_value_(...) or "
+                f"optimizer.unscale_(scaler), which act on the averaged gradients [rank {self.rank}, step "
+                f"{self.step_count}]")
+
+    def _gradients_requested(self, bucket: int) -> None:
+        """User code read a ``p.grad`` between backward() and step() whose average was still travelling or kept as
+        this rank's shard (torch's ``clip_grad_norm_``, ``GradScaler.unscale_``): finish every reduction now and
+        gather each bucket's average into ``p.grad``, so that the code sees and changes the averaged gradient, as
+        under DDP.  Every rank runs the same code, so every rank issues the same collectives in the same order
+        (a rank that alone reads ``p.grad`` here waits for the others' next forward)."""
+        self.grad_guard.disarm()
+        r = self.round
+        if r is None or r.stepped or r.gathered or not r.backward_done:
+            return
+        with self.guard.suspended():
+            # the reductions first: a gather reads what completing its reduce-scatter wrote (the local sum)
+            self.issuer.force_and_complete(self._early_ops, self._may_start)
+            if self.sharding is None:
+                self.issuer.force_and_complete(self.issuer.ops, self._may_start)
+            else:  # the plan's all-gathers carry parameters after step(): the gradients' average needs its own
+                self._gather_gradient_shards()
+            self._combine()
+        r.gathered = r.written = True
+        for b in self.buckets:
+            b.mark_seen()
+
+    def _gather_gradient_shards(self) -> None:
+        """Sharded update: each piece's averaged shards all-gathered into the gradient views (flags and tags left
+        as they are: the sharded step sums them itself)."""
+        scratch = None
+        for b in self.buckets:
+            for piece in b.pieces:
+                if scratch is None or scratch.numel() < piece.full.numel() or scratch.dtype != piece.full.dtype:
+                    scratch = torch.empty(piece.full.numel(), dtype=piece.full.dtype, device=piece.full.device)
+                out = scratch[:piece.full.numel()]
+                self.backend.all_gather(out, piece.shard, bucket=b.index, step=self.round.step).wait()
+                piece.full_grad.copy_(out[:piece.full_grad.numel()])
+
+    def _take_user_gradients(self) -> None:
+        """At step() after the averages were gathered into ``p.grad``: what the user's code left there (changed
+        in place, or a new tensor) is the gradient; this rank's shards are taken from it again, so the checks and
+        a sharded update see it."""
+        for b in self.buckets:
+            for j, (p, view) in enumerate(zip(b.params, b.views)):
+                grad = p.grad
+                if grad is not None and grad is not view:
+                    view.copy_(grad.to_dense() if grad.is_sparse else grad)
+                    p.grad = view
+        for i in self._own_gradient_buckets:
+            for piece in self.buckets[i].pieces:
+                piece.shard_grad.copy_(piece.own_in_full)
+        for b in self.buckets:
+            b.mark_seen()
+
+    def adapt_to_gradient_reads(self) -> bool:
+        """After :data:`GATHERED_STEPS_TO_ADAPT` steps in a row whose ``p.grad`` was read before ``step()``: where
+        the schedule mixes in all-reduces and the rule is not fixed, re-plan every bucket as an all-reduce in
+        backward (the gathers cannot overlap the next forward anyway, and one collective costs less than two).
+        Called at a step boundary on every rank; True if it re-planned."""
+        if (self.reads_gradients or self.gathered_steps < GATHERED_STEPS_TO_ADAPT or self.sharding is not None
+                or self.options.allreduce not in ("auto", "predicted")
+                or not get_schedule(self.options.schedule).mixes_allreduce):
+            return False
+        self.reads_gradients = True
+        if self.rank == 0:
+            _log.warning(
+                "dearopt: p.grad was read between backward() and step() in %d steps in a row (torch's "
+                "clip_grad_norm_, GradScaler.unscale_, ...): each time every bucket's reduction was finished "
+                "first. Re-planned with every bucket all-reduced in backward (DDP's plan). "
+                "optimizer.clip_grad_norm_(...) and optimizer.unscale_(scaler) act on the averaged shards and keep "
+                "schedule=%r's overlap.", self.gathered_steps, self.options.schedule)
+        self.replan(allreduce=1.0, blocks=False)
+        return True
+
+    def _forget_derived(self) -> None:
+        """The trainable set or the groups changed: the profile, Prophet's blocks and the measured choice were
+        derived from the old set; drop them (the profile is taken again from the next step)."""
+        self.profile.forget(self.step_count + 1)
+        self.blocks = False
+        if not self.reads_gradients:
+            self.allreduce = self.options.allreduce
+        self.plan_generation += 1
 
     def _retake_local(self, bucket: BucketState) -> None:
         """One rank: p.grad (changed in place or replaced after backward) is the gradient to use."""
@@ -926,6 +1076,8 @@ class Executor:
         self._require_gradients("finish the gradient reduction")
         self.issuer.force_and_complete(self._early_ops, self._may_start)
         self._combine()
+        if self.round is not None and self.round.gathered:  # p.grad holds the average: that is where it lives now
+            return self._averaged_whole
         return self._averaged
 
     @property
@@ -1013,10 +1165,11 @@ class Executor:
                              "twice")
 
     def reduce_gradients(self) -> None:
-        """Finish communication so that every ``p.grad`` holds the averaged gradient."""
-        if not self.gradients_in_place_before_step:
-            raise UsageError(f"under schedule={self.options.schedule!r} the averaged gradients are sharded until the "
-                             f"next forward; use schedule='wfbp' to read averaged gradients before step()")
+        """Finish communication so that every ``p.grad`` holds the averaged gradient (under schedules that keep
+        shards, they are gathered now: that step's gathers no longer overlap the next forward)."""
+        self._require_gradients("finish the gradient reduction")
+        if self._grad_params:
+            self._gradients_requested(-1)
         self.finish_averaging()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1050,6 +1203,7 @@ class Executor:
     def close(self) -> None:
         self.synchronize()
         self.guard.disarm()
+        self.grad_guard.disarm()
         self.remove_hooks()
         self.tied.restore()
         self.timeline.flush()

@@ -24,6 +24,7 @@ import torch.optim.optimizer as _torch_optimizer
 from . import runtime
 from .errors import NotInitializedError, UsageError
 from . import functions
+from .collectives import engine_boundary
 from .comm_hooks import resolve_comm_hook
 from .sparsify import Sparsify
 from .delayed import APPLY_MODES, DelayedExecutor
@@ -212,6 +213,7 @@ class DistOptim(torch.optim.Optimizer):
         self.state = optimizer.state
         self.options = options
         main = runtime.get_backend() if backend is None else backend
+        functions.check_same_model(model, optimizer, backend=backend)  # PlanMismatchError if the ranks' models differ
         if options.broadcast_parameters:
             functions.broadcast_parameters(model, root_rank=0, backend=backend)
         try:
@@ -240,7 +242,9 @@ class DistOptim(torch.optim.Optimizer):
         holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is nothing
         to choose."""
         self._choice_considered = False
+        self._plan_generation = 0  # the executor's plan_generation this face has seen
         _WRAPPED.add(optimizer)
+        functions.register_distoptim(model, self)  # for dearopt.no_sync(model)
 
     def _make_tuning(self, tuner, tuning_steps):
         """The online tuner of the knobs set to "auto" (DeAR section IV.B); None when nothing is tuned."""
@@ -315,6 +319,7 @@ class DistOptim(torch.optim.Optimizer):
     """``torch.amp.GradScaler.step(optimizer)`` hands itself to :meth:`step`, which unscales the averaged
     gradients and agrees on inf/NaN across ranks (see :meth:`step`)."""
 
+    @engine_boundary
     def step(self, closure=None, grad_scaler=None, *, loss=None):
         """Average the gradients across ranks and apply the wrapped optimizer's update.
 
@@ -339,6 +344,8 @@ class DistOptim(torch.optim.Optimizer):
             hook(self, (), {})
         if loss is not None and hasattr(self._executor, "record_loss"):
             self._executor.record_loss(loss)
+        if self._plan_generation != self._executor.plan_generation:
+            self._plan_inputs_changed()
         if grad_scaler is not None:
             found_inf = self._scaler_found_inf(grad_scaler, unscale=True)
             self._executor.step(skip=found_inf, scaler_checked=True)
@@ -355,7 +362,17 @@ class DistOptim(torch.optim.Optimizer):
             if knobs:
                 # every rank, at the same step boundary
                 self._executor.replan(allreduce=knobs["allreduce"], blocks=knobs.get("blocks", False))
+        if self._executor.adapt_to_gradient_reads():  # the loop reads p.grad before every step(): DDP's plan
+            self.plan_choice, self._choice_considered = None, True
         return None
+
+    def _plan_inputs_changed(self) -> None:
+        """The trainable set or the groups changed (noticed at a backward, on every rank): the measured choice and a
+        tuning trial under way were measured on the old set; measure again."""
+        self._plan_generation = self._executor.plan_generation
+        self.plan_choice, self._choice_considered = None, False
+        if self.tuning is not None and not self.tuning.finished:
+            self.tuning.restart_trial()
 
     def _consider_plan_choice(self) -> None:
         """Once rank 0's profile is shared (and tuning is over), start measuring the plans worth comparing."""
@@ -470,10 +487,12 @@ class DistOptim(torch.optim.Optimizer):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         return sum(float(v) for v in state["found_inf_per_device"].values()) > 0
 
+    @engine_boundary
     def synchronize(self) -> None:
         """Apply every pending update now, so that the parameters are current."""
         self._executor.synchronize()
 
+    @engine_boundary
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients (their storage stays in the communication buckets)."""
         self._executor.zero_grad(set_to_none)
@@ -632,8 +651,20 @@ class DistOptim(torch.optim.Optimizer):
     def add_param_group(self, param_group) -> None:
         if getattr(self, "_constructing", False):  # Optimizer.__init__ registering the wrapped optimizer's groups
             return super().add_param_group(param_group)
-        raise UsageError("add_param_group() after wrapping is not supported: add the group to the plain optimizer "
-                         "before creating the DistOptim")
+        """Add a parameter group, as ``torch.optim.Optimizer.add_param_group`` does (how fine-tuning scripts unfreeze a
+        backbone); adding it to the wrapped optimizer is the same.  The plan follows at the next backward, on every
+        rank (each rank must add the same group); what was derived from the old groups (the profile, the
+        measured choice, a tuning trial under way) is measured again."""
+        params = param_group["params"] if isinstance(param_group, dict) else None
+        if params is None:
+            raise TypeError(f"add_param_group() takes a dict with 'params', got {type(param_group).__name__}")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        in_model = {id(p) for p in self._executor.model.parameters()}
+        for p in params:
+            if id(p) not in in_model:
+                raise ValueError(f"add_param_group(): a parameter of shape {tuple(p.shape)} is not a parameter of the "
+                                 f"model this DistOptim was built on")
+        self._inner.add_param_group(dict(param_group, params=params))
 
     def close(self) -> None:
         """Apply pending updates, remove the hooks and release the engine's communicator."""

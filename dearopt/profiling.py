@@ -83,6 +83,7 @@ class ReadyProfile:
         self.enabled = enabled
         self.every = every  # start a new measurement every this many steps after STEP (the link monitor), or never
         self.steps = steps
+        self.start = self.STEP  # the first step of the first measurement
         self.result: Optional[Measurement] = None  # what the plan uses
         self.fresh = False  # a result arrived that the plan does not use yet
         self.latest: Optional[Measurement] = None  # the newest measurement shared
@@ -117,13 +118,21 @@ class ReadyProfile:
         if self._left == 0:
             again = (self.every is not None and self.result is not None and step > self.STEP
                      and (step - self.STEP) % self.every == 0)
-            if not (self.result is None and step == self.STEP or again):
+            if not (self.result is None and step == self.start or again):
                 return
             self._left, self._window = self.steps, []
         elif self._window and len(self._window[0][0]) != n_params:  # a parameter was unfrozen: start again
             self._left, self._window = self.steps, []
         self._times = [math.inf] * n_params
         self._t0 = time.perf_counter()
+
+    def forget(self, start: int) -> None:
+        """Drop every measurement (they were of another set of parameters) and measure again from step
+        ``start`` on (called on every rank at the same step)."""
+        self.start = start
+        self.result = self.latest = None
+        self.fresh = self.remeasured = False
+        self._times, self._left, self._window = None, 0, []
 
     def grad_ready(self, position: int) -> None:
         if self._times is not None:

@@ -596,6 +596,13 @@ class TuningController:
         self._best: Optional[Tuple[Knobs, float]] = None
         self.finished = False
 
+    def restart_trial(self) -> None:
+        """Discard what the trial under way has measured and measure it again from the next step (every rank,
+        at the same step: the job changed under it, e.g. its trainable parameters)."""
+        self._steps = -1 if self.warmup_steps == 0 else 0
+        self._t_start = None
+        self._durations = []
+
     @property
     def current(self) -> Knobs:
         """The knobs in use now."""
