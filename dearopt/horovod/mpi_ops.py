@@ -407,7 +407,7 @@ class _Pending:
     the order the ops were issued, on every rank.
     """
 
-    __slots__ = ("works", "finish", "keep", "name", "advance")
+    __slots__ = ("works", "finish", "keep", "name", "advance", "seen_done")
 
     def __init__(self, works, finish: Callable[[], object], keep=(), name=None, advance=None):
         self.works = list(works)
@@ -415,6 +415,7 @@ class _Pending:
         self.keep = keep
         self.name = name
         self.advance = advance
+        self.seen_done = False  # poll() has returned True for it
 
 
 _handle_map: Dict[int, _Pending] = {}
@@ -423,11 +424,17 @@ _staged: List[int] = []  # handles whose second stage has not started, in issue 
 
 
 def _claim(name) -> None:
-    """Horovod refuses a second op with the name of one still in flight (matched by name, it would be ambiguous)."""
+    """Horovod refuses a second op with the name of one still in flight (matched by name, it would be ambiguous).
+
+    An op is in flight until this rank has seen it finish: until ``synchronize()``, or a ``poll()`` that returned
+    True.  Not until the transport finished it: a peer that had started its side earlier can finish an op within
+    microseconds of its start here, so whether a second op of the same name raised would depend on timing
+    (Horovod's background thread keeps an op for at least one negotiation cycle, so its check does not).
+    """
     if name is None:
         return
     for pending in _handle_map.values():
-        if pending.name == name and not all(w.is_completed() for w in pending.works):
+        if pending.name == name and not pending.seen_done:
             raise ValueError(f"Duplicate name {name!r}: an operation with this name is still in flight; "
                              f"synchronize it first or use another name")
 
@@ -462,7 +469,9 @@ def poll(handle: int) -> bool:
         return False
     if pending.advance is not None:
         _advance_through(handle)
-        return all(w.is_completed() for w in pending.works)
+        pending.seen_done = all(w.is_completed() for w in pending.works)
+        return pending.seen_done
+    pending.seen_done = True
     return True
 
 
