@@ -11,7 +11,7 @@ import torch
 
 from dearopt.errors import LaunchEnvironmentError
 from dearopt.launch import detect_launch
-from harness import free_port, launcher_free_env
+from harness import free_port, launcher_free_env, run_workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,9 +72,28 @@ def test_init_is_idempotent_and_world_of_one():
     try:
         assert (dearopt.rank(), dearopt.size(), dearopt.local_rank(), dearopt.local_size()) == (0, 1, 0, 1)
         assert dearopt.allreduce(2.5) == 2.5
+        dearopt.shutdown()
+        assert not dearopt.is_initialized()
+        dearopt.init()  # no launcher: joins anew
+        t = torch.tensor([1.5, -2.0])
+        dearopt.get_backend().all_reduce(t).wait()
+        assert t.tolist() == [1.5, -2.0] and dearopt.size() == 1
     finally:
         dearopt.shutdown()
     assert not dearopt.is_initialized()
+
+
+def test_horovodrun_variables_name_the_rendezvous_server():
+    env = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
+           "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.5",
+           "HOROVOD_GLOO_RENDEZVOUS_PORT": "4321", "HOROVOD_CONTROLLER": "gloo"}
+    info = detect_launch(env)
+    assert (info.launcher, info.rendezvous_server) == ("horovod", ("10.0.0.5", 4321))
+    assert (info.cross_rank, info.cross_size) == (1, 2)
+    assert (info.master_addr, info.master_port) == (None, None)
+    del env["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+    with pytest.raises(LaunchEnvironmentError, match="HOROVOD_GLOO_RENDEZVOUS_PORT"):
+        detect_launch(env)
 
 
 def _threads():
@@ -138,8 +157,10 @@ def test_shutdown_frees_the_default_group_even_after_torch_binds_it_as_a_default
     assert "WORKERS_LEFT 0" in out.stdout, out.stdout
 
 
+# Every launch below joins, leaves and joins again before its collective, with no barrier in between: the
+# ranks re-join at different moments, and the second join must not meet what the first left behind.
 PROBE = (
-    "import dearopt, torch; dearopt.init(); "
+    "import dearopt, torch; dearopt.init(); dearopt.shutdown(); dearopt.init(); "
     "t = torch.tensor([float(dearopt.rank() + 1)]); dearopt.get_backend().all_reduce(t).wait(); "
     "import os; os.write(1, f'RESULT {dearopt.rank()} {dearopt.size()} {dearopt.local_rank()} {t.item()}\\n'.encode()); "
     "dearopt.shutdown()"
@@ -150,10 +171,28 @@ def _results(stdout):
     return sorted(tuple(m) for m in re.findall(r"RESULT (\d+) (\d+) (\d+) ([0-9.]+)", stdout))
 
 
+def _run_each(envs, timeout=100):
+    """PROBE in one process per environment (each launcher-free plus its own variables); their stdout."""
+    procs = []
+    for extra in envs:
+        env = launcher_free_env()
+        env.update(extra)
+        procs.append(subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    return "".join(o[0] for o in outs)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")) is None,
                     reason="no mpirun")
-def test_mpirun_launch_init_and_one_collective():
+def test_mpirun_launch_init_reinit_and_one_collective():
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     out = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", PROBE],
                          capture_output=True, text=True, timeout=100, env=launcher_free_env())
@@ -162,7 +201,7 @@ def test_mpirun_launch_init_and_one_collective():
 
 
 @pytest.mark.timeout(120)
-def test_torchrun_launch_init_and_one_collective(tmp_path):
+def test_torchrun_launch_init_reinit_and_one_collective(tmp_path):
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE.replace("; ", "\n"))
@@ -177,13 +216,72 @@ def test_torchrun_launch_init_and_one_collective(tmp_path):
 def test_slurm_style_environment_with_explicit_rendezvous():
 
     port = free_port()
-    procs = []
-    for r in range(2):
-        env = launcher_free_env()
-        env.update({"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))
-    outs = [p.communicate(timeout=100) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    assert _results("".join(o[0] for o in outs)) == [("0", "2", "0", "3.0"), ("1", "2", "1", "3.0")]
+    stdout = _run_each([{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(2)])
+    assert _results(stdout) == [("0", "2", "0", "3.0"), ("1", "2", "1", "3.0")]
+
+
+@pytest.mark.timeout(120)
+def test_horovodrun_gloo_environment_init_reinit_and_one_collective():
+    # As horovodrun -np 2 (gloo mode) launches: no MASTER_ADDR/MASTER_PORT, only the address of its HTTP
+    # rendezvous server, where rank 0 publishes its store's address once (the store outlives shutdown()).
+    from dearopt.horovod.rendezvous import RendezvousServer, horovodrun_env
+
+    with RendezvousServer() as server:
+        stdout = _run_each([horovodrun_env(r, 2, server) for r in range(2)])
+        keys = server.keys("dearopt")
+    assert _results(stdout) == [("0", "2", "0", "3.0"), ("1", "2", "1", "3.0")]
+    assert keys == ["store"]
+
+
+def _reinit_while_rank0_lingers():
+    """Rank 1 leaves and joins again while rank 0 is still in the first generation, its store still up."""
+    import time
+
+    import dearopt
+
+    me = dearopt.rank()
+    if me == 0:
+        time.sleep(1.0)
+    dearopt.shutdown()
+    dearopt.init(timeout=10)
+    t = torch.tensor([1.0, 10.0]) * (me + 1)
+    dearopt.get_backend().all_reduce(t).wait()
+    return t.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_reinit_on_a_fixed_port_while_rank0_still_serves_the_first_generation():
+    # Before each init() had a key prefix of its own, rank 1 re-joined through rank 0's old store and read
+    # the first generation's keys: rank 0's new server waited for it and rank 1 for rank 0, both until the
+    # timeout (Horovod's suite hung in test_broadcast_state_no_grad's init() under HOROVOD_* + MASTER_PORT).
+    outcomes = run_workers(_reinit_while_rank0_lingers, 2, timeout=40)
+    assert [o.value for o in outcomes] == [[3.0, 30.0], [3.0, 30.0]]
+
+
+def _reinit_alone(lonely_rank):
+    """Both ranks leave; only ``lonely_rank`` joins again: it must raise within its timeout, not hang."""
+    import time
+
+    import dearopt
+
+    me = dearopt.rank()
+    dearopt.shutdown()
+    if me != lonely_rank:
+        time.sleep(3.5)  # still alive (rank 0 still serving the store) while the other one waits
+        return None
+    start = time.monotonic()
+    try:
+        dearopt.init(timeout=2)
+    except dearopt.CollectiveTimeoutError as exc:
+        return time.monotonic() - start, str(exc)
+    return "joined alone"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lonely_rank", [0, 1])
+def test_reinit_that_no_peer_joins_raises_within_the_timeout(lonely_rank):
+    outcomes = run_workers(_reinit_alone, 2, lonely_rank, timeout=40)
+    seconds, message = outcomes[lonely_rank].value
+    assert 1.5 <= seconds < 10, seconds
+    assert "rendezvous" in message and "2 s" in message, message
