@@ -162,7 +162,9 @@ def test_shutdown_then_init_under_horovodrun_gloo_environment():
 def _duplicate_names():
     """Horovod's test_horovod_allreduce_duplicate_name_error, with the transport certainly done: rank 1's first
     op pairs with rank 0's, waiting since before the barrier, so it finishes at once; its name stays taken until
-    this rank has seen it finish."""
+    this rank has seen it finish or done something else since (a dropped handle's name is freed, as Horovod's)."""
+    from dearopt.horovod import mpi_ops
+
     r, t = hvd.rank(), torch.ones(3)
     out = {"second": None}
     if r == 0:
@@ -179,15 +181,20 @@ def _duplicate_names():
         time.sleep(0.001)
     out["sum"] = hvd.synchronize(first).tolist()
     out["again"] = hvd.allreduce(t, name="dup", op=hvd.Sum).tolist()  # free once seen finished
+    hvd.allreduce_async(t, name="dropped")  # its handle is never synchronized (Horovod's tests do that)
+    hvd.barrier()
+    while not all(w.is_completed() for p in mpi_ops._handle_map.values() for w in p.works):
+        time.sleep(0.001)
+    out["dropped"] = hvd.allreduce(t, name="dropped", op=hvd.Sum).tolist()  # finished, and a barrier since
     return out
 
 
 @pytest.mark.timeout(60)
 def test_a_name_stays_taken_until_this_rank_has_seen_its_op_finish():
     outcomes = run_workers(_duplicate_names, 2, timeout=50)
-    assert outcomes[0].value == {"second": None, "sum": [2.0] * 3, "again": [2.0] * 3}
+    assert outcomes[0].value == {"second": None, "sum": [2.0] * 3, "again": [2.0] * 3, "dropped": [2.0] * 3}
     assert "Duplicate name 'dup'" in outcomes[1].value["second"]
-    assert outcomes[1].value["sum"] == outcomes[1].value["again"] == [2.0] * 3
+    assert outcomes[1].value["sum"] == outcomes[1].value["again"] == outcomes[1].value["dropped"] == [2.0] * 3
 
 
 # ------------------------------------------------------------- collectives

@@ -407,7 +407,7 @@ class _Pending:
     the order the ops were issued, on every rank.
     """
 
-    __slots__ = ("works", "finish", "keep", "name", "advance", "seen_done")
+    __slots__ = ("works", "finish", "keep", "name", "advance", "seen_done", "mark")
 
     def __init__(self, works, finish: Callable[[], object], keep=(), name=None, advance=None):
         self.works = list(works)
@@ -416,6 +416,7 @@ class _Pending:
         self.name = name
         self.advance = advance
         self.seen_done = False  # poll() has returned True for it
+        self.mark = _activity  # this rank's activity count when it was started
 
 
 _handle_map: Dict[int, _Pending] = {}
@@ -423,23 +424,37 @@ _handle_ids = itertools.count(1)
 _staged: List[int] = []  # handles whose second stage has not started, in issue order
 
 
+_activity = 0
+"""Counts what this rank did through this module: ops started, barriers, joins, polls, synchronizes."""
+
+
+def _touch() -> None:
+    global _activity
+    _activity += 1
+
+
 def _claim(name) -> None:
     """Horovod refuses a second op with the name of one still in flight (matched by name, it would be ambiguous).
 
-    An op is in flight until this rank has seen it finish: until ``synchronize()``, or a ``poll()`` that returned
-    True.  Not until the transport finished it: a peer that had started its side earlier can finish an op within
-    microseconds of its start here, so whether a second op of the same name raised would depend on timing
-    (Horovod's background thread keeps an op for at least one negotiation cycle, so its check does not).
+    An op holds its name until this rank has seen it finish (``synchronize()``, or ``poll()`` returning True),
+    or until the transport has finished it and this rank has done something else since (started another op,
+    a barrier, a poll...).  The transport alone does not decide: a peer's side posted earlier can finish an op
+    within microseconds of its start here, and whether a second op of the same name, started right after it,
+    raised would depend on timing (Horovod's background thread keeps an op for at least one negotiation cycle).
+    A handle dropped without ``synchronize()`` frees its name once finished, as in Horovod.
     """
     if name is None:
         return
     for pending in _handle_map.values():
-        if pending.name == name and not pending.seen_done:
+        if pending.name != name or pending.seen_done:
+            continue
+        if pending.mark == _activity or not all(w.is_completed() for w in pending.works):
             raise ValueError(f"Duplicate name {name!r}: an operation with this name is still in flight; "
                              f"synchronize it first or use another name")
 
 
 def _register(works, finish, keep=(), name=None, advance=None) -> int:
+    _touch()
     handle = next(_handle_ids)
     _handle_map[handle] = _Pending(works, finish, keep, name, advance)
     if advance is not None:
@@ -462,6 +477,7 @@ def _advance_through(handle: int) -> None:
 
 def poll(handle: int) -> bool:
     """True once ``synchronize(handle)`` would not wait for the transport; False while the op is in flight."""
+    _touch()
     pending = _handle_map.get(handle)
     if pending is None:
         raise ValueError(f"handle {handle!r} was not created or has already been synchronized")
@@ -481,6 +497,7 @@ def synchronize(handle: int):
     As in Horovod, a handle is consumed by its first ``synchronize``: a second
     call returns ``None`` (and :func:`poll` on it raises ``ValueError``).
     """
+    _touch()
     pending = _handle_map.get(handle)
     if pending is None:
         return None
@@ -1171,6 +1188,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 # ------------------------------------------------------------ barrier, join
 def barrier(process_set=global_process_set) -> None:
     """Return once every rank has called ``barrier()``."""
+    _touch()
     backend = _channel(_set_backend(process_set), "barrier")
     token = torch.zeros(1, dtype=torch.int32, device=backend.device)
     backend.all_reduce(token, "sum").wait()
@@ -1188,6 +1206,7 @@ def join(device=-1) -> int:
     every rank the same number of optimizer steps, e.g. ``DistributedSampler``
     with ``drop_last=True``), and ops on other process sets.
     """
+    _touch()
     _check_init()
     backend = _backend()
     data = _channel(backend, "data")
