@@ -537,9 +537,9 @@ class DistOptim(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """Finish communication now, so that every ``p.grad`` holds the averaged gradient.
 
-        Possible where the schedule averages whole gradients before ``step()``
-        (``wfbp``, ``rsag``, ``bytescheduler``); a ``UsageError`` where it keeps
-        shards until the next forward (``dear``).
+        Under schedules that keep shards until the next forward (``dear``, ``prophet``, the sharded update) the
+        averages are gathered into ``p.grad`` now, as a read of ``p.grad`` between backward and ``step()`` does:
+        that step's gathers then no longer overlap the next forward.
         """
         self._executor.reduce_gradients()
 

@@ -79,13 +79,14 @@ class BucketUpdater:
             for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):
                 hook(self.optimizer, (), {})
         groups = self.optimizer.param_groups
-        saved = [{k: g[k] for k in (self._hyper[gi] if self._hyper is not None else ())} | {"params": g["params"]}
-                 for gi, g in enumerate(groups)]
+        # a group added since step() (add_param_group before the pending updates landed) has nothing of this step
+        hyper = [self._hyper[gi] if self._hyper is not None and gi < len(self._hyper) else {}
+                 for gi in range(len(groups))]
+        saved = [{k: g[k] for k in hyper[gi]} | {"params": g["params"]} for gi, g in enumerate(groups)]
         try:
             for gi, group in enumerate(groups):
-                if self._hyper is not None:
-                    group.update(self._hyper[gi])
-                group["params"] = members[gi]
+                group.update(hyper[gi])
+                group["params"] = members[gi] if gi < len(members) else []
             self._step()
         finally:
             for group, live in zip(groups, saved):
