@@ -339,10 +339,12 @@ def _bind_torch_defaults_before_init() -> None:
 
 
 def _shutdown_at_exit() -> None:
+    global _kept_store
     try:
         shutdown()
     except Exception:  # a peer may be gone already; exiting anyway
         pass
+    _kept_store = None  # the job's store (rank 0's server thread) closed while the interpreter is alive
 
 
 def shutdown() -> None:
