@@ -33,6 +33,7 @@ setup(
         "mpi": ["mpi4py>=3.1"],
         "tune": ["bayesian-optimization>=2.0"],
         "cuda": ["cupy"],
+        "lightning": ["lightning"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "matplotlib", "bayesian-optimization>=2.0", "mpi4py>=3.1"],
     },
     ext_modules=ext_modules,

