@@ -258,8 +258,8 @@ class DelayedExecutor(Executor):
         self._loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
 
     # --------------------------------------------------------------- plan
-    def _build_plan(self) -> None:
-        super()._build_plan()
+    def _build_plan(self, trainable=None) -> None:
+        super()._build_plan(trainable)
         self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(self.plan)

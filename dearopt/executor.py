@@ -914,6 +914,7 @@ class Executor:
         backward (the gathers cannot overlap the next forward anyway, and one collective costs less than two).
         Called at a step boundary on every rank; True if it re-planned."""
         if (self.reads_gradients or self.gathered_steps < GATHERED_STEPS_TO_ADAPT or self.sharding is not None
+                or self.world == 1
                 or self.options.allreduce not in ("auto", "predicted")
                 or not get_schedule(self.options.schedule).mixes_allreduce):
             return False

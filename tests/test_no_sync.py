@@ -93,7 +93,7 @@ def _one_optimizer_held():
     """Only the body's own no_sync(): the head's DistOptim communicates, and the next backward is refused."""
     model, body, head = _make()
     body_opt = dearopt.DistOptim(body, model, buffer_size=64)
-    dearopt.DistOptim(head, model, buffer_size=64)
+    head_opt = dearopt.DistOptim(head, model, buffer_size=64)  # kept, as a loop keeps it to call step()
     x, y = _micro_batch(0, 0)
     for _ in range(2):
         with body_opt.no_sync():
@@ -101,6 +101,7 @@ def _one_optimizer_held():
                 nn.functional.mse_loss(model(x, False), y).backward()
             except dearopt.UsageError as exc:
                 return str(exc)
+    del head_opt
     return None
 
 

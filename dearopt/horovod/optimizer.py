@@ -229,8 +229,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group) -> None:
         if getattr(self, "_engine", None) is None:  # Optimizer.__init__ registering the wrapped optimizer's groups
             return torch.optim.Optimizer.add_param_group(self, param_group)
-        raise UsageError("add_param_group() after hvd.DistributedOptimizer() is not supported: add the group to "
-                         "the plain optimizer before wrapping it")
+        self._engine.add_param_group(param_group)  # re-planned at the next backward, on every rank
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
