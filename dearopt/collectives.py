@@ -269,6 +269,8 @@ class CollectiveBackend(abc.ABC):
 
     def _check_open(self, op_name: str, where: dict) -> None:
         if self._closed:
+            where = dict(where)
+            op_name = where.pop("op", op_name)
             raise CollectiveError(f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
                                   rank=self.rank, op=op_name, **where)
 
@@ -382,7 +384,8 @@ class _TorchHandle(Handle):
     ):
         self._backend = backend
         self._work = work
-        self.op = op
+        where = dict(where)
+        self.op = where.pop("op", op)  # a caller may name the op it is part of ("check_model")
         self._where = where
         self._finish = finish
         self._waited = False  # wait() returned: the result may be used
@@ -553,6 +556,8 @@ class TorchDistBackend(CollectiveBackend):
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
 
     def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:
+        where = dict(where)
+        op_name = where.pop("op", op_name)
         try:
             work = fn(*args, group=self.group, async_op=True, **kwargs)
         except Exception as exc:

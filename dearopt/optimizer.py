@@ -346,6 +346,7 @@ class DistOptim(torch.optim.Optimizer):
             self._executor.record_loss(loss)
         if self._plan_generation != self._executor.plan_generation:
             self._plan_inputs_changed()
+        self._inner._opt_called = True  # an LR scheduler built on the wrapped optimizer: its step() counts as called
         if grad_scaler is not None:
             found_inf = self._scaler_found_inf(grad_scaler, unscale=True)
             self._executor.step(skip=found_inf, scaler_checked=True)

@@ -225,3 +225,23 @@ def test_int16_travels_exactly_on_gloo():
         assert torch.equal(got["broadcast"], per_rank[1])
         assert torch.equal(got["shard"], total[o.rank * 2:(o.rank + 1) * 2])
         assert torch.equal(got["gathered"], torch.cat([per_rank[0][:2], per_rank[1][2:]]))
+
+
+
+def test_an_op_named_by_its_caller_fails_with_a_named_error_not_a_key_error():
+    """A caller may name the op it is part of (``op=...`` among the ``where`` keywords, as the model check does).
+    When a wait's slice ran out just as the op ended in an error, the error was built with ``op`` twice and came
+    out as a bare ``KeyError: 'op'`` (seen once in the suite); it must be the named error of that op."""
+    from dearopt.collectives import _TorchHandle
+
+    class Work:
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection reset by peer")
+
+        def is_completed(self):
+            return True
+
+    backend = types.SimpleNamespace(timeout=5.0, rank=1, host_waits=True, check_peers=lambda op, where: None)
+    handle = _TorchHandle(backend, Work(), "all_gather", {"op": "check_model", "step": 3})
+    with pytest.raises(dearopt.PeerLostError, match=r"check_model.*\[rank 1, op check_model, step 3\]"):
+        handle.wait()
