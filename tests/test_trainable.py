@@ -56,9 +56,12 @@ LATER_TOGGLES = 10
 
 
 def _toggle_steps(quiet=QUIET):
-    first = [2 * i for i in range(FIRST_TOGGLES)]
-    start = 2 * FIRST_TOGGLES + quiet
-    return first + [start + 2 * i for i in range(LATER_TOGGLES)], start + 2 * LATER_TOGGLES
+    """The steps at which the backbone is switched (every other step, or every step where nothing is to settle)
+    and the number of steps."""
+    every = 2 if quiet else 1
+    first = [every * i for i in range(FIRST_TOGGLES)]
+    start = every * FIRST_TOGGLES + quiet
+    return first + [start + every * i for i in range(LATER_TOGGLES)], start + every * LATER_TOGGLES
 
 
 def _toggling_run(schedule, set_to_none, rank=None, world=None, quiet=QUIET):
@@ -146,7 +149,7 @@ def _groups(on_wrapped):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_add_param_group_mid_run_and_changed_hyperparameters_are_exact(world):
-    for on_wrapped in (False, True):
+    for on_wrapped in (False, True) if world == 2 else (False,):
         want = _groups_run(None, on_wrapped)
         for o in run_workers(_groups, world, on_wrapped, timeout=180):
             for schedule in SCHEDULES:
