@@ -10,7 +10,7 @@ import dearopt
 from harness import run_workers
 
 WINDOWS = [1, 3, 2, 4, 1, 2]  # micro-batches per optimizer step
-MICRO = 8  # samples per global micro-batch (divisible by 2)
+MICRO = 12  # samples per global micro-batch (divisible by 2 and 3: equal shards)
 
 
 class Split(nn.Module):
@@ -66,27 +66,38 @@ def _loop(model, optimizers, rank=0, world=1, hold=None):
             opt.step()
 
 
-def _distributed(schedule):
+SCHEDULES = ["dear", "wfbp", "rsag", "bytescheduler", "prophet", "prophet-allreduce", "dear-sharded"]
+
+
+def _distributed_one(schedule):
     model, body, head = _make()
-    optimizers = [dearopt.DistOptim(body, model, schedule=schedule, buffer_size=64),
-                  dearopt.DistOptim(head, model, schedule=schedule, buffer_size=64)]
+    kwargs = dict(schedule="dear", shard_optimizer=True) if schedule == "dear-sharded" else dict(schedule=schedule)
+    optimizers = [dearopt.DistOptim(body, model, buffer_size=64, **kwargs),
+                  dearopt.DistOptim(head, model, buffer_size=64, **kwargs)]
     _loop(model, optimizers, dearopt.rank(), dearopt.size(), hold=dearopt.no_sync)
     for opt in optimizers:
         opt.synchronize()
+        opt.close()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["dear", "wfbp"])
-def test_no_sync_of_the_model_accumulates_over_every_distoptim_exactly(schedule):
+def _distributed():
+    return {schedule: _distributed_one(schedule) for schedule in SCHEDULES}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_sync_of_the_model_accumulates_over_every_distoptim_exactly(world):
     model, body, head = _make()
     _loop(model, [body, head])  # one process on the global micro-batches, accumulating as torch does
     want = {name: p.detach() for name, p in model.named_parameters()}
     start = {name: p.detach() for name, p in _make()[0].named_parameters()}
     assert not torch.equal(want["aux.weight"], start["aux.weight"])  # aux trained (and decayed)
-    for o in run_workers(_distributed, 2, schedule, timeout=90):
-        for name, got in o.value.items():
-            torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    for o in run_workers(_distributed, world, timeout=130):
+        for schedule in SCHEDULES:
+            for name, got in o.value[schedule].items():
+                torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{schedule} {name}: {m}")
 
 
 def _one_optimizer_held():
