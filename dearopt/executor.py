@@ -298,12 +298,12 @@ class Executor:
 
     def _root_pre_hook(self, module, args) -> None:
         self.guard.disarm()  # from here the module hooks apply pending updates as the forward reaches them
-        self.grad_guard.disarm()
         if self.plan is None:
             self.recorder.start()
         if not (module.training and torch.is_grad_enabled()):
-            self.synchronize()
+            self.synchronize()  # (an evaluation between backward and step() leaves the gradient guard armed)
             return
+        self.grad_guard.disarm()
         self.forwards += 1
         self._hook_new_params()
         if self.options.broadcast_buffers and self.world > 1:

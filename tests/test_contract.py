@@ -72,7 +72,12 @@ def _loop(model, opt, case, world, rank=None):
             scales.append(float(scaler.get_scale()))
             continue
         loss.backward()
-        if case == "torch clip norm":
+        if case == "eval forward, torch clip norm":  # an evaluation between backward and step(), then the clip
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+        if case in ("torch clip norm", "eval forward, torch clip norm"):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
         elif case == "torch clip value":
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
@@ -89,8 +94,8 @@ def _loop(model, opt, case, world, rank=None):
 
 
 CASES = ["torch clip norm", "torch clip value", "our clip value", "scaler", "scaler+torch unscale+clip",
-         "scaler+our unscale+clip", "clamp after step"]
-TORCH_TOOLS = {"torch clip norm", "torch clip value", "scaler+torch unscale+clip"}
+         "scaler+our unscale+clip", "clamp after step", "eval forward, torch clip norm"]
+TORCH_TOOLS = {"torch clip norm", "torch clip value", "scaler+torch unscale+clip", "eval forward, torch clip norm"}
 
 
 def _reference(case, world):
