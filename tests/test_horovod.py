@@ -755,3 +755,32 @@ def test_process_sets_restrict_collectives_and_the_optimizer():
             assert o["obj"] == {"from": 2}
             assert_params_match(o["params"], in_set)
         assert o["removed"] == (True, False)
+
+
+def _add_group_run(rank=None, world=None):
+    """The MLP's first layer joins the optimizer at step 2 (add_param_group on hvd.DistributedOptimizer)."""
+    model = make_model("mlp")
+    later = list(model.fc1.parameters())
+    inner = torch.optim.SGD([p for p in model.parameters() if all(p is not q for q in later)], lr=0.1,
+                            momentum=0.9)
+    opt = inner if rank is None else hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    for step in range(5):
+        if step == 2:
+            opt.add_param_group({"params": later, "lr": 0.05})
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        if rank is not None:
+            x, y = shard(x, rank, world), shard(y, rank, world)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _add_group_distributed():
+    return _add_group_run(hvd.rank(), hvd.size())
+
+
+def test_add_param_group_on_the_distributed_optimizer_matches_single_process():
+    want = _add_group_run()
+    for o in run_workers(_add_group_distributed, 2, timeout=60):
+        assert_params_match(o.value, want)

@@ -156,8 +156,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plain = compression is Compression.none or compression is NoneCompressor
         hook = None if plain and gradient_predivide_factor == 1.0 else CompressorHook(
             NoneCompressor if plain else compression, gradient_predivide_factor)
-        container = model if model is not None else _ParameterContainer(
-            [(self._parameter_names[p], p) for p in params])
+        # every named parameter (also those outside the optimizer yet: a group added later is one of them)
+        known = dict(self._parameter_names)
+        for name, p in (named_parameters or ()):
+            known.setdefault(p, name)
+        container = model if model is not None else _ParameterContainer([(name, p) for p, name in known.items()])
         self._engine = DistOptim(optimizer, container, schedule=schedule, buffer_size=buffer_size,
                                  backward_passes_per_step=backward_passes_per_step, broadcast_parameters=False,
                                  broadcast_buffers=False, nonfinite="ignore", comm_hook=hook, backend=backend)
