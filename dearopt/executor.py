@@ -39,7 +39,7 @@ from .buckets import BucketState
 from .checks import Checks
 from .collectives import CollectiveBackend
 from .comm_hooks import CommHook
-from .errors import PlanMismatchError, UsageError
+from .errors import CollectiveTimeoutError, PlanMismatchError, UsageError
 from .forward_order import ForwardOrderRecorder, parameters_in_forward_order
 from .issuer import CreditWindow, Issuer, OpState
 from .options import Options
@@ -868,14 +868,21 @@ class Executor:
         r = self.round
         if r is None or r.stepped or r.gathered or not r.backward_done:
             return
-        with self.guard.suspended():
-            # the reductions first: a gather reads what completing its reduce-scatter wrote (the local sum)
-            self.issuer.force_and_complete(self._early_ops, self._may_start)
-            if self.sharding is None:
-                self.issuer.force_and_complete(self.issuer.ops, self._may_start)
-            else:  # the plan's all-gathers carry parameters after step(): the gradients' average needs its own
-                self._gather_gradient_shards()
-            self._combine()
+        try:
+            with self.guard.suspended():
+                # the reductions first: a gather reads what completing its reduce-scatter wrote (the local sum)
+                self.issuer.force_and_complete(self._early_ops, self._may_start)
+                if self.sharding is None:
+                    self.issuer.force_and_complete(self.issuer.ops, self._may_start)
+                else:  # the plan's all-gathers carry parameters after step(): the gradients' average needs its own
+                    self._gather_gradient_shards()
+                self._combine()
+        except CollectiveTimeoutError as exc:
+            raise CollectiveTimeoutError(
+                f"{exc}. This rank read p.grad between backward() and step(), which gathers the averaged gradients "
+                f"(every rank must take part); if only this rank reads it (a log line under `if rank == 0`), the "
+                f"others wait in step() meanwhile: read p.grad on every rank, or after step()",
+                rank=self.rank, op="gather p.grad", step=r.step) from exc
         r.gathered = r.written = True
         for b in self.buckets:
             b.mark_seen()

@@ -293,3 +293,29 @@ def test_a_parameter_used_on_one_rank_only_gets_the_global_batch_gradient(world)
                 assert "SparseAdam cannot be sharded" in o.value[("sparse", schedule)]
                 continue
             assert_params_match(o.value[("sparse", schedule)], want_sparse)
+
+
+def _one_rank_reads_grad():
+    model = make_model("mlp")
+    opt = _wrap(_opt(model), model, "dear", buffer_size=64)
+    x, y = global_batch(0, "mlp")
+    rank, world = dearopt.rank(), dearopt.size()
+    loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
+    try:
+        if rank == 0:
+            float(model.fc1.weight.grad.norm())  # a log line on rank 0 only
+        opt.step()
+    except dearopt.DearoptError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_read_of_p_grad_on_one_rank_only_ends_in_a_timeout_that_says_so():
+    """Under dear the first read of p.grad before step() gathers the averages, which every rank must join: where
+    one rank alone reads it, the job cannot go on; the reading rank's timeout names the cause and the fix."""
+    outcomes = run_workers(_one_rank_reads_grad, 2, timeout=50, init_kwargs={"timeout": 3.0})
+    kind, message = outcomes[0].value
+    assert kind == "CollectiveTimeoutError", (kind, message)
+    assert "read p.grad between backward() and step()" in message and "on every rank" in message, message
+    assert outcomes[1].value is not None and outcomes[1].value[0] in ("CollectiveTimeoutError", "PeerFailedError")
