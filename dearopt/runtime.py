@@ -59,7 +59,7 @@ Five minutes: long enough for a slow rank's checkpoint write or a first
 iteration's warm-up, short enough that a hung job is noticed.  Override with
 ``init(timeout=...)`` or ``DEAROPT_TIMEOUT``."""
 
-BACKENDS = ("gloo", "nccl", "nccl-native")
+BACKENDS = ("gloo", "nccl", "nccl-native", "cuda-relay")
 
 
 @dataclasses.dataclass
@@ -97,7 +97,7 @@ def _resolve_backend(backend: Optional[str]) -> str:
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     backend = backend.lower()
-    if backend in ("nccl", "nccl-native") and not torch.cuda.is_available():
+    if backend in ("nccl", "nccl-native", "cuda-relay") and not torch.cuda.is_available():
         raise BackendUnavailableError(f"backend {backend!r} needs a CUDA GPU, and torch sees none; use 'gloo'")
     return backend
 
@@ -270,7 +270,9 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``"nccl-native"`` (the csrc
             extension; control traffic stays on gloo).  Default: NCCL when CUDA
-            is available, gloo otherwise.
+            is available, gloo otherwise.  ``"cuda-relay"`` is a test backend
+            (:mod:`dearopt.relay`): NCCL's stream contract with the bytes moved
+            through host memory and gloo, so that several ranks share one GPU.
         timeout: seconds any collective may take; default ``DEAROPT_TIMEOUT``
             or :data:`DEFAULT_TIMEOUT`.
     """
@@ -287,7 +289,7 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
     else:
         launch = detect_launch(env)
         _bind_torch_defaults_before_init()
-        pg_backend = "gloo" if chosen == "nccl-native" else chosen
+        pg_backend = "gloo" if chosen in ("nccl-native", "cuda-relay") else chosen
         if chosen == "nccl":
             torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
         kwargs = dict(backend=pg_backend, timeout=datetime.timedelta(seconds=seconds))
@@ -305,6 +307,12 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
                 dist.destroy_process_group()
             raise BackendUnavailableError(f"backend 'nccl-native' is not available: {exc}") from exc
         comm = NcclNativeBackend.create(launch.rank, launch.size, seconds)
+    elif chosen == "cuda-relay":  # a test backend: CUDA tensors and streams, bytes through host memory and gloo
+        from .relay import HostRelayBackend
+
+        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        comm = HostRelayBackend(TorchDistBackend(launch.rank, launch.size, seconds), device)
     else:
         comm = TorchDistBackend(launch.rank, launch.size, seconds)
     _runtime = _Runtime(launch=launch, backend=comm, timeout=seconds, owns_process_group=owns)

@@ -283,3 +283,37 @@ def test_distoptim_timeline_has_every_span(tmp_path):
             assert {e["args"]["bucket"] for e in events if e["name"] == kind} == set(range(n_buckets)), kind
         assert names.count("step") == steps
         assert sum(1 for e in events if e["name"] == "update") == steps * n_buckets
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(120)
+def test_single_device_bench_on_cpu(tmp_path):
+    """python -m dearopt.bench.single on the tiny model: every variant runs; dear's buckets and the sharded
+    update's shards appear in the breakdown; a DDP run's gradients are its own."""
+    proc = subprocess.run([sys.executable, "-m", "dearopt.bench.single", "--model", "tiny", "--device", "cpu",
+                           "--variants", "plain,ddp,dear,dear-sharded", "--iterations", "3", "--warmup", "2",
+                           "--profile", "--out", str(tmp_path)], capture_output=True, text=True, timeout=110,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "result-tiny.json").read_text())
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"plain", "ddp", "dear", "dear-sharded"}
+    params = rows["plain"]["breakdown"]["parameters"]
+    assert all(rows[v]["breakdown"]["parameters"] == params for v in ("ddp", "dear"))
+    assert rows["dear-sharded"]["breakdown"]["parameters"] >= params  # gathered into flat, padded storage
+    assert rows["plain"]["breakdown"]["buckets"] == 0 and rows["dear"]["breakdown"]["buckets"] > 0
+    assert rows["dear-sharded"]["breakdown"]["optimizer state"] > 0
+    assert [p["ranks"] for p in doc["predictions"]] == [8, 64]
+    assert "predicted on 64 GPUs" in proc.stdout
+
+
+def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/gpu_check would run")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "no GPU" in proc.stderr and "Nothing was run" in proc.stderr
+    assert not any(tmp_path.iterdir())

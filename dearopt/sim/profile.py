@@ -198,6 +198,10 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
     planned = trainable + tied.twin_params()
     ready_at: Dict[int, List[float]] = {id(p): [] for p in planned}
     t0 = [0.0]
+    # On a GPU the host runs ahead of the kernels: the phases are timed to the device's end of them (the
+    # per-module and per-gradient stamps are still the host's issue times)
+    on_gpu = any(p.is_cuda for p in trainable)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     for p in planned:
         hooks.append(p.register_post_accumulate_grad_hook(
             lambda q: ready_at[id(q)].append(time.perf_counter() - t0[0])))
@@ -213,13 +217,16 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
             if i == 0:
                 recorder.start()
             marks.clear()
+            sync()
             start = time.perf_counter()
             loss = run()
+            sync()
             end_fwd = time.perf_counter()
             if i == 0:
                 order = recorder.stop()
             t0[0] = time.perf_counter()
             loss.backward()
+            sync()
             t_bp = time.perf_counter() - t0[0]
             if i == 0:
                 for p in planned:
