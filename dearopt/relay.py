@@ -173,7 +173,9 @@ class HostRelayBackend(CollectiveBackend):
         run([host[id(t)] for t in reads], [host[id(t)] for t in writes]).wait()
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             for t in writes:
-                t.copy_(host[id(t)], non_blocking=True)
+                # through .data: a collective's result is not an in-place change by autograd's bookkeeping (the
+                # NCCL backends write from C++, which no version counter sees; the engine watches the counters)
+                t.data.copy_(host[id(t)], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         return done

@@ -86,7 +86,7 @@ def _check(outcomes, world, schedules, rtol=None, atol=None):
 @pytest.mark.timeout(180)
 def test_relay_on_cpu_trains_like_one_process():
     schedules = ["dear", "wfbp", "dear-sharded", DEFT]
-    outcomes = run_workers(_train, 2, schedules, True, timeout=150)
+    outcomes = run_workers(_train, 2, schedules, True, timeout=150, init_kwargs={"backend": "gloo"})
     _check(outcomes, 2, schedules)
 
 
@@ -118,7 +118,7 @@ def _ops_in_order_and_timeout():
 
 @pytest.mark.timeout(120)
 def test_relay_on_cpu_matches_ops_in_issue_order_and_times_out():
-    outcomes = run_workers(_ops_in_order_and_timeout, 2, timeout=90, init_kwargs={"timeout": 5.0})
+    outcomes = run_workers(_ops_in_order_and_timeout, 2, timeout=90, init_kwargs={"backend": "gloo", "timeout": 5.0})
     for o in outcomes:
         sums, shard_out, error = o.value
         assert sums == [float(0 + k + 1 + k) for k in range(20)]

@@ -42,9 +42,9 @@ def _mib(nbytes: float) -> float:
 
 def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+    for t in tensors:  # by storage: views of one buffer (DDP's gradient views, gathered parameters) count once
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()
     return total
 
@@ -181,7 +181,7 @@ def child(args) -> int:
             return 2
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = False  # its trial workspaces would count in the first variant's peak
     else:
         torch.set_num_threads(args.threads)
     os.environ.pop("WORLD_SIZE", None)
