@@ -51,16 +51,34 @@ class Checks:
     def write_meta(self, bucket: BucketState, tag: int) -> None:
         """The used flags and this rank's step tag, written once per round before the bucket's first reduction."""
         if not bucket.meta_written:
-            bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
+            if all(bucket.used):  # the usual case: a fill, no copy from the host (which on a GPU would wait for it)
+                bucket.flags.fill_(1)
+            else:
+                on_gpu = bucket.flags.is_cuda
+                host = torch.tensor(bucket.used, dtype=bucket.flags.dtype, pin_memory=on_gpu)
+                bucket.flags.copy_(host, non_blocking=on_gpu)
             bucket.tags.zero_()
             bucket.tags[self.rank] = tag
             bucket.meta_written = True
             bucket.mark_seen()
 
     def check_tags(self, bucket: BucketState, step: int) -> None:
-        if not self.options.check_agreement:
-            return
-        tags = [int(t) for t in bucket.tags.float().round().tolist()]
+        self.check_tags_of([bucket], step)
+
+    def check_tags_of(self, buckets: Sequence[BucketState], step: int,
+                      extra: Optional[torch.Tensor] = None) -> Optional[float]:
+        """Check the step tags of ``buckets`` with one read from the device (a GPU's host waits for it once per
+        step, not once per bucket); ``extra`` (a scalar on the same device) rides along and is returned."""
+        check = self.options.check_agreement and self.world > 1 and len(buckets) > 0
+        if not check:
+            return None if extra is None else float(extra)
+        parts = [b.tags.float() for b in buckets] + ([extra.reshape(1).float()] if extra is not None else [])
+        values = torch.cat(parts).tolist()
+        for i, bucket in enumerate(buckets):
+            self._agree(bucket, [int(round(t)) for t in values[i * self.world:(i + 1) * self.world]], step)
+        return None if extra is None else values[-1]
+
+    def _agree(self, bucket: BucketState, tags: List[int], step: int) -> None:
         if len(set(tags)) == 1:
             return
         seen = ", ".join(f"rank {r}: step {t // 8} ({t % 8} forwards since its last step)" for r, t in enumerate(tags))
@@ -76,7 +94,11 @@ class Checks:
         A parameter used on some ranks only gets the average over all ranks
         with zeros from the others, which is exactly its gradient over the
         global batch (the samples that did not use it contribute nothing).
+        Where this rank used them all, the flags (a sum over ranks) need not
+        be read: on a GPU that read would make the host wait for the device.
         """
+        if all(bucket.used):
+            return [True] * len(bucket.used)
         return [count > 0 for count in bucket.flags.float().round().tolist()]
 
     # ------------------------------------------------------------- non-finite
@@ -109,10 +131,19 @@ class Checks:
                                      "skip such steps", rank=self.rank, op="step", step=step)
 
     @staticmethod
-    def local_nonfinite(regions: Sequence[torch.Tensor]) -> bool:
-        """Whether any of this rank's ``regions`` holds inf or NaN."""
+    def nonfinite_count(regions: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A device scalar: how many of ``regions`` hold inf or NaN (None: no region), read by nobody yet."""
         # one pass, no temporary: the sum is finite iff every element is (or it overflowed)
-        return any(r.numel() and not bool(torch.isfinite(r.sum())) for r in regions)
+        sums = [r.sum().float().reshape(1) for r in regions if r.numel()]
+        if not sums:
+            return None
+        return (~torch.isfinite(torch.cat(sums))).sum()
+
+    @classmethod
+    def local_nonfinite(cls, regions: Sequence[torch.Tensor]) -> bool:
+        """Whether any of this rank's ``regions`` holds inf or NaN (one read from the device)."""
+        count = cls.nonfinite_count(regions)
+        return count is not None and bool(count > 0)
 
     def nonfinite_bucket(self, bucket: BucketState, buckets: Sequence[BucketState], step: int) -> None:
         """For schedules that update bucket by bucket: this bucket's averaged gradient (``raise`` only)."""

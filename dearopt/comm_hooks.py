@@ -23,7 +23,10 @@ import torch
 
 from .sparsify import Sparsify
 
-__all__ = ["CommHook", "CastHook", "fp16_compress", "bf16_compress", "resolve_comm_hook"]
+__all__ = ["CommHook", "CastHook", "ReduceInFloat32", "fp16_compress", "bf16_compress", "resolve_comm_hook",
+           "LOW_PRECISION"]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class CommHook:
@@ -43,6 +46,13 @@ class CommHook:
     def decode(self, wire: torch.Tensor, out: torch.Tensor, ctx: Any) -> None:
         """Write the received ``wire`` elements into ``out`` (bucket dtype); ``ctx`` is what encode returned."""
         out.copy_(wire)
+
+    def passes_through(self, dtype: torch.dtype) -> bool:
+        """Whether a bucket of ``dtype`` travels untouched (no wire buffer): the default encode and decode into
+        the same dtype."""
+        cls = type(self)
+        return (cls.encode is CommHook.encode and cls.decode is CommHook.decode
+                and self.wire_dtype(dtype) == dtype)
 
     def __repr__(self) -> str:
         return f"<comm hook {self.name}>"
@@ -66,6 +76,22 @@ class CastHook(CommHook):
         return self.dtype if dtype.is_floating_point else dtype
 
 
+class ReduceInFloat32(CommHook):
+    """bfloat16 and float16 gradients are summed over ranks in float32 (as Megatron-core's
+    ``grad_reduce_in_fp32``): each piece is widened into a float32 wire buffer, reduced, and rounded back once.
+    Twice the bytes of such a bucket on the wire and a float32 copy of it in memory; other dtypes travel as they
+    are, at no cost.  ``DistOptim``'s default (``comm_hook="auto"``); ``comm_hook=None`` reduces in the
+    parameters' own dtype (less memory and traffic, a sum rounded at every step of the ring)."""
+
+    name = "reduce-fp32"
+
+    def __init__(self, auto: bool = False):
+        self.auto = auto  # chosen by default, not by the user
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
 def fp16_compress() -> CastHook:
     """Gradients travel as float16 (half the bytes; ~3 decimal digits; range +-65504)."""
     return CastHook(torch.float16)
@@ -76,18 +102,22 @@ def bf16_compress() -> CastHook:
     return CastHook(torch.bfloat16)
 
 
-_BY_NAME = {"fp16": fp16_compress, "bf16": bf16_compress}
+_BY_NAME = {"fp16": fp16_compress, "bf16": bf16_compress, "fp32": ReduceInFloat32,
+            "auto": lambda: ReduceInFloat32(auto=True)}
 
 
 def resolve_comm_hook(hook) -> "CommHook | None":
-    """``None``/``"none"`` -> None (gradients travel as they are), ``"fp16"``/``"bf16"`` -> a cast, or a CommHook."""
+    """``"auto"`` -> bfloat16/float16 gradients reduced in float32, others as they are; ``None``/``"none"`` ->
+    None (gradients travel as they are); ``"fp16"``/``"bf16"`` -> a cast; ``"fp32"``: as ``"auto"``; or a
+    CommHook."""
     if hook is None or hook == "none":
         return None
     if isinstance(hook, str):
         if hook not in _BY_NAME:
-            raise ValueError(f"comm_hook must be None, 'fp16', 'bf16' or a dearopt.CommHook, got {hook!r}")
+            raise ValueError(f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32' or a dearopt.CommHook, got "
+                             f"{hook!r}")
         return _BY_NAME[hook]()
     if not isinstance(hook, (CommHook, Sparsify)):
-        raise TypeError(f"comm_hook must be None, 'fp16', 'bf16', a dearopt.CommHook or a dearopt.Sparsify, got "
-                        f"{type(hook).__name__}")
+        raise TypeError(f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32', a dearopt.CommHook or a "
+                        f"dearopt.Sparsify, got {type(hook).__name__}")
     return hook

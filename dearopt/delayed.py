@@ -218,6 +218,8 @@ class DelayedExecutor(Executor):
         # DeFT's heterogeneous links: a second communicator over the same ranks, used concurrently with the first
         self.second = self.backend.second_link() if links == 2 else None
         self.mu: Optional[float] = None if schedule is None else schedule.mu  # its time per bucket over the first's
+        if getattr(self.comm_hook, "auto", False):
+            self.comm_hook = None  # deft reduces in the parameters' own dtype (documented)
         if self.comm_hook is not None:
             raise UsageError("schedule='deft' does not take a comm_hook yet")
         # the second half of a reduce-scatter + all-gather runs on a communicator of its own (one link, on a

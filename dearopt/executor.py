@@ -166,6 +166,8 @@ class Executor:
         # a sparsifier owns its buckets' exchange (dearopt.sparsify); a cast hook only encodes what travels
         self.sparse = SparseExchange(comm_hook, self.rank, self.world) if isinstance(comm_hook, Sparsify) else None
         self.comm_hook = None if self.sparse is not None else comm_hook
+        if getattr(self.comm_hook, "auto", False) and not self._low_precision():
+            self.comm_hook = None  # the default, with nothing in bfloat16 or float16: every gradient as it is
         # Data collectives follow the plan's order on `backend`; the few control
         # messages (buffers, plan check, norms, profile) go on their own channel,
         # so that their place among the data ops never depends on timing.
@@ -231,10 +233,20 @@ class Executor:
         self._param_hooks = []
         self._hooked = set()
         self._sparse_ids = set()  # parameters autograd gave a sparse gradient
-        self.tied = TiedEmbeddings(model, {id(p) for p in self._trainable()} if options.embedding_rows else set(),
-                                   _EngineHook)
+        trainable = self._trainable()
+        rows = options.embedding_rows
+        if rows and not options.embedding_rows_given and any(p.is_cuda for p in trainable):
+            # on a GPU the rows' count is read on the host (which then waits for the device) and NCCL's dense
+            # all-reduce is fast: rows only where asked for
+            rows = False
+        self.tied = TiedEmbeddings(model, {id(p) for p in trainable} if rows else set(), _EngineHook)
         self._register_module_hooks()
         self._hook_new_params()
+
+    def _low_precision(self) -> bool:
+        from .comm_hooks import LOW_PRECISION
+
+        return any(p.dtype in LOW_PRECISION for g in self.optimizer.param_groups for p in g["params"])
 
     # ------------------------------------------------------------------ hooks
     def _trainable(self) -> List[torch.nn.Parameter]:
@@ -783,12 +795,14 @@ class Executor:
         regions = [op.piece.region(op.spec.result) for op in self._checked_at_step]
         judge = not scaler_checked and self.options.nonfinite != "ignore"
         agreed = self._share_meta(r.step, judge and self._local_nonfinite()) if self.sharding is not None else None
-        for b in (range(len(self.buckets)) if self.sharding is not None else self._updates_at.get(STEP, ())):
-            self.checks.check_tags(self.buckets[b], r.step)
+        # the step tags and this rank's non-finite count in one read from the device
+        count = self._nonfinite_count() if judge and agreed is None else None
+        tagged = range(len(self.buckets)) if self.sharding is not None else self._updates_at.get(STEP, ())
+        count = self.checks.check_tags_of([self.buckets[b] for b in tagged], r.step, extra=count)
         if judge:
             sharded = any(op.spec.result == "shard" for op in self._checked_at_step)
             skip = self.checks.nonfinite(regions, sharded, self.buckets, r.step, own=self._own_gradient_buckets,
-                                         agreed=agreed, local=None if agreed is not None else self._local_nonfinite())
+                                         agreed=agreed, local=None if agreed is not None else bool(count))
         if self.profile.recording:
             self.profile.share(self.control, self.issuer.reduction_services(), r.step)
         self.forwards = 0
@@ -812,7 +826,12 @@ class Executor:
         self.timeline.span("step", "update", t0)
 
     def _local_nonfinite(self) -> bool:
-        """Whether this rank's averaged gradients due by ``step()`` hold inf or NaN.  Where the averaging pass
+        count = self._nonfinite_count()
+        return count is not None and bool(count > 0)
+
+    def _nonfinite_count(self):
+        """How many of this rank's regions due by ``step()`` hold inf or NaN, as a device scalar nobody has read
+        yet (None: nothing to check), so that the caller reads it with the step tags, once.  Where the averaging pass
         flagged a region (:meth:`Issuer._average`) and nothing can have written to it since, its flag answers;
         any other region is summed.  Written since: by clipping or ``unscale_`` (``round.written``), by adding a
         tied weight's second gradient, or by the user's code where ``p.grad`` holds the average when backward
@@ -829,11 +848,12 @@ class Executor:
                 flags.append(op.nonfinite)
             else:
                 summed.append(op.piece.region(op.spec.result))
+        count = self.checks.nonfinite_count(summed)
         if flags:
             device = flags[0].device
-            if bool(torch.cat([f.to(device) for f in flags]).sum() > 0):
-                return True
-        return self.checks.local_nonfinite(summed)
+            flagged = (torch.cat([f.to(device).reshape(-1) for f in flags]) > 0).sum()
+            count = flagged if count is None else count + flagged.to(count.device)
+        return count
 
     def _check_gradient_writes(self) -> None:
         """Gradients changed between backward() and step() must not be changed behind the engine's back."""

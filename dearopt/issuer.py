@@ -162,8 +162,13 @@ class Issuer:
             return True
         return False
 
+    def _hook_for(self, dtype: torch.dtype) -> Optional[CommHook]:
+        hook = self.hook
+        return None if hook is None or hook.passes_through(dtype) else hook
+
     def _start(self, op: OpState) -> None:
-        spec, piece, hook = op.spec, op.piece, self.hook
+        spec, piece = op.spec, op.piece
+        hook = self._hook_for(piece.full.dtype)
         where = dict(bucket=spec.bucket, step=self.step)
         backend = self.backend
         if spec.reduces:
@@ -285,7 +290,7 @@ class Issuer:
             self.sparse.complete(op.ctx, piece.full, piece.bucket.spec.grad_numel)
         elif spec.kind == ALL_GATHER and piece.gather_full is not None:
             pass  # the parameters are in place
-        elif self.hook is not None:
+        elif self._hook_for(piece.full.dtype) is not None:
             wire_full, wire_shard = piece.wire(self.hook.wire_dtype(piece.full.dtype))
             wire, whole = (wire_shard, piece.shard) if spec.result == "shard" else (wire_full, piece.full)
             n = result.numel()

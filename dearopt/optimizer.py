@@ -139,7 +139,9 @@ class DistOptim(torch.optim.Optimizer):
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
         nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"`` for non-finite averaged gradients.
         check_agreement: check that all ranks are at the same step (folded into the buckets' messages).
-        comm_hook: how gradients travel: ``None`` (as they are), ``"fp16"``, ``"bf16"``, a
+        comm_hook: how gradients travel: ``"auto"`` (default: bfloat16 and float16 gradients summed in
+            float32, :class:`dearopt.comm_hooks.ReduceInFloat32`; others as they are), ``None`` (every
+            gradient as it is: a bfloat16 model reduces in bfloat16, less memory), ``"fp16"``, ``"bf16"``, a
             :class:`dearopt.CommHook`, or a :class:`dearopt.Sparsify` (DEFT's top-k with error feedback under
             ``wfbp``/``dear``; not exact; see :mod:`dearopt.sparsify`); the same on every rank.
         debug: compare parameter checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
@@ -184,7 +186,7 @@ class DistOptim(torch.optim.Optimizer):
                  priority: bool = False, link_check_every: Union[int, str, None] = "auto",
                  backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
                  broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
-                 comm_hook=None, timeline: Optional[str] = None, debug: bool = False, tuner=None,
+                 comm_hook="auto", timeline: Optional[str] = None, debug: bool = False, tuner=None,
                  tuning_steps: int = 10, profile=None, deft_schedule=None, preserver=True, deft_links: int = 1,
                  deft_apply: str = "bucket", backend=None):
         _check_arguments(optimizer, model)

@@ -45,7 +45,9 @@ class Options:
     [0, 1]: the buckets from the output side holding that fraction of the bytes (0: DeAR as in the paper)."""
 
     embedding_rows: Optional[bool] = None
-    """Default (None): on, unless ``shard_optimizer`` or ``schedule="deft"``.  Reduce each ``nn.Embedding``
+    """Default (None): on for parameters on the CPU, unless ``shard_optimizer`` or ``schedule="deft"``; off for
+    parameters on a GPU (the rows' count must be read on the host, which would wait for the device every step,
+    and NCCL's dense all-reduce is fast; pass True to have rows there too).  Reduce each ``nn.Embedding``
     weight as the rows its lookups touched (all ranks' rows all-gathered,
     a dense all-reduce when they are not few), and a tied use of it (a decoder sharing the word
     embedding) as a gradient of its own, added before the update (:mod:`dearopt.tied`).  Exact either way."""
@@ -162,6 +164,7 @@ class Options:
         if policy.delays_updates and self.embedding_rows:
             raise ValueError(f"schedule={self.schedule!r} reduces embeddings densely (a tied weight's two "
                              f"gradients are one); leave embedding_rows unset")
+        object.__setattr__(self, "embedding_rows_given", self.embedding_rows is not None)  # not a field
         if self.embedding_rows is None:
             object.__setattr__(self, "embedding_rows", not (self.shard_optimizer or policy.delays_updates))
         every = self.link_check_every

@@ -15,8 +15,9 @@ variant, and the memory still held when a variant starts is reported as
 
 Variants: ``plain`` (torch, no communication), ``ddp``
 (``DistributedDataParallel``, ``gradient_as_bucket_view=True``), and any
-dearopt schedule name (``dear``, ``wfbp``, ``rsag``, ...), ``dear-sharded``
-(``shard_optimizer=True``).
+dearopt schedule name (``dear``, ``wfbp``, ``rsag``, ...), ``<schedule>-sharded``
+(``shard_optimizer=True``), ``<schedule>-native`` (``comm_hook=None``: a
+bfloat16 model reduced in bfloat16 instead of float32).
 """
 
 from __future__ import annotations
@@ -51,23 +52,24 @@ def _tensor_bytes(tensors) -> int:
 
 def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, float]:
     """MiB by kind of buffer: parameters, gradients outside the engine's buckets, the engine's buckets (full
-    buffers, shards, wire and gather buffers), optimizer state."""
+    buffers), shards (and the sharded update's gather buffers), a comm hook's wire buffers, optimizer state."""
     params = list({id(p): p for p in model.parameters()}.values())
     out = {"parameters": _mib(_tensor_bytes(params))}
-    bucket_ptrs, buckets, shards = set(), [], []
+    bucket_ptrs, buckets, shards, wire = set(), [], [], []
     executor = getattr(dist_opt, "_executor", None)
     for b in getattr(executor, "buckets", None) or []:
         buckets.append(b.buffer)
         bucket_ptrs.add(b.buffer.untyped_storage().data_ptr())
         shards.append(b.shard)
         for piece in b.pieces:
-            shards += [t for t in (piece.wire_full, piece.wire_shard, piece.gather_full, piece.gather_shard)
-                       if t is not None]
+            shards += [t for t in (piece.gather_full, piece.gather_shard) if t is not None]
+            wire += [t for t in (piece.wire_full, piece.wire_shard) if t is not None]
     grads = [p.grad for p in params if p.grad is not None
              and p.grad.untyped_storage().data_ptr() not in bucket_ptrs]
     out["gradients"] = _mib(_tensor_bytes(grads))
     out["buckets"] = _mib(_tensor_bytes(buckets))
     out["shards"] = _mib(_tensor_bytes(shards))
+    out["wire"] = _mib(_tensor_bytes(wire))  # a comm hook's buffers (bf16 reduced in float32)
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     out["optimizer state"] = _mib(_tensor_bytes(state))
     return out
@@ -90,8 +92,9 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
     else:
         base = 0
     workload = build(args.model, args.batch_size, args.size, seed=args.seed)
-    model = workload.model.to(device)
-    batches = [tuple(t.to(device) for t in workload.make_batch(s)) for s in range(2)]
+    model = workload.model.to(device=device, dtype=args.dtype)
+    batches = [tuple(t.to(device=device, dtype=args.dtype) if t.is_floating_point() else t.to(device)
+                     for t in workload.make_batch(s)) for s in range(2)]
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt, wrapped = inner, model
     if variant == "ddp":
@@ -100,8 +103,9 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
                                           gradient_as_bucket_view=True)
     elif variant != "plain":
-        kwargs = {"shard_optimizer": True} if variant == "dear-sharded" else {}
-        opt = dearopt.DistOptim(inner, model, schedule="dear" if variant == "dear-sharded" else variant, **kwargs)
+        schedule, _, how = variant.partition("-")
+        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "": {}}[how]
+        opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
 
     def step(i):
         x, y = batches[i % len(batches)]
@@ -132,11 +136,32 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
         row["peak_mib"] = _mib(torch.cuda.max_memory_allocated(device))
         row["end_mib"] = _mib(torch.cuda.memory_allocated(device))
     row["breakdown"] = breakdown(model, inner, opt if opt is not inner else None)
+    if cuda:
+        row["syncs_per_step"], row["sync_sites"] = _count_syncs(step, args.iterations, device)
     if opt is not inner:
         opt.close()
     del opt, inner, model, wrapped, batches, workload
     gc.collect()
     return row
+
+
+def _count_syncs(step, first: int, device, steps: int = 3):
+    """Host-device synchronizations per step (torch.cuda.set_sync_debug_mode) and the lines that cause them."""
+    import collections
+    import warnings
+
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for i in range(steps):
+                step(first + i)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    synced = [w for w in caught if "synchroniz" in str(w.message)]
+    sites = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in synced)
+    return len(synced) / steps, [f"{site} x{n / steps:g}" for site, n in sites.most_common(8)]
 
 
 def _profile_and_predict(args, device: torch.device, ranks: List[int], link: str, latency: float) -> List[dict]:
@@ -188,7 +213,7 @@ def child(args) -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
     dearopt.init()  # joins the process group above
-    out = {"model": args.model, "device": str(device), "rows": []}
+    out = {"model": args.model, "device": str(device), "dtype": str(args.dtype).replace("torch.", ""), "rows": []}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     for variant in args.variants.split(","):
@@ -211,7 +236,7 @@ def table(doc: dict) -> str:
     plain = next((r for r in rows if r["variant"] == "plain" and "error" not in r), None)
     ddp = next((r for r in rows if r["variant"] == "ddp" and "error" not in r), None)
     cuda = any("peak_mib" in r for r in rows)
-    head = f"{doc['model']} on {doc.get('gpu', doc['device'])}, world size 1"
+    head = f"{doc['model']} ({doc.get('dtype', 'float32')}) on {doc.get('gpu', doc['device'])}, world size 1"
     lines = [head, f"{'variant':<14}{'ms/iter':>9}{'host ms':>9}{'vs plain':>10}" +
              (f"{'peak MiB':>10}{'vs ddp':>8}" if cuda else "") + "  breakdown MiB"]
     for r in rows:
@@ -225,6 +250,10 @@ def table(doc: dict) -> str:
             line += f"{r['peak_mib']:10.0f}{ratio:>8}"
         parts = ", ".join(f"{k} {v:.0f}" for k, v in r["breakdown"].items() if v >= 0.5)
         lines.append(line + "  " + parts)
+        if r.get("sync_sites"):
+            lines.append(f"{'':14}{r['syncs_per_step']:g} host-device syncs per step: " + "; ".join(r["sync_sites"]))
+        elif "syncs_per_step" in r:
+            lines.append(f"{'':14}no host-device sync in a step")
     for p in doc.get("predictions", []):
         lines.append(f"predicted on {p['ranks']} GPUs at {p['link']}: DDP (as wfbp) {p['ddp (as wfbp)']:.1f} ms, "
                      f"dear {p['dear']:.1f} ms per iteration")
@@ -258,6 +287,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first (dear profiles steps 1-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's parameters (bfloat16: dear reduces in float32 by default; the variant "
+                        "dear-native reduces in bfloat16)")
     p.add_argument("--profile", action="store_true", help="record a sim profile; predict 8 and 64 GPUs")
     p.add_argument("--link", default="100gbit")
     p.add_argument("--latency", type=float, default=1e-5, help="seconds per collective step in the prediction")
@@ -270,6 +302,7 @@ def parse_args(argv=None):
         args.batch_size = args.batch_size or shape[0]
         args.size = args.size or shape[1]
     args.argv = None
+    args.dtype = getattr(torch, args.dtype)
     return args
 
 
@@ -285,7 +318,8 @@ def main(argv=None) -> int:
     if doc is None:
         return 1
     if args.out:
-        with open(os.path.join(args.out, f"result-{args.model}.json"), "w") as f:
+        suffix = "" if args.dtype == torch.float32 else "-" + str(args.dtype).replace("torch.", "")
+        with open(os.path.join(args.out, f"result-{args.model}{suffix}.json"), "w") as f:
             json.dump(doc, f, indent=1)
     print(table(doc))
     return 0 if all("error" not in r for r in doc["rows"]) else 1

@@ -1,0 +1,92 @@
+"""bfloat16 models: gradients summed over ranks in float32 by default (comm_hook="auto"), in bfloat16 with
+comm_hook=None; against a hand computation of each: every rank's own bfloat16 gradient (computed here on its
+shard, as the rank does), summed in float32 and rounded once, averaged as the engine does (times 1/world in
+float32, rounded), applied by SGD."""
+
+import pytest
+import torch
+
+import dearopt
+from harness import run_workers
+from models import global_batch, loss_fn, make_model, shard
+
+LR = 0.5
+
+
+def _bf16_model():
+    return make_model("mlp").to(torch.bfloat16)
+
+
+def _train(comm_hook, schedule):
+    rank, world = dearopt.rank(), dearopt.size()
+    model = _bf16_model()
+    kwargs = {} if comm_hook == "default" else {"comm_hook": comm_hook}
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=LR), model, schedule=schedule, buffer_size=64,
+                            **kwargs)
+    x, y = global_batch(0, "mlp")
+    loss_fn("mlp", model(shard(x, rank, world).bfloat16()), shard(y, rank, world).bfloat16()).backward()
+    opt.step()
+    opt.synchronize()
+    wire = sorted({str(p.wire_full.dtype) for b in opt._executor.buckets for p in b.pieces if p.wire_full is not None})
+    out = [p.detach().clone() for p in model.parameters()], wire
+    opt.close()
+    return out
+
+
+def _expected(world, sum_dtype):
+    """Parameters after one SGD step on the average of the ranks' bfloat16 gradients summed in ``sum_dtype``."""
+    x, y = global_batch(0, "mlp")
+    grads = []
+    for r in range(world):
+        model = _bf16_model()
+        loss_fn("mlp", model(shard(x, r, world).bfloat16()), shard(y, r, world).bfloat16()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model = _bf16_model()
+    inverse = torch.tensor(1.0 / world, dtype=torch.float32)
+    out = []
+    for i, p in enumerate(model.parameters()):
+        total = torch.zeros_like(p, dtype=sum_dtype)
+        for g in grads:
+            total += g[i].to(sum_dtype)
+        average = (total.to(torch.bfloat16).float() * inverse).to(torch.bfloat16)
+        out.append(p.detach().clone().add_(average, alpha=-LR))
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["dear", "wfbp"])
+def test_bf16_gradients_are_summed_in_float32_by_default(schedule):
+    world = 3
+    outcomes = run_workers(_train, world, "default", schedule, timeout=150)
+    want = _expected(world, torch.float32)
+    for o in outcomes:
+        params, wire = o.value
+        assert wire == ["torch.float32"], wire
+        for i, (got, w) in enumerate(zip(params, want)):
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, w), f"parameter {i}: {(got.float() - w.float()).abs().max()}"
+
+
+@pytest.mark.timeout(180)
+def test_comm_hook_none_reduces_in_bf16_without_wire_buffers():
+    outcomes = run_workers(_train, 2, None, "dear", timeout=150)
+    want = _expected(2, torch.bfloat16)  # two ranks: one addition, the same in either order
+    for o in outcomes:
+        params, wire = o.value
+        assert wire == []
+        for got, w in zip(params, want):
+            assert torch.equal(got, w)
+
+
+def _float32_hook():
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    hook = opt._executor.comm_hook
+    opt.close()
+    return hook is None
+
+
+@pytest.mark.timeout(60)
+def test_float32_models_get_no_hook_by_default():
+    """The default leaves a float32 model's buckets as they were (no wire buffers, the plan's hook is 'none')."""
+    assert run_workers(_float32_hook, 1, timeout=50)[0].value is True
