@@ -58,7 +58,7 @@ class Checks:
                 host = torch.tensor(bucket.used, dtype=bucket.flags.dtype, pin_memory=on_gpu)
                 bucket.flags.copy_(host, non_blocking=on_gpu)
             bucket.tags.zero_()
-            bucket.tags[self.rank] = tag
+            bucket.tags[self.rank:self.rank + 1].fill_(tag)  # a fill: `tags[rank] = tag` copies from the host
             bucket.meta_written = True
             bucket.mark_seen()
 
@@ -119,10 +119,11 @@ class Checks:
             return False
         if agreed is None:
             found = self.local_nonfinite(regions) if local is None else local
-            flag = torch.tensor([1.0 if found else 0.0], device=self.device)
-            if sharded and self.world > 1:
+            if sharded and self.world > 1:  # each rank checked its own shards: every rank must learn the answer
+                flag = torch.full((1,), 1.0 if found else 0.0, device=self.device)
                 self.control.all_reduce(flag, "max", step=step).wait()
-            agreed = float(flag) > 0
+                found = float(flag) > 0
+            agreed = found
         if not agreed:
             return False
         if policy == "skip":

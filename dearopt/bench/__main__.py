@@ -127,6 +127,10 @@ def rerender(directory: str) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--memory" in argv:  # peak memory per rank and its breakdown (dearopt.bench.memory)
+        from .memory import main as memory_main
+
+        return memory_main(argv)
     args = parse_args(argv)
     if args.markdown:  # tables for docs/benchmarks.md from finished runs
         from . import report

@@ -1,0 +1,143 @@
+"""Peak memory per rank of each schedule beside DDP's, with a breakdown by kind of buffer.
+
+    python -m dearopt.bench --memory                         (BERT-Base, 2 CPU ranks, AdamW, 6 steps)
+    python -m dearopt.bench --memory --model tiny --steps 3  (a smoke run)
+
+Each configuration runs in processes of its own (so that one's peak cannot
+hide in another's): on the CPU the peak resident set (``ru_maxrss``) of each
+rank (CUDA at world size 1: ``python -m dearopt.bench.single``, which
+``scripts/gpu_check`` runs).  The breakdown (MiB, rank
+0, after the last step): parameters, gradients outside the engine's buckets
+(DDP's own buckets are views of them), the engine's buckets, shards (and the
+sharded update's gather buffers), a comm hook's wire buffers, the backend's
+workspace (gloo's reduce-scatter receive buffers), optimizer state.
+Variants as in :mod:`dearopt.bench.single` (``ddp`` is DDP with
+``gradient_as_bucket_view=True``; ``ddp-copy`` without).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+from typing import List
+
+import torch
+
+DEFAULT_VARIANTS = "ddp,wfbp,dear,dear-sharded"
+
+
+def _workspace_mib(dist_opt) -> float:
+    executor = getattr(dist_opt, "_executor", None)
+    seen, total = set(), 0
+    for backend in (getattr(executor, "backend", None), getattr(executor, "control", None)):
+        for t in getattr(backend, "_workspace", {}).values():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+    return total / 2**20
+
+
+def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: str) -> dict:
+    import dearopt
+
+    from .models import build
+    from .single import breakdown
+
+    rank = dearopt.rank()
+    device = torch.device("cuda", dearopt.local_rank()) if device_kind == "cuda" else torch.device("cpu")
+    workload = build(model_name, batch, size, seed=0)
+    model = workload.model.to(device)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt, wrapped = inner, model
+    if variant.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                          gradient_as_bucket_view=variant == "ddp")
+    else:
+        schedule, _, how = variant.partition("-")
+        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "": {}}[how]
+        opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
+    for step in range(steps):
+        x, y = (t.to(device) for t in workload.make_batch(1000 * step + rank))
+        opt.zero_grad(set_to_none=True)
+        workload.loss(wrapped(x), y).backward()
+        opt.step()
+    if opt is not inner:
+        opt.synchronize()
+    row = {"variant": variant, "rank": rank,
+           "breakdown": breakdown(model, inner, opt if opt is not inner else None)}
+    row["breakdown"]["workspace"] = _workspace_mib(opt) if opt is not inner else 0.0
+    if device.type == "cuda":
+        row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        row["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if opt is not inner:
+        opt.close()
+    return row
+
+
+def measure(variants: List[str], model: str, ranks: int, steps: int, batch=None, size=None,
+            device: str = "cpu", timeout: float = 1800) -> List[dict]:
+    """One row per variant: its peak (the largest over ranks) and rank 0's breakdown."""
+    from .spawn import spawn
+
+    rows = []
+    for variant in variants:
+        try:
+            per_rank = spawn(_rank, ranks, variant, model, steps, batch, size, device, timeout=timeout)
+            row = dict(per_rank[0], peak_mib=max(r["peak_mib"] for r in per_rank))
+        except Exception as exc:  # one variant's failure is reported; the others still run
+            row = {"variant": variant, "error": str(exc).strip().splitlines()[-1][:300]}
+        rows.append(row)
+        print(f"  {variant}: " + (f"{row['peak_mib']:.0f} MiB" if "error" not in row else row["error"]),
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows: List[dict], title: str) -> str:
+    ddp = next((r for r in rows if r["variant"] == "ddp" and "error" not in r), None)
+    kinds = ["parameters", "gradients", "buckets", "shards", "wire", "workspace", "optimizer state"]
+    lines = [title, f"{'variant':<14}{'peak MiB':>9}{'vs ddp':>8}" + "".join(f"{k:>16}" for k in kinds)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:<14}FAILED: {r['error']}")
+            continue
+        ratio = f"{r['peak_mib'] / ddp['peak_mib']:.3f}" if ddp else "-"
+        lines.append(f"{r['variant']:<14}{r['peak_mib']:9.0f}{ratio:>8}" +
+                     "".join(f"{r['breakdown'].get(k, 0.0):16.1f}" for k in kinds))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dearopt.bench --memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="bert", choices=("resnet50", "bert", "tiny"))
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--size", type=int, default=None)
+    p.add_argument("--device", default="cpu", choices=("cpu",),
+                   help="CPU ranks on gloo (on a GPU: python -m dearopt.bench.single, world size 1)")
+    p.add_argument("--out", default=None, help="write memory.json here")
+    args = p.parse_args(argv)
+    rows = measure(args.variants.split(","), args.model, args.ranks, args.steps, args.batch_size, args.size,
+                   args.device)
+    title = (f"{args.model}, {args.ranks} ranks on {args.device}, AdamW, {args.steps} steps: peak memory per rank "
+             f"and rank 0's buffers (MiB)")
+    print(table(rows, title))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "memory.json"), "w") as f:
+            json.dump({"title": title, "rows": rows}, f, indent=1)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
