@@ -48,7 +48,7 @@ import re
 import threading
 import time
 import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -542,7 +542,9 @@ class TorchDistBackend(CollectiveBackend):
     """
 
     name = "torch"
-    WORKSPACE_ENTRIES = 512
+    workspace_bytes = 64 * 2**20
+    """gloo: the reduce-scatters' receive buffers and the all-gathers' send buffers, in flight and kept for reuse,
+    at most this many bytes together (or twice the largest op's, if that is more)."""
 
     def __init__(self, rank: int, size: int, timeout: float, group=None, owns_group: bool = True):
         super().__init__(rank, size, timeout)
@@ -550,7 +552,8 @@ class TorchDistBackend(CollectiveBackend):
         self._owns_group = owns_group
         self.pg_backend = dist.get_backend(group)
         self.name = f"torch-{self.pg_backend}"
-        self._workspace: Dict[tuple, torch.Tensor] = {}
+        self._workspace: Dict[tuple, List[torch.Tensor]] = {}  # spare receive buffers by (numel, dtype)
+        self._in_flight: Dict[int, tuple] = {}  # id(handle) -> (handle, receive buffer bytes), oldest first
         self._use_all_to_all = self.pg_backend == "gloo"
         self.host_waits = self.pg_backend == "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
@@ -634,9 +637,7 @@ class TorchDistBackend(CollectiveBackend):
         self._workspace.clear()
 
     def release_workspace(self) -> None:
-        """The reduce-scatters' receive buffers (one per bucket piece, each as large as the piece's gradient):
-        without this, each buffer-size trial of the tuner left a whole model's worth behind (BERT-Base: about
-        0.5 GiB per re-plan, out of memory after some twenty)."""
+        """The spare receive buffers of the reduce-scatters (sized for the old buckets)."""
         self._workspace.clear()
 
     def reduce_scatter(self, out_shard, in_full, **where) -> Handle:
@@ -650,22 +651,40 @@ class TorchDistBackend(CollectiveBackend):
             return self._then(self.reduce_scatter(wide_out, wide_in, **where), narrow)
         if not self._use_all_to_all:
             return self._start("reduce_scatter", where, dist.reduce_scatter_tensor, out_shard, in_full)
-        # The receive buffer is keyed by the output shard so that several
-        # reduce-scatters may be in flight at once without sharing memory; the
-        # cache is bounded (an evicted buffer lives on while its op needs it).
-        key = ("rs", out_shard.data_ptr(), in_full.numel(), in_full.dtype)
-        recv = self._workspace.pop(key, None)
-        if recv is None:
-            recv = torch.empty_like(in_full)
-        self._workspace[key] = recv
-        while len(self._workspace) > self.WORKSPACE_ENTRIES:
-            self._workspace.pop(next(iter(self._workspace)))
+        recv = self._workspace_like(in_full)
         chunks = recv.view(self.size, out_shard.numel())
 
         def finish():
             torch.sum(chunks, dim=0, out=out_shard)
+            self._in_flight.pop(id(handle), None)
+            self._spare(recv)
 
-        return self._start("reduce_scatter", where, dist.all_to_all_single, recv, in_full, finish=finish)
+        handle = self._start("reduce_scatter", where, dist.all_to_all_single, recv, in_full, finish=finish)
+        self._in_flight[id(handle)] = (handle, recv.numel() * recv.element_size())
+        return handle
+
+    def _workspace_like(self, full: torch.Tensor) -> torch.Tensor:
+        """gloo: a buffer as large as ``full`` for a reduce-scatter's receive or an all-gather's send, within
+        :attr:`workspace_bytes` for all of them together: past it, the oldest such ops in flight are waited for
+        first (gloo runs one op at a time in issue order, so the link stays busy with the ones behind them) and
+        their buffers reused."""
+        in_full = full
+        need = in_full.numel() * in_full.element_size()
+        budget = max(self.workspace_bytes, 2 * need)
+        while self._in_flight and sum(n for _, n in self._in_flight.values()) + need > budget:
+            oldest, _ = next(iter(self._in_flight.values()))
+            oldest.wait()  # runs its finish: sums into its shard, spares its buffer
+        key = (in_full.numel(), in_full.dtype)
+        spare = self._workspace.get(key)
+        if spare:
+            return spare.pop()
+        return torch.empty_like(in_full)
+
+    def _spare(self, recv: torch.Tensor) -> None:
+        """Keep a finished reduce-scatter's buffer for the next of its size, within the budget."""
+        kept = sum(t.numel() * t.element_size() for ts in self._workspace.values() for t in ts)
+        if kept + recv.numel() * recv.element_size() <= max(self.workspace_bytes, recv.numel() * recv.element_size()):
+            self._workspace.setdefault((recv.numel(), recv.dtype), []).append(recv)
 
     def all_gather(self, out_full, in_shard, **where) -> Handle:
         self._check_open("all_gather", where)
@@ -676,7 +695,22 @@ class TorchDistBackend(CollectiveBackend):
         (wide_out, wide_in), narrow = self._widened([out_full, in_shard])
         if narrow is not None:
             return self._then(self.all_gather(wide_out, wide_in, **where), narrow)
-        return self._start("all_gather", where, _all_gather_flat, out_full, in_shard)
+        if not self._use_all_to_all:
+            return self._start("all_gather", where, _all_gather_flat, out_full, in_shard)
+        # gloo's all-gather copies through a temporary as large as the output, made when the op is issued and kept
+        # while it waits its turn: with a model's all-gathers issued at once that is a whole model's worth.  An
+        # all-to-all of the shard sent to every rank writes the output in place, from a send buffer of the
+        # bounded workspace (the same bytes on the link).
+        send = self._workspace_like(out_full)
+        send.view(self.size, -1).copy_(in_shard.view(1, -1).expand(self.size, -1))
+
+        def finish():
+            self._in_flight.pop(id(handle), None)
+            self._spare(send)
+
+        handle = self._start("all_gather", where, dist.all_to_all_single, out_full, send, finish=finish)
+        self._in_flight[id(handle)] = (handle, send.numel() * send.element_size())
+        return handle
 
     def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
         self._check_open("all_reduce", where)

@@ -33,7 +33,7 @@ def _train_tuned(opt_name, schedule, knob_names):
             plan = opt.plan
         executor = opt._executor
         current = [weakref.ref(b.buffer) for b in executor.buckets] + [
-            weakref.ref(t) for t in getattr(executor.backend, "_workspace", {}).values()]
+            weakref.ref(t) for kept in getattr(executor.backend, "_workspace", {}).values() for t in kept]
     opt.synchronize()
     kept = sum(ref() is not None for ref in old)  # a re-plan frees the old buckets' buffers and workspaces
     return [p.detach().clone() for p in model.parameters()], plans, opt.tuning.history, opt.tuning.finished, kept

@@ -245,3 +245,32 @@ def test_an_op_named_by_its_caller_fails_with_a_named_error_not_a_key_error():
     handle = _TorchHandle(backend, Work(), "all_gather", {"op": "check_model", "step": 3})
     with pytest.raises(dearopt.PeerLostError, match=r"check_model.*\[rank 1, op check_model, step 3\]"):
         handle.wait()
+
+
+def _many_reduce_scatters_in_a_small_workspace():
+    backend = dearopt.get_backend()
+    rank, world = dearopt.rank(), dearopt.size()
+    backend.workspace_bytes = 3 * 4000 * 4  # three receive buffers of 4000 floats
+    fulls = [torch.arange(4000.0) * (k + 1) + rank for k in range(12)]
+    shards = [torch.empty(4000 // world) for _ in fulls]
+    handles, most = [], 0
+    for full, shard in zip(fulls, shards):
+        handles.append(backend.reduce_scatter(shard, full, bucket=len(handles)))
+        most = max(most, sum(n for _, n in backend._in_flight.values()))
+    for h in handles:
+        h.wait()
+    kept = sum(t.numel() * 4 for ts in backend._workspace.values() for t in ts)
+    return shards, most, kept, backend.workspace_bytes
+
+
+@pytest.mark.timeout(60)
+def test_gloo_reduce_scatter_workspace_is_bounded():
+    """Twelve reduce-scatters issued at once: the receive buffers in flight and kept stay within the budget (the
+    oldest are waited for first), and every sum is right."""
+    world = 2
+    for o in run_workers(_many_reduce_scatters_in_a_small_workspace, world, init_kwargs={"backend": "gloo"}):
+        shards, most, kept, budget = o.value
+        assert most <= budget and kept <= budget
+        for k, shard in enumerate(shards):
+            total = sum(torch.arange(4000.0) * (k + 1) + r for r in range(world))
+            torch.testing.assert_close(shard, total.chunk(world)[o.rank])

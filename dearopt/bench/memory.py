@@ -33,7 +33,7 @@ def _workspace_mib(dist_opt) -> float:
     executor = getattr(dist_opt, "_executor", None)
     seen, total = set(), 0
     for backend in (getattr(executor, "backend", None), getattr(executor, "control", None)):
-        for t in getattr(backend, "_workspace", {}).values():
+        for t in (t for kept in getattr(backend, "_workspace", {}).values() for t in kept):
             ptr = t.untyped_storage().data_ptr()
             if ptr not in seen:
                 seen.add(ptr)
@@ -60,7 +60,8 @@ def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: s
                                           gradient_as_bucket_view=variant == "ddp")
     else:
         schedule, _, how = variant.partition("-")
-        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "": {}}[how]
+        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
+                  "": {}}[how]
         opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
     for step in range(steps):
         x, y = (t.to(device) for t in workload.make_batch(1000 * step + rank))

@@ -104,7 +104,8 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
                                           gradient_as_bucket_view=True)
     elif variant != "plain":
         schedule, _, how = variant.partition("-")
-        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "": {}}[how]
+        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
+                  "": {}}[how]
         opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
 
     def step(i):
