@@ -58,6 +58,7 @@ class BucketState:
                  n_groups: int, world: int, rank: int):
         self.spec = spec
         self.index = spec.index
+        self.group_of, self.n_groups = tuple(group_of), n_groups  # the optimizer's groups it was made for
         self.params = params
         self.names = names
         self.buffer = torch.zeros(spec.padded_numel, dtype=params[0].dtype, device=params[0].device)

@@ -260,8 +260,8 @@ class DelayedExecutor(Executor):
         self._loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
 
     # --------------------------------------------------------------- plan
-    def _build_plan(self, trainable=None) -> None:
-        super()._build_plan(trainable)
+    def _build_plan(self, trainable=None, reuse=()) -> set:
+        kept = super()._build_plan(trainable)  # new buckets always: the schedule's state is per bucket
         self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(self.plan)
@@ -276,6 +276,7 @@ class DelayedExecutor(Executor):
                              f"{len(self.buckets)}{pieces} (buffer_size and partition_size decide them)")
         if self._loaded is not None:
             self._restore(self._loaded)
+        return kept
 
     @property
     def iteration(self) -> DeftIteration:

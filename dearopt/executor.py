@@ -31,7 +31,7 @@ import logging
 import math
 import time
 import weakref
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple, Union
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -360,9 +360,11 @@ class Executor:
             b.copy_(flat[start:start + nbytes].view(b.dtype).view_as(b))
 
     # ------------------------------------------------------------- planning
-    def _build_plan(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> None:
-        """Plan for ``trainable`` (by default :meth:`_trainable`; a re-plan passes the set it saw before it took
-        the gradients out of the old buckets)."""
+    def _build_plan(self, trainable: Optional[List[torch.nn.Parameter]] = None,
+                    reuse: Sequence[BucketState] = ()) -> set:
+        """Plan for ``trainable`` (by default :meth:`_trainable`).  A re-plan passes the old buckets as ``reuse``:
+        one the new plan lays out alike (same spec, parameters and groups) is kept as it is; returns the ids of
+        those kept."""
         if self.recorder.recording:
             self._module_order = self.recorder.stop()
         trainable = self._trainable() if trainable is None else trainable
@@ -397,16 +399,24 @@ class Executor:
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 group_of_param.setdefault(id(p), gi)
-        self.buckets, self._where = [], {}
+        n_groups = len(self.optimizer.param_groups)
+        old = {(b.spec, tuple(map(id, b.params)), b.group_of, b.n_groups): b for b in reuse}
+        self.buckets, self._where, kept = [], {}, set()
         for spec in plan.buckets:
             params = [ordered[i] for i in spec.params]
-            state = BucketState(spec, params, [specs[i].name for i in spec.params],
-                                [group_of_param.get(id(p), -1) for p in params], len(self.optimizer.param_groups),
-                                self.world, self.rank)
-            for j, p in enumerate(params):
-                state.adopt(p, j)
-                state.sparse[j] = id(p) in self._sparse_ids
-                self._where[id(p)] = (state, j)
+            groups = tuple(group_of_param.get(id(p), -1) for p in params)
+            state = old.pop((spec, tuple(map(id, params)), groups, n_groups), None)
+            if state is not None:
+                kept.add(id(state))
+                for j, p in enumerate(params):
+                    self._where[id(p)] = (state, j)
+            else:
+                state = BucketState(spec, params, [specs[i].name for i in spec.params], list(groups), n_groups,
+                                    self.world, self.rank)
+                for j, p in enumerate(params):
+                    state.adopt(p, j)
+                    state.sparse[j] = id(p) in self._sparse_ids
+                    self._where[id(p)] = (state, j)
             self.buckets.append(state)
         self._module_bucket = {}
         for module in self.model.modules():
@@ -436,6 +446,7 @@ class Executor:
                     twin_bucket, k = self._where[id(twin)]
                     rows = [op.spec.due for op in self.issuer.ops if op.spec.bucket == owner_bucket.index]
                     self._combines.append((owner_bucket, j, twin_bucket, k, rows[-1]))
+        return kept
 
     def _specs(self, ordered: List[torch.Tensor]) -> List[ParamSpec]:
         position = {id(p): i for i, p in enumerate(ordered)}
@@ -609,24 +620,27 @@ class Executor:
             return
         if self.sharding is not None:  # the state back in the ordinary layout; the new buckets cut it anew
             self.sharding.release()
-        saved = {id(p): (self._gradient_of(b, j), b.used[j], b.has_grad[j], b.stamp[j])
-                 for b in self.buckets for j, p in enumerate(b.params)}
-        trainable = self._trainable()  # before the gradients are taken out: frozen ones that hold one stay
+        saved = {id(p): (b.used[j], b.has_grad[j], b.stamp[j]) for b in self.buckets for j, p in enumerate(b.params)}
+        trainable = self._trainable()
+        for b in self.buckets:  # each p.grad is its gradient: the old bucket's view, or what autograd gave it
+            for j, p in enumerate(b.params):
+                if not b.stale[j]:
+                    p.grad = b.views[j]
+        had = {id(p) for b in self.buckets for p in b.params if p.grad is not None}
+        # Buckets the new plan lays out alike (a change of the ops only: dear's all-reduced buckets, credit) are
+        # kept with their gradients; a new bucket takes each p.grad from the old view (no copy held aside).
+        kept = self._build_plan(trainable, reuse=self.buckets)
         for b in self.buckets:
-            for p in b.params:
-                p.grad = None
-        self._build_plan(trainable)
-        for b in self.buckets:
+            if id(b) in kept:
+                continue
             for j, (p, view) in enumerate(zip(b.params, b.views)):
                 if id(p) not in saved:  # newly trainable: _build_plan took its .grad, if any
                     continue
-                grad, b.used[j], b.has_grad[j], b.stamp[j] = saved[id(p)]
-                if grad is None:  # cleared by zero_grad(set_to_none=True), no gradient since
+                b.used[j], b.has_grad[j], b.stamp[j] = saved[id(p)]
+                if id(p) not in had:  # it had none: cleared by zero_grad(set_to_none=True), no gradient since
                     p.grad = None
                     b.stale[j] = True
                     continue
-                view.copy_(grad)
-                p.grad = view
                 # gradients already counted in the backward pass now running (a re-plan inside backward);
                 # at a step boundary the stamps belong to the finished pass and nothing is ready yet
                 b.ready += self.state is TrainingState.BACKWARD and b.stamp[j] == self.pass_id
