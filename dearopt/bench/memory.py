@@ -61,7 +61,7 @@ def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: s
     else:
         schedule, _, how = variant.partition("-")
         kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
-                  "": {}}[how]
+                  "dense": {"embedding_rows": False}, "": {}}[how]
         opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
     for step in range(steps):
         x, y = (t.to(device) for t in workload.make_batch(1000 * step + rank))

@@ -41,9 +41,11 @@ def _mib(nbytes: float) -> float:
     return nbytes / 2**20
 
 
-def _tensor_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:  # by storage: views of one buffer (DDP's gradient views, gathered parameters) count once
+def _tensor_bytes(tensors, seen=None) -> int:
+    """Bytes of the storages behind ``tensors``, each once (views of one buffer: DDP's gradient views, the sharded
+    update's parameters in its gather buffer); ``seen``: storages already counted in another kind."""
+    seen, total = (set() if seen is None else seen), 0
+    for t in tensors:
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()
@@ -54,7 +56,8 @@ def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, flo
     """MiB by kind of buffer: parameters, gradients outside the engine's buckets, the engine's buckets (full
     buffers), shards (and the sharded update's gather buffers), a comm hook's wire buffers, optimizer state."""
     params = list({id(p): p for p in model.parameters()}.values())
-    out = {"parameters": _mib(_tensor_bytes(params))}
+    seen = set()  # a storage counts in the first kind it belongs to
+    out = {"parameters": _mib(_tensor_bytes(params, seen))}
     bucket_ptrs, buckets, shards, wire = set(), [], [], []
     executor = getattr(dist_opt, "_executor", None)
     for b in getattr(executor, "buckets", None) or []:
@@ -66,12 +69,12 @@ def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, flo
             wire += [t for t in (piece.wire_full, piece.wire_shard) if t is not None]
     grads = [p.grad for p in params if p.grad is not None
              and p.grad.untyped_storage().data_ptr() not in bucket_ptrs]
-    out["gradients"] = _mib(_tensor_bytes(grads))
-    out["buckets"] = _mib(_tensor_bytes(buckets))
-    out["shards"] = _mib(_tensor_bytes(shards))
-    out["wire"] = _mib(_tensor_bytes(wire))  # a comm hook's buffers (bf16 reduced in float32)
+    out["gradients"] = _mib(_tensor_bytes(grads, seen))
+    out["buckets"] = _mib(_tensor_bytes(buckets, seen))
+    out["shards"] = _mib(_tensor_bytes(shards, seen))
+    out["wire"] = _mib(_tensor_bytes(wire, seen))  # a comm hook's buffers (bf16 reduced in float32)
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    out["optimizer state"] = _mib(_tensor_bytes(state))
+    out["optimizer state"] = _mib(_tensor_bytes(state, seen))
     return out
 
 
@@ -105,7 +108,7 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
     elif variant != "plain":
         schedule, _, how = variant.partition("-")
         kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
-                  "": {}}[how]
+                  "dense": {"embedding_rows": False}, "": {}}[how]
         opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
 
     def step(i):
