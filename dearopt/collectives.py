@@ -544,7 +544,7 @@ class TorchDistBackend(CollectiveBackend):
     name = "torch"
     workspace_bytes = 64 * 2**20
     """gloo: the reduce-scatters' receive buffers and the all-gathers' send buffers, in flight and kept for reuse,
-    at most this many bytes together (or twice the largest op's, if that is more)."""
+    at most this many bytes together (or one op's, if that is more)."""
 
     def __init__(self, rank: int, size: int, timeout: float, group=None, owns_group: bool = True):
         super().__init__(rank, size, timeout)
@@ -670,7 +670,7 @@ class TorchDistBackend(CollectiveBackend):
         their buffers reused."""
         in_full = full
         need = in_full.numel() * in_full.element_size()
-        budget = max(self.workspace_bytes, 2 * need)
+        budget = max(self.workspace_bytes, need)
         while self._in_flight and sum(n for _, n in self._in_flight.values()) + need > budget:
             oldest, _ = next(iter(self._in_flight.values()))
             oldest.wait()  # runs its finish: sums into its shard, spares its buffer
@@ -681,10 +681,17 @@ class TorchDistBackend(CollectiveBackend):
         return torch.empty_like(in_full)
 
     def _spare(self, recv: torch.Tensor) -> None:
-        """Keep a finished reduce-scatter's buffer for the next of its size, within the budget."""
+        """Keep a finished op's buffer for the next of its size (a new one costs its page faults again), within
+        the budget: the spares kept longest make room."""
+        size = recv.numel() * recv.element_size()
         kept = sum(t.numel() * t.element_size() for ts in self._workspace.values() for t in ts)
-        if kept + recv.numel() * recv.element_size() <= max(self.workspace_bytes, recv.numel() * recv.element_size()):
-            self._workspace.setdefault((recv.numel(), recv.dtype), []).append(recv)
+        while self._workspace and kept + size > max(self.workspace_bytes, size):
+            key = next(iter(self._workspace))
+            old = self._workspace[key].pop(0)
+            kept -= old.numel() * old.element_size()
+            if not self._workspace[key]:
+                del self._workspace[key]
+        self._workspace.setdefault((recv.numel(), recv.dtype), []).append(recv)
 
     def all_gather(self, out_full, in_shard, **where) -> Handle:
         self._check_open("all_gather", where)
