@@ -45,7 +45,7 @@ def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: s
     import dearopt
 
     from .models import build
-    from .single import breakdown
+    from .single import breakdown, variant_options
 
     rank = dearopt.rank()
     device = torch.device("cuda", dearopt.local_rank()) if device_kind == "cuda" else torch.device("cpu")
@@ -59,10 +59,7 @@ def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: s
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                           gradient_as_bucket_view=variant == "ddp")
     else:
-        schedule, _, how = variant.partition("-")
-        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
-                  "dense": {"embedding_rows": False}, "": {}}[how]
-        opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
+        opt = dearopt.DistOptim(inner, model, **variant_options(variant))
     for step in range(steps):
         x, y = (t.to(device) for t in workload.make_batch(1000 * step + rank))
         opt.zero_grad(set_to_none=True)

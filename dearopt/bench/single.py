@@ -17,7 +17,9 @@ Variants: ``plain`` (torch, no communication), ``ddp``
 (``DistributedDataParallel``, ``gradient_as_bucket_view=True``), and any
 dearopt schedule name (``dear``, ``wfbp``, ``rsag``, ...), ``<schedule>-sharded``
 (``shard_optimizer=True``), ``<schedule>-native`` (``comm_hook=None``: a
-bfloat16 model reduced in bfloat16 instead of float32).
+bfloat16 model reduced in bfloat16 instead of float32), ``<schedule>-fixed``
+(``allreduce=0.0``: no measured plan choice), ``<schedule>-dense``
+(``embedding_rows=False``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,18 @@ import torch
 
 DEFAULT_VARIANTS = "plain,ddp,wfbp,dear"
 GPU_SHAPES = {"resnet50": (32, 224), "bert": (8, 128), "tiny": (8, 16)}  # batch, image side or sequence length
+
+
+_SUFFIXES = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
+             "dense": {"embedding_rows": False}, "": {}}
+
+
+def variant_options(variant: str) -> dict:
+    """``DistOptim``'s arguments for a dearopt variant: ``<schedule>[-sharded|-native|-fixed|-dense]``."""
+    schedule, _, how = variant.partition("-")
+    if how not in _SUFFIXES:
+        raise ValueError(f"unknown variant {variant!r}: a schedule, optionally -{'/-'.join(k for k in _SUFFIXES if k)}")
+    return dict(_SUFFIXES[how], schedule=schedule)
 
 
 def _mib(nbytes: float) -> float:
@@ -106,10 +120,7 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
                                           gradient_as_bucket_view=True)
     elif variant != "plain":
-        schedule, _, how = variant.partition("-")
-        kwargs = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
-                  "dense": {"embedding_rows": False}, "": {}}[how]
-        opt = dearopt.DistOptim(inner, model, schedule=schedule, **kwargs)
+        opt = dearopt.DistOptim(inner, model, **variant_options(variant))
 
     def step(i):
         x, y = batches[i % len(batches)]
