@@ -677,7 +677,10 @@ class TorchDistBackend(CollectiveBackend):
         key = (in_full.numel(), in_full.dtype)
         spare = self._workspace.get(key)
         if spare:
-            return spare.pop()
+            buffer = spare.pop()
+            if not spare:
+                del self._workspace[key]
+            return buffer
         return torch.empty_like(in_full)
 
     def _spare(self, recv: torch.Tensor) -> None:
@@ -687,9 +690,11 @@ class TorchDistBackend(CollectiveBackend):
         kept = sum(t.numel() * t.element_size() for ts in self._workspace.values() for t in ts)
         while self._workspace and kept + size > max(self.workspace_bytes, size):
             key = next(iter(self._workspace))
-            old = self._workspace[key].pop(0)
-            kept -= old.numel() * old.element_size()
-            if not self._workspace[key]:
+            spares = self._workspace[key]
+            if spares:
+                old = spares.pop(0)
+                kept -= old.numel() * old.element_size()
+            if not spares:
                 del self._workspace[key]
         self._workspace.setdefault((recv.numel(), recv.dtype), []).append(recv)
 

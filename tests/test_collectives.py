@@ -251,14 +251,31 @@ def _many_reduce_scatters_in_a_small_workspace():
     backend = dearopt.get_backend()
     rank, world = dearopt.rank(), dearopt.size()
     backend.workspace_bytes = 3 * 4000 * 4  # three receive buffers of 4000 floats
-    fulls = [torch.arange(4000.0) * (k + 1) + rank for k in range(12)]
-    shards = [torch.empty(4000 // world) for _ in fulls]
+    sizes = [4000, 2000, 4000, 1000, 1000, 2000, 4000, 2000, 1000, 4000, 1000, 2000]  # spares of several sizes
+    fulls = [torch.arange(float(n)) * (k + 1) + rank for k, n in enumerate(sizes)]
+    shards = [torch.empty(len(full) // world) for full in fulls]
     handles, most = [], 0
-    for full, shard in zip(fulls, shards):
-        handles.append(backend.reduce_scatter(shard, full, bucket=len(handles)))
-        most = max(most, sum(n for _, n in backend._in_flight.values()))
-    for h in handles:
+    for rounds in range(2):  # the second round reuses and evicts spares of the first
+        for full, shard in zip(fulls, shards):
+            handles.append(backend.reduce_scatter(shard, full, bucket=len(handles)))
+            most = max(most, sum(n for _, n in backend._in_flight.values()))
+        gathered = torch.empty(4000)
+        backend.all_gather(gathered, torch.full((4000 // world,), float(rank))).wait()
+        for h in handles:
+            h.wait()
+    # spares of two sizes; one of them taken by an op in flight (its size left with none) while another op's
+    # buffer, too many for the budget, evicts
+    backend.release_workspace()
+    ops = []
+    for n, wait in ((2000, True), (4000, True), (2000, False), (9000, True)):
+        full, shard = torch.arange(float(n)) + rank, torch.empty(n // world)
+        h = backend.reduce_scatter(shard, full)
+        ops.append((n, shard, h))
+        if wait:
+            h.wait()
+    for n, shard, h in ops:
         h.wait()
+        torch.testing.assert_close(shard, sum(torch.arange(float(n)) + r for r in range(world)).chunk(world)[rank])
     kept = sum(t.numel() * 4 for ts in backend._workspace.values() for t in ts)
     return shards, most, kept, backend.workspace_bytes
 
@@ -272,5 +289,5 @@ def test_gloo_reduce_scatter_workspace_is_bounded():
         shards, most, kept, budget = o.value
         assert most <= budget and kept <= budget
         for k, shard in enumerate(shards):
-            total = sum(torch.arange(4000.0) * (k + 1) + r for r in range(world))
+            total = sum(torch.arange(float(len(shard) * world)) * (k + 1) + r for r in range(world))
             torch.testing.assert_close(shard, total.chunk(world)[o.rank])
