@@ -430,6 +430,9 @@ class _TorchHandle(Handle):
         self._waited = True
         if self._backend.host_waits:  # gloo: the host itself waited for the op
             self._finished = True
+            # torch's work object holds the op's tensors (a workspace buffer, kept for reuse or let go) until it
+            # is destroyed; this handle lives on in the engine until the next round: let them go now
+            self._work = None
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         deadline = time.monotonic() + self._seconds(timeout)
@@ -685,10 +688,12 @@ class TorchDistBackend(CollectiveBackend):
 
     def _spare(self, recv: torch.Tensor) -> None:
         """Keep a finished op's buffer for the next of its size (a new one costs its page faults again), within
-        the budget: the spares kept longest make room."""
+        the budget: the spares kept longest make room; one larger than the budget is let go."""
         size = recv.numel() * recv.element_size()
+        if size > self.workspace_bytes:  # one op larger than the budget: not kept (its page faults each time)
+            return
         kept = sum(t.numel() * t.element_size() for ts in self._workspace.values() for t in ts)
-        while self._workspace and kept + size > max(self.workspace_bytes, size):
+        while self._workspace and kept + size > self.workspace_bytes:
             key = next(iter(self._workspace))
             spares = self._workspace[key]
             if spares:
