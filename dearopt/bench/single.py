@@ -277,11 +277,11 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> Optional[dict]:
-    """Run ``args.model`` in a fresh process; return its result document (None: it failed, see stderr)."""
-    argv = [sys.executable, "-m", "dearopt.bench.single", "--child"] + [
-        a for a in sys.argv[1:] if a != "--child"] if args.argv is None else args.argv
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+def run(args, argv: List[str]) -> Optional[dict]:
+    """Run ``args.model`` in a fresh process with this command's ``argv``; return its result document (None: it
+    failed, see stderr)."""
+    child_argv = [sys.executable, "-m", "dearopt.bench.single", "--child"] + list(argv)
+    proc = subprocess.run(child_argv, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -316,7 +316,6 @@ def parse_args(argv=None):
         shape = GPU_SHAPES[args.model]
         args.batch_size = args.batch_size or shape[0]
         args.size = args.size or shape[1]
-    args.argv = None
     args.dtype = getattr(torch, args.dtype)
     return args
 
@@ -327,9 +326,7 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
     if args.child:
         return child(args)
-    args.argv = [sys.executable, "-m", "dearopt.bench.single", "--child"] + list(sys.argv[1:] if argv is None
-                                                                                 else argv)
-    doc = run(args)
+    doc = run(args, sys.argv[1:] if argv is None else argv)
     if doc is None:
         return 1
     if args.out:
