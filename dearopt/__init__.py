@@ -35,6 +35,7 @@ from .comm_hooks import CommHook, bf16_compress, fp16_compress
 from .optimizer import DistOptim
 from .options import Options
 from .plan import Plan, build_plan, parse_size
+from .schedules import RSAG, WFBP, ByteScheduler, DeAR, DeFT, Prophet, ProphetAllReduce, Schedule
 from .schedules.deft import Preserver
 from .sharding import register_elementwise
 from .sparsify import Sparsify

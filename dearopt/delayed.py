@@ -84,6 +84,7 @@ A run resumed from it is bit-identical to one that was not interrupted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -93,6 +94,7 @@ import torch
 
 from .errors import NonFiniteGradientError, UsageError
 from .executor import Executor, TrainingState, _EngineHook
+from .gradients import AveragedGradients
 from .profiling import fit_link
 from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
@@ -120,13 +122,6 @@ measures again, at most this many times, then raises."""
 GROWTH = 4
 """A re-partition makes at most about this many times as many pieces as the plan had."""
 
-APPLY_MODES = ("bucket", "group")
-"""When a reduced sum is applied (``DistOptim(deft_apply=...)``).  ``"bucket"`` (the default): each bucket of a
-group as soon as every piece of it was sent, at the ``step()`` that ends the iteration that sent its last piece,
-lazily (just before its module's next forward; earlier where user code touches its parameters, as under
-``dear``), so only the buckets the schedule sends in a later iteration are applied late.  ``"group"``: the paper's
-Algorithm 2, the whole group as one update at the ``step()`` after its last bucket was sent (every parameter
-one step late at least)."""
 
 
 def plan_units(plan) -> List[Tuple[int, int]]:
@@ -201,20 +196,100 @@ class _Group:
         self.serial = 0  # which of two reduce-scatter outputs per unit its sends use (consecutive groups differ)
 
 
+class DelayedGradients(AveragedGradients):
+    """``deft``'s gradients between ``backward()`` and ``step()``: a step's gradients were taken into a group as
+    backward made them, so ``p.grad`` may not change; clipping acts on the group the step applies; unscaling and
+    reducing now are refused by name."""
+
+    def check_writes(self) -> None:
+        """The step's gradients were copied into the group (or the held sum) as backward made them: a change of
+        ``p.grad`` after that would be lost, on any number of ranks."""
+        e = self.engine
+        for b in e.buckets:
+            replaced = b.replaced_gradients()
+            if replaced or b.written_by_others():
+                what = replaced[:3] or b.names[:3]
+                raise UsageError(f"the gradients of {what} were changed between backward() and step(); under "
+                                 f"schedule='deft' they were already taken into a delayed group, so the change "
+                                 f"would be lost (to clip, call optimizer.clip_grad_norm_(...) or "
+                                 f"clip_grad_value_(...): they clip the group the step applies) "
+                                 f"[rank {e.rank}, step {e.step_count}]")
+
+    def _applied_now(self) -> tuple:
+        """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
+        its sums the average, or ``(None, 0.0)`` at a step that applies none."""
+        e = self.engine
+        e.require_gradients("clip the gradients")
+        if e.apply_mode == "bucket" and e.step_count >= e.offset:
+            raise UsageError("under deft_apply='bucket' a group's buckets are applied at different steps, so no "
+                             "step applies one whole average to clip: pass deft_apply='group' (now "
+                             "dearopt.DeFT(apply='group')) to clip with "
+                             "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)")
+        it = e.iteration
+        group = e.forming if it.applies == 0 else e.group if it.applies is not None else None
+        if group is None:
+            return None, 0.0
+        e._wait(group)
+        return group, 1.0 / (e.world * group.covers)
+
+    def _sum_regions(self, group: _Group) -> List[torch.Tensor]:
+        e = self.engine
+        return [group.storage[b.index][:b.spec.grad_numel] for b in e.buckets]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the average this step applies (the group's, over every step it covers) by its global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` would clip that average; returns its norm before clipping, or NaN at
+        a step that applies no group (nothing to clip: its gradients are held or in flight)."""
+        group, scale = self._applied_now()
+        if group is None:
+            return torch.tensor(float("nan"))
+        norm_type = float(norm_type)
+        regions = self._sum_regions(group)
+        norms = torch.stack([torch.linalg.vector_norm(r.double(), norm_type) for r in regions])
+        total = torch.linalg.vector_norm(norms, norm_type) * scale
+        coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
+        if coef < 1.0:
+            for region in regions:
+                region.mul_(coef)
+        return total.float().cpu()
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the average this step applies to ``[-clip_value, clip_value]`` (nothing at a step that applies no
+        group)."""
+        group, scale = self._applied_now()
+        if group is not None:
+            bound = float(clip_value) / scale  # on the sums: the average is sum * scale
+            for region in self._sum_regions(group):
+                region.clamp_(-bound, bound)
+
+    # ------------------------------------------------------ refused tools
+    def finish_averaging(self):
+        raise UsageError("under schedule='deft' a step's gradients are averaged as part of a group applied at a "
+                         "later step, over the steps it covers: unscaling them (optimizer.unscale_, GradScaler) "
+                         "and reduce_gradients() are not supported; optimizer.clip_grad_norm_/clip_grad_value_ "
+                         "clip the group a step applies")
+
+    def reduce(self) -> None:
+        self.finish_averaging()
+
+
 class DelayedExecutor(Executor):
     """Carries out a :class:`DeftSchedule` over the buckets of a plan (see the module's docstring)."""
+
+    Gradients = DelayedGradients
 
     def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None,
                  preserver: Optional[Preserver] = None, links: int = 1, apply: str = "bucket", **kwargs):
         super().__init__(*args, **kwargs)
-        self.apply_mode = apply  # one of APPLY_MODES (DistOptim checks it)
+        self.apply_mode = apply  # one of schedules.deft.APPLY_MODES (the DeFT object checked it)
         # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
         # last of the old group's and all of the new group's)
         self._due_buckets: Dict[int, List[_Group]] = {}
         self._due_landing = False  # the step whose due buckets are not all applied yet (its post hooks wait)
         if schedule is not None and links == 1 and any(it.second_old or it.second_new
                                                        for it in schedule.warmup + schedule.period):
-            raise UsageError("the given DeFT schedule sends on a second link: pass deft_links=2")
+            raise UsageError("the given DeFT schedule sends on a second link: pass dearopt.DeFT(links=2) (of old: "
+                             "deft_links=2)")
         # DeFT's heterogeneous links: a second communicator over the same ranks, used concurrently with the first
         self.second = self.backend.second_link() if links == 2 else None
         self.mu: Optional[float] = None if schedule is None else schedule.mu  # its time per bucket over the first's
@@ -262,7 +337,8 @@ class DelayedExecutor(Executor):
     # --------------------------------------------------------------- plan
     def _build_plan(self, trainable=None, reuse=()) -> set:
         kept = super()._build_plan(trainable)  # new buckets always: the schedule's state is per bucket
-        self._final_after_backward = set()  # p.grad holds this rank's own gradient: changes must be refused
+        # p.grad holds this rank's own gradient: changes must be refused
+        self.bound = dataclasses.replace(self.bound, final_after_backward=frozenset())
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(self.plan)
         self._units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in self.buckets]
@@ -300,15 +376,15 @@ class DelayedExecutor(Executor):
     def _module_pre_hook(self, module, args) -> None:
         super()._module_pre_hook(module, args)
         if self._due_buckets:
-            bucket = self._module_bucket.get(id(module))
+            bucket = self.bound.module_bucket.get(id(module))
             if bucket is not None:
                 self._apply_due(bucket)
         self._poll_timeline()
         if self._measuring(1) and module.training and "start" in self._marks:
             now = time.perf_counter()
             for p in module.parameters(recurse=False):
-                if id(p) in self._where:
-                    self._marks.setdefault(("forward", self._where[id(p)][0].index), now)
+                if id(p) in self.bound.where:
+                    self._marks.setdefault(("forward", self.bound.where[id(p)][0].index), now)
 
     def _measured_times(self) -> tuple:
         """Per unit: forward and backward seconds from step 1's marks (per bucket), all-reduce seconds from
@@ -369,8 +445,9 @@ class DelayedExecutor(Executor):
             if size < max(nbytes[u] for u in too_long) and self._deft_profile is None:
                 self.repartitions.append(size)
                 # nothing in flight: every measuring step was applied
-                Executor.replan(self, buffer_size=min(self.buffer_size, size),
-                                partition_size=min(self.partition_size or size, size))
+                knobs = self.planner.knobs
+                Executor.replan(self, buffer_size=min(knobs.buffer_size, size),
+                                partition_size=min(knobs.partition_size or size, size))
                 self._measure_from, self.offset = self.step_count, self.step_count + MEASURED_STEPS
                 self._marks, self._comm, self._comm_second, self._losses, self._dots = {}, {}, {}, {}, {}
                 self._comm_rsag = {}
@@ -506,7 +583,7 @@ class DelayedExecutor(Executor):
         self._apply_due()
         torch.autograd.Variable._execution_engine.queue_callback(_EngineHook(self._end_backward))
         self._hook_new_params()
-        if any(id(p) not in self._where for p in self._trainable()):
+        if any(id(p) not in self.bound.where for p in self.planner.trainable()):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
         self.state = TrainingState.BACKWARD
         self._backward_start = self.timeline.now()
@@ -653,7 +730,7 @@ class DelayedExecutor(Executor):
             raise UsageError("GradScaler is not supported under schedule='deft' yet: a group applied later covers "
                              "steps scaled differently")
         self._require_gradients("step")
-        self._check_gradient_writes()
+        self.gradients.check_writes()
         t0 = self.timeline.now()
         it = self.iteration
         # only the group applied now is waited for: the sends of the group this backward formed run on into the
@@ -798,19 +875,6 @@ class DelayedExecutor(Executor):
                     p.grad = storage[offset:offset + p.numel()].view_as(p)
                     members[gi].append(p)
 
-    def _check_gradient_writes(self) -> None:
-        """The step's gradients were copied into the group (or the held sum) as backward made them: a change of
-        ``p.grad`` after that would be lost, on any number of ranks."""
-        for b in self.buckets:
-            replaced = b.replaced_gradients()
-            if replaced or b.written_by_others():
-                what = replaced[:3] or b.names[:3]
-                raise UsageError(f"the gradients of {what} were changed between backward() and step(); under "
-                                 f"schedule='deft' they were already taken into a delayed group, so the change "
-                                 f"would be lost (to clip, call optimizer.clip_grad_norm_(...) or "
-                                 f"clip_grad_value_(...): they clip the group the step applies) "
-                                 f"[rank {self.rank}, step {self.step_count}]")
-
     def synchronize(self) -> None:
         """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
         nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
@@ -892,61 +956,6 @@ class DelayedExecutor(Executor):
 
         self.group, self.held = load(saved["group"]), load(saved["held"])
         self._loaded = None
-
-    # ------------------------------------------- clipping the group a step applies
-    def _applied_now(self) -> tuple:
-        """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
-        its sums the average, or ``(None, 0.0)`` at a step that applies none."""
-        self._require_gradients("clip the gradients")
-        if self.apply_mode == "bucket" and self.step_count >= self.offset:
-            raise UsageError("under deft_apply='bucket' a group's buckets are applied at different steps, so no "
-                             "step applies one whole average to clip: pass deft_apply='group' to clip with "
-                             "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)")
-        it = self.iteration
-        group = self.forming if it.applies == 0 else self.group if it.applies is not None else None
-        if group is None:
-            return None, 0.0
-        self._wait(group)
-        return group, 1.0 / (self.world * group.covers)
-
-    def _sum_regions(self, group: _Group) -> List[torch.Tensor]:
-        return [group.storage[b.index][:b.spec.grad_numel] for b in self.buckets]
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the average this step applies (the group's, over every step it covers) by its global norm, as
-        ``torch.nn.utils.clip_grad_norm_`` would clip that average; returns its norm before clipping, or NaN at
-        a step that applies no group (nothing to clip: its gradients are held or in flight)."""
-        group, scale = self._applied_now()
-        if group is None:
-            return torch.tensor(float("nan"))
-        norm_type = float(norm_type)
-        regions = self._sum_regions(group)
-        norms = torch.stack([torch.linalg.vector_norm(r.double(), norm_type) for r in regions])
-        total = torch.linalg.vector_norm(norms, norm_type) * scale
-        coef = min(float(max_norm) / (float(total) + 1e-6), 1.0)
-        if coef < 1.0:
-            for region in regions:
-                region.mul_(coef)
-        return total.float().cpu()
-
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp the average this step applies to ``[-clip_value, clip_value]`` (nothing at a step that applies no
-        group)."""
-        group, scale = self._applied_now()
-        if group is not None:
-            bound = float(clip_value) / scale  # on the sums: the average is sum * scale
-            for region in self._sum_regions(group):
-                region.clamp_(-bound, bound)
-
-    # ------------------------------------------------------ refused tools
-    def finish_averaging(self):
-        raise UsageError("under schedule='deft' a step's gradients are averaged as part of a group applied at a "
-                         "later step, over the steps it covers: unscaling them (optimizer.unscale_, GradScaler) "
-                         "and reduce_gradients() are not supported; optimizer.clip_grad_norm_/clip_grad_value_ "
-                         "clip the group a step applies")
-
-    def reduce_gradients(self) -> None:
-        self.finish_averaging()
 
     def close(self) -> None:
         if self._rsag is not None:

@@ -73,6 +73,26 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, backe
                 offset += n
 
 
+def broadcast_buffers_as_bytes(model: torch.nn.Module, backend, step: int) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics...) on every rank, as DDP does before each training
+    forward: all of them, of every dtype, as the bytes of one message (one collective, not one per dtype;
+    each buffer's bytes start at a multiple of 8 so that they can be viewed as its dtype again)."""
+    buffers = [b for b in model.buffers() if b.numel() > 0]
+    if not buffers:
+        return
+    spans, offset = [], 0
+    for b in buffers:
+        nbytes = b.numel() * b.element_size()
+        spans.append((offset, nbytes))
+        offset += -(-nbytes // 8) * 8
+    flat = torch.zeros(offset, dtype=torch.uint8, device=backend.device)
+    for b, (start, nbytes) in zip(buffers, spans):
+        flat[start:start + nbytes].copy_(b.detach().reshape(-1).view(torch.uint8))
+    backend.broadcast(flat, 0, step=step).wait()
+    for b, (start, nbytes) in zip(buffers, spans):
+        b.copy_(flat[start:start + nbytes].view(b.dtype).view_as(b))
+
+
 def _named_tensors(target) -> List[Tuple[str, torch.Tensor]]:
     if isinstance(target, torch.nn.Module):
         return list(target.state_dict(keep_vars=True).items())

@@ -53,12 +53,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from . import runtime
 from .errors import UsageError
 from .functions import no_sync
-from .optimizer import DistOptim
+from .optimizer import _MOVED_ELSEWHERE, _MOVED_TO_SCHEDULE, DistOptim
+from .schedules import get_schedule
 
 __all__ = ["DearStrategy"]
 
 _DISTOPTIM_KWARGS = frozenset(name for name, parameter in inspect.signature(DistOptim.__init__).parameters.items()
-                              if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
+                              if parameter.kind is inspect.Parameter.KEYWORD_ONLY) | set(_MOVED_TO_SCHEDULE) \
+    | set(_MOVED_ELSEWHERE)
 """The keyword arguments of ``DistOptim`` that ``DearStrategy(**distoptim_kwargs)`` passes on."""
 
 _STEPS_WE_DRIVE = (Precision.optimizer_step, MixedPrecision.optimizer_step)
@@ -292,7 +294,8 @@ class DearStrategy(DDPStrategy):
             # training_step returned None: Lightning skipped backward, so there is nothing to reduce, clip or apply
             # (every rank must skip alike, or their steps disagree: dearopt's StepMismatchError)
             return closure_result
-        if isinstance(closure_result, torch.Tensor) and "loss" not in kwargs and self.schedule == "deft":
+        delays = get_schedule(self.schedule).delays_updates
+        if isinstance(closure_result, torch.Tensor) and "loss" not in kwargs and delays:
             kwargs["loss"] = closure_result  # deft's Preserver reads the training loss of the first steps
         if scaler is not None:
             dist.unscale_(scaler)  # the averaged gradients, before the hooks and clipping see them

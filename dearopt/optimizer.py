@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import itertools
 import warnings
 import weakref
@@ -27,35 +26,66 @@ from . import functions
 from .collectives import engine_boundary
 from .comm_hooks import resolve_comm_hook
 from .sparsify import Sparsify
-from .delayed import APPLY_MODES, DelayedExecutor
+from .delayed import DelayedExecutor
 from .executor import Executor
 from .options import Options
-from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE
-from .schedules import get_schedule
+from .search import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS, PlanSearch
+from .plan import DEFAULT_BUFFER_SIZE
+from .schedules import Schedule
 
 __all__ = ["DistOptim", "PLAN_CHOICE_STEPS", "PLAN_CHOICE_REMATCH"]
-
-PLAN_CHOICE_STEPS = 3
-"""Steps measured per candidate plan of ``allreduce="auto"`` (after one discarded step that re-plans)."""
-
-PLAN_CHOICE_REMATCH = 0.10
-"""Candidate plans of ``allreduce="auto"`` within this fraction of the fastest are measured once more, in the
-reverse order, and judged by the mean of their two trials (:class:`dearopt.tuner.ChoiceTuner`)."""
 
 _WRAPPED = weakref.WeakSet()
 
 
-def _preserver(preserver):
-    """``preserver=``: True (the defaults), False/None (off) or a :class:`dearopt.Preserver`."""
-    from .schedules.deft import Preserver
+_MOVED_TO_SCHEDULE = {"first_bucket_size": "first_bucket_size", "embedding_rows": "embedding_rows",
+                      "allreduce": "allreduce", "partition_size": "partition_size", "credit": "credit",
+                      "priority": "priority", "link_check_every": "link_check_every", "profile": "profile",
+                      "deft_schedule": "given", "preserver": "preserver", "deft_links": "links",
+                      "deft_apply": "apply"}
+"""``DistOptim`` keywords that moved onto the schedule object (old name: the schedule's knob)."""
 
-    if preserver is True:
-        return Preserver()
-    if preserver is False or preserver is None:
-        return None
-    if isinstance(preserver, Preserver):
-        return preserver
-    raise TypeError(f"preserver= takes True, False or a dearopt.Preserver, got {preserver!r}")
+_MOVED_ELSEWHERE = {"check_agreement": "checks='off' (check_agreement=False) or checks='step'",
+                    "debug": "checks='full'", "tuning_steps": "tuner=dearopt.BayesianTuner(knobs, steps_per_trial=N)"}
+
+
+def _moved_keywords(schedule, moved: dict):
+    """The schedule object with the knobs passed in the old flat spelling applied, each with a
+    ``DeprecationWarning`` naming the new one; the shared knobs that were renamed; and ``tuning_steps``."""
+    from .schedules import get_schedule
+
+    unknown = sorted(set(moved) - set(_MOVED_TO_SCHEDULE) - set(_MOVED_ELSEWHERE))
+    if unknown:
+        raise TypeError(f"DistOptim() got unexpected keyword argument(s) {unknown}")
+    policy = get_schedule(schedule)
+    knobs = {_MOVED_TO_SCHEDULE[k]: v for k, v in moved.items() if k in _MOVED_TO_SCHEDULE}
+    for old, value in moved.items():
+        if old in _MOVED_TO_SCHEDULE:
+            new = f"schedule=dearopt.{type(policy).__name__}({_MOVED_TO_SCHEDULE[old]}=...)"
+        else:
+            new = _MOVED_ELSEWHERE[old]
+        warnings.warn(f"DistOptim({old}=...) is deprecated; pass {new}", DeprecationWarning, stacklevel=3)
+    deft_only = [k for k in ("deft_schedule", "deft_links", "deft_apply") if k in moved]
+    if deft_only and not policy.delays_updates and any(
+            not _default(moved[k], {"deft_schedule": None, "deft_links": 1, "deft_apply": "bucket"}[k])
+            for k in deft_only):
+        raise ValueError("deft_schedule=, deft_links= and deft_apply= are for schedule='deft' "
+                         "(now knobs of dearopt.DeFT: given=, links=, apply=)")
+    knobs = {k: v for k, v in knobs.items() if policy.delays_updates or k not in ("given", "links", "apply")}
+    try:
+        policy = policy.with_knobs(**knobs) if knobs else policy
+    except (TypeError, ValueError) as exc:
+        old = [k for k in moved if k in _MOVED_TO_SCHEDULE and _MOVED_TO_SCHEDULE[k] in str(exc)]
+        raise type(exc)(f"{', '.join(old) or 'DistOptim'}: {exc}") from None
+    shared = {k: moved[k] for k in ("check_agreement", "debug") if k in moved}
+    return policy, shared, moved.get("tuning_steps")
+
+
+def _default(value, default) -> bool:
+    try:
+        return bool(value == default)
+    except Exception:
+        return value is default
 
 
 def _check_arguments(optimizer, model):
@@ -98,76 +128,39 @@ class DistOptim(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that gradients are averaged across ranks with the chosen schedule.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer`` whose update is per parameter
-            (SGD, Adam, AdamW, RMSprop, Adagrad, ...).  Under ``dear`` its
-            ``step()`` is called once per bucket with each param group narrowed
-            to the bucket's parameters, so an optimizer that couples parameters
-            across a group (a global norm inside ``step``, LBFGS) would see only
-            a bucket at a time: use ``schedule="wfbp"`` and a ``buffer_size``
-            larger than the model for those (one bucket, one call).
+        optimizer: any ``torch.optim.Optimizer`` whose update is per parameter (SGD, Adam, AdamW, RMSprop,
+            Adagrad, ...).  Under ``dear`` its ``step()`` runs once per bucket with each param group narrowed to the
+            bucket's parameters: for an optimizer that couples parameters across a group use ``schedule="wfbp"``
+            and a ``buffer_size`` larger than the model (one bucket, one call).
         model: the module whose forward and backward are scheduled.
-        schedule: ``"dear"`` (default), ``"wfbp"``, ``"rsag"``, ``"bytescheduler"``, ``"prophet"``,
-            ``"prophet-allreduce"`` or any schedule registered
-            with :func:`dearopt.schedules.register`; see :class:`dearopt.options.Options`.
-        buffer_size: bytes per fusion bucket or a string like ``"25MB"``.
-        first_bucket_size: bytes of the first bucket backward fills (default 1 MB, as DDP; None: no cap).
-        allreduce: under ``dear``, which buckets are all-reduced in backward instead of reduce-scattered and
-            gathered in the next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the
-            link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
-            prediction, then measured against none (DeAR's plan), all (DDP's) and DeAR's plan on Prophet's
-            gradient blocks (buckets formed from the profiled gaps between gradients, every all-gather started
-            at ``step()``) for
-            :data:`PLAN_CHOICE_STEPS` steps each (those within :data:`PLAN_CHOICE_REMATCH` of the fastest once
-            more), and the fastest is kept (``optimizer.plan_choice``): on
-            machines where communication takes cycles from the computation the link model alone misjudges it.
-            A fraction of the bytes from the output side (0: DeAR as in the paper) fixes the plan.
-        embedding_rows: reduce embedding weights as the rows a batch touched, and a tied decoder's part of
-            such a weight as a gradient of its own (default: on, unless ``shard_optimizer``; exact either way,
-            see :mod:`dearopt.tied`).
-        shard_optimizer: under ``dear``, each rank runs the optimizer on its shard of every bucket at ``step()``
-            and the next forward's all-gather carries parameters (ZeRO stage 1 with DeAR's overlap; see
-            :mod:`dearopt.sharding`): optimizer state and work per rank are 1/N.  Elementwise optimizers only
-            (:class:`dearopt.NotElementwiseError` otherwise).  ``optimizer.state`` is then keyed by the shards;
-            :meth:`state_dict` gathers the ordinary layout (every rank must call it),
-            :meth:`sharded_state_dict` saves this rank's part.  After ``step()`` every ``p.grad`` is None.
-        partition_size, credit, priority: ByteScheduler's partitioning, credit window and priority order.
-        link_check_every: for schedules whose buckets come from the profile (``"prophet"``), re-measure the
-            link every this many steps and re-plan when its bandwidth moved by more than 25 % twice in a row
-            (``"auto"``: 20; ``None``: never); the re-plans: ``optimizer.link_changes``.
+        schedule: a schedule object that owns its knobs (:class:`dearopt.DeAR`, :class:`dearopt.WFBP`,
+            :class:`dearopt.RSAG`, :class:`dearopt.ByteScheduler`, :class:`dearopt.Prophet`,
+            :class:`dearopt.ProphetAllReduce`, :class:`dearopt.DeFT`, or one registered with
+            :func:`dearopt.schedules.register`), or its name (``"dear"``, the default, ...) for its defaults.
+        buffer_size: bytes per fusion bucket or a string like ``"25MB"``; ``"auto"``: tuned online.
+        shard_optimizer: under ``dear``, each rank updates its shard of every bucket at ``step()`` and the next
+            forward's all-gather carries parameters (ZeRO stage 1 with DeAR's overlap, :mod:`dearopt.sharding`):
+            optimizer state and work per rank are 1/N.  Elementwise optimizers only.  :meth:`state_dict` gathers
+            the ordinary layout (on every rank), :meth:`sharded_state_dict` saves this rank's part; after
+            ``step()`` every ``p.grad`` is None.
+        comm_hook: how gradients travel: ``"auto"`` (default: bfloat16/float16 gradients summed in float32;
+            others as they are), ``None`` (every gradient as it is), ``"fp16"``, ``"bf16"``, a
+            :class:`dearopt.CommHook`, or a :class:`dearopt.Sparsify` (not exact, :mod:`dearopt.sparsify`).
         backward_passes_per_step: local accumulation before communicating.
         broadcast_parameters: copy rank 0's parameters and buffers at construction.
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
         nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"`` for non-finite averaged gradients.
-        check_agreement: check that all ranks are at the same step (folded into the buckets' messages).
-        comm_hook: how gradients travel: ``"auto"`` (default: bfloat16 and float16 gradients summed in
-            float32, :class:`dearopt.comm_hooks.ReduceInFloat32`; others as they are), ``None`` (every
-            gradient as it is: a bfloat16 model reduces in bfloat16, less memory), ``"fp16"``, ``"bf16"``, a
-            :class:`dearopt.CommHook`, or a :class:`dearopt.Sparsify` (DEFT's top-k with error feedback under
-            ``wfbp``/``dear``; not exact; see :mod:`dearopt.sparsify`); the same on every rank.
-        debug: compare parameter checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
+        checks: ``"step"`` (default), ``"full"`` or ``"off"`` (:data:`dearopt.options.CHECKS`).
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
-        tuner: a :class:`dearopt.tuner.BayesianTuner` over any of ``buffer_size``, ``partition_size``
-            and ``credit``; built by default for the knobs set to ``"auto"`` (buffer: 1 MB .. min(100 MB,
-            model size), first trial 25 MB, 10 trials).  Its trials and result: ``optimizer.tuning``.
-        tuning_steps: iterations measured per trial (after one discarded iteration).
-        profile: a :class:`dearopt.sim.Profile` of this model: with ``buffer_size="auto"`` the tuner's first
-            trial is the buffer size the simulator predicts fastest, instead of 25 MB; under ``"deft"`` the
-            per-bucket times its schedule is solved from.
-        deft_schedule: under ``schedule="deft"``, a :class:`dearopt.schedules.deft.DeftSchedule` to follow
-            instead of solving one from ``profile`` (delayed, merged updates: see :mod:`dearopt.delayed`).
-        preserver: under ``schedule="deft"`` with a solved schedule, the convergence check it must pass
-            (``True``: :class:`dearopt.Preserver` with its defaults, or one given; ``False``: the
-            solver's schedule unchecked).  It needs the training loss of the first steps: call
-            ``optimizer.step(loss=loss)``.  Its outcome: :attr:`deft_preserved`.
-        deft_links: under ``schedule="deft"``, 2 sends part of the buckets over a second communicator
-            concurrently (DeFT's heterogeneous links: gloo beside NCCL, a second gloo group beside gloo), with
-            the ratio of the two links' times measured on the job; helps only where the links are distinct.
-        deft_apply: under ``schedule="deft"``, when a reduced sum is applied: ``"bucket"`` (each bucket once
-            all its pieces are sent: only the buckets sent in a later iteration are applied late) or
-            ``"group"`` (the paper's: the whole group at once after its last bucket is sent; needed to clip).
-        backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); a
-            :class:`dearopt.collectives.CollectiveBackend` over a subset of the ranks restricts the averaging to
-            them (``dearopt.horovod``'s process sets use this).
+        tuner: a :class:`dearopt.tuner.BayesianTuner` over ``buffer_size``, ``partition_size`` and ``credit``;
+            built by default for the knobs set to ``"auto"``.  Its trials and result: ``optimizer.tuning``.
+        backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); one over a
+            subset of the ranks restricts the averaging to them (``dearopt.horovod``'s process sets).
+        **moved: the keywords of old that moved onto the schedule object (``allreduce``, ``first_bucket_size``,
+            ``embedding_rows``, ``partition_size``, ``credit``, ``priority``, ``link_check_every``, ``profile``;
+            ``deft_schedule``, ``preserver``, ``deft_links``, ``deft_apply``: ``DeFT``'s ``given``,
+            ``preserver``, ``links``, ``apply``) or were renamed (``check_agreement``, ``debug``: ``checks``;
+            ``tuning_steps``: the tuner's ``steps_per_trial``) still work, with a ``DeprecationWarning``.
 
     Step hooks registered on this optimizer (``register_step_pre_hook``,
     ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
@@ -178,32 +171,18 @@ class DistOptim(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
-                 schedule: str = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-                 first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE,
-                 embedding_rows: Optional[bool] = None, allreduce: Union[float, str] = "auto",
-                 shard_optimizer: bool = False,
-                 partition_size: Union[int, str, None] = None, credit: Union[int, str, None] = None,
-                 priority: bool = False, link_check_every: Union[int, str, None] = "auto",
-                 backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
-                 broadcast_buffers: bool = True, nonfinite: str = "raise", check_agreement: bool = True,
-                 comm_hook="auto", timeline: Optional[str] = None, debug: bool = False, tuner=None,
-                 tuning_steps: int = 10, profile=None, deft_schedule=None, preserver=True, deft_links: int = 1,
-                 deft_apply: str = "bucket", backend=None):
+                 schedule: Union[str, Schedule] = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+                 shard_optimizer: bool = False, comm_hook="auto", backward_passes_per_step: int = 1,
+                 broadcast_parameters: bool = True, broadcast_buffers: bool = True, nonfinite: str = "raise",
+                 checks: str = "step", timeline: Optional[str] = None, tuner=None, backend=None, **moved):
         _check_arguments(optimizer, model)
-        preserver = _preserver(preserver)
         hook = resolve_comm_hook(comm_hook)
-        if deft_links not in (1, 2):
-            raise ValueError(f"deft_links must be 1 or 2, got {deft_links!r}")
-        if deft_apply not in APPLY_MODES:
-            raise ValueError(f"deft_apply must be one of {APPLY_MODES}, got {deft_apply!r}")
-        options = Options(schedule=schedule, buffer_size=buffer_size, first_bucket_size=first_bucket_size,
-                          embedding_rows=embedding_rows, allreduce=allreduce, shard_optimizer=shard_optimizer,
-                          partition_size=partition_size,
-                          credit=credit, priority=priority, link_check_every=link_check_every,
+        policy, shared, tuning_steps = _moved_keywords(schedule, moved)
+        options = Options(policy, buffer_size, shard_optimizer=shard_optimizer,
                           backward_passes_per_step=backward_passes_per_step,
                           broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
-                          nonfinite=nonfinite, check_agreement=check_agreement, timeline=timeline, debug=debug,
-                          sparsify=isinstance(hook, Sparsify))
+                          nonfinite=nonfinite, checks=checks, timeline=timeline, sparsify=isinstance(hook, Sparsify),
+                          **shared)
         if not runtime.is_initialized():
             raise NotInitializedError("call dearopt.init() before creating a DistOptim")
         self._inner = optimizer
@@ -226,65 +205,18 @@ class DistOptim(torch.optim.Optimizer):
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
         partition = None if options.partition_size == "auto" else options.partition_size
         credit_bytes = None if options.credit == "auto" else options.credit
-        if get_schedule(options.schedule).delays_updates:
+        policy = options.policy
+        if policy.delays_updates:
             self._executor = DelayedExecutor(optimizer, model, engine, options, buffer, partition, credit_bytes,
-                                             hook, on_step_landed=self._step_landed, schedule=deft_schedule,
-                                             profile=profile, preserver=preserver, links=deft_links,
-                                             apply=deft_apply)
+                                             hook, on_step_landed=self._step_landed, schedule=policy.given,
+                                             profile=policy.profile, preserver=policy.preserver, links=policy.links,
+                                             apply=policy.apply)
         else:
-            if deft_schedule is not None or deft_links != 1 or deft_apply != "bucket":
-                raise ValueError("deft_schedule=, deft_links= and deft_apply= are for schedule='deft'")
             self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
                                       on_step_landed=self._step_landed)
-        self._profile = profile
-        self.tuning = self._make_tuning(tuner, tuning_steps)
-        self.plan_choice = None
-        """The measured choice of ``dear``'s all-reduced buckets (``allreduce="auto"``): a
-        :class:`dearopt.tuner.TuningController` over a :class:`dearopt.tuner.ChoiceTuner` whose ``history``
-        holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is nothing
-        to choose."""
-        self._choice_considered = False
-        self._plan_generation = 0  # the executor's plan_generation this face has seen
+        self._search = PlanSearch(self._executor, tuner, tuning_steps)
         _WRAPPED.add(optimizer)
         functions.register_distoptim(model, self)  # for dearopt.no_sync(model)
-
-    def _make_tuning(self, tuner, tuning_steps):
-        """The online tuner of the knobs set to "auto" (DeAR section IV.B); None when nothing is tuned."""
-        from . import tuner as tuning  # bayes_opt is imported only when a tuner is built
-
-        auto = [k for k in ("buffer_size", "partition_size", "credit") if getattr(self.options, k) == "auto"]
-        if tuner is None and not auto:
-            return None
-        if tuner is None:
-            model_bytes = sum(p.numel() * p.element_size() for g in self.param_groups for p in g["params"])
-            mb = tuning.MB
-            knobs = []
-            if "buffer_size" in auto:
-                high = min(100 * mb, max(model_bytes, 2 * mb))
-                initial = min(25 * mb, high)
-                if self._profile is not None:  # start where the simulator predicts the optimum
-                    from . import sim
-
-                    grid = [int(mb * 2 ** (i / 2)) for i in range(0, 15) if mb * 2 ** (i / 2) <= high]
-                    initial = sim.best_buffer_size(self._profile, self.options.schedule, grid,
-                                                   ranks=self._executor.world)
-                knobs.append(tuning.buffer_size_knob(high=high, initial=initial))
-            if "partition_size" in auto:
-                knobs.append(tuning.Knob("partition_size", 256 * 1024, 16 * mb, log=True, initial=4 * mb, integer=True))
-            if "credit" in auto:
-                knobs.append(tuning.Knob("credit", 1 * mb, 64 * mb, log=True, initial=16 * mb, integer=True))
-            tuner = tuning.BayesianTuner(knobs, budget=10 if len(knobs) == 1 else 20)
-        if not isinstance(tuner, tuning.BayesianTuner):
-            raise TypeError(f"tuner must be a dearopt.tuner.BayesianTuner, got {type(tuner).__name__}")
-        control = self._executor.control
-        controller = tuning.TuningController(
-            tuner, warmup_steps=1, measure_steps=tuning_steps, is_root=control.rank == 0,
-            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
-        self._apply_knobs(controller.current)
-        return controller
-
-    def _apply_knobs(self, knobs) -> None:
-        self._executor.replan(**{k: int(v) for k, v in knobs.items()})
 
     def _step_landed(self) -> None:
         for hook in itertools.chain(list(self._optimizer_step_post_hooks.values()), list(_global_step_hooks("post"))):
@@ -310,7 +242,7 @@ class DistOptim(torch.optim.Optimizer):
     def gradients_in_place_before_step(self) -> bool:
         """Whether the schedule can leave the averaged gradient in every ``p.grad`` before ``step()``
         (see :meth:`reduce_gradients`)."""
-        return self._executor.gradients_in_place_before_step
+        return self._executor.gradients.in_place_before_step
 
     @property
     def skipped_steps(self) -> int:
@@ -344,69 +276,44 @@ class DistOptim(torch.optim.Optimizer):
             raise UsageError("DistOptim.step() does not take a closure: run forward and backward before step()")
         for hook in itertools.chain(list(_global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
             hook(self, (), {})
-        if loss is not None and hasattr(self._executor, "record_loss"):
+        if loss is not None and self.options.policy.delays_updates:
             self._executor.record_loss(loss)
-        if self._plan_generation != self._executor.plan_generation:
-            self._plan_inputs_changed()
+        self._search.notice_new_inputs()
         self._inner._opt_called = True  # an LR scheduler built on the wrapped optimizer: its step() counts as called
         if grad_scaler is not None:
-            found_inf = self._scaler_found_inf(grad_scaler, unscale=True)
+            found_inf = self._executor.gradients.scaler_found_inf(grad_scaler, id(self), unscale=True)
             self._executor.step(skip=found_inf, scaler_checked=True)
         else:
             self._executor.step()
-        if self.tuning is not None and not self.tuning.finished:
-            knobs = self.tuning.on_step_end()
-            if knobs:
-                self._apply_knobs(knobs)  # every rank, at the same step boundary
-        elif not self._choice_considered:
-            self._consider_plan_choice()
-        elif self.plan_choice is not None and not self.plan_choice.finished:
-            knobs = self.plan_choice.on_step_end()
-            if knobs:
-                # every rank, at the same step boundary
-                self._executor.replan(allreduce=knobs["allreduce"], blocks=knobs.get("blocks", False))
-        if self._executor.adapt_to_gradient_reads():  # the loop reads p.grad before every step(): DDP's plan
-            self.plan_choice, self._choice_considered = None, True
+        self._search.step_ended()
         return None
 
-    def _plan_inputs_changed(self) -> None:
-        """The trainable set or the groups changed (noticed at a backward, on every rank): the measured choice and a
-        tuning trial under way were measured on the old set; measure again."""
-        self._plan_generation = self._executor.plan_generation
-        self.plan_choice, self._choice_considered = None, False
-        if self.tuning is not None and not self.tuning.finished:
-            self.tuning.restart_trial()
+    @property
+    def tuning(self):
+        """The online tuner of the knobs set to ``"auto"`` (DeAR section IV.B): a
+        :class:`dearopt.tuner.TuningController` with its trials and result; None when nothing is tuned."""
+        return self._search.tuning
 
-    def _consider_plan_choice(self) -> None:
-        """Once rank 0's profile is shared (and tuning is over), start measuring the plans worth comparing."""
-        executor = self._executor
-        if executor.profile.enabled and executor.profile.result is None:
-            return  # the profile is still to come: the same answer on every rank (it is broadcast)
-        self._choice_considered = True
-        choices = executor.plan_choices()
-        if not choices:
-            return
-        from . import tuner as tuning
-
-        control = executor.control
-        self.plan_choice = tuning.TuningController(
-            tuning.ChoiceTuner([knobs for knobs, _ in choices], rematch=PLAN_CHOICE_REMATCH),
-            warmup_steps=1,
-            measure_steps=PLAN_CHOICE_STEPS, is_root=control.rank == 0,
-            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
+    @property
+    def plan_choice(self):
+        """The measured choice of ``dear``'s all-reduced buckets (``allreduce="auto"``): a
+        :class:`dearopt.tuner.TuningController` over a :class:`dearopt.tuner.ChoiceTuner` whose ``history``
+        holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is nothing
+        to choose."""
+        return self._search.plan_choice
 
     @property
     def link_changes(self) -> List[Tuple[int, float, float]]:
         """Re-plans after the link's bandwidth changed (``link_check_every``): ``(step, planned bytes/s,
         measured bytes/s)`` each, the same on every rank."""
-        monitor = self._executor.link_monitor
+        monitor = self._executor.planner.link_monitor
         return list(monitor.changes) if monitor is not None else []
 
     @property
     def deft_schedule(self):
         """Under ``schedule="deft"``: the :class:`dearopt.schedules.deft.DeftSchedule` in force (None until the
         plan is made; its ``update_frequency`` per bucket); None under every other schedule."""
-        return getattr(self._executor, "deft", None)
+        return self._deft("deft")
 
     @property
     def sparse_traffic(self) -> Optional[Dict[str, int]]:
@@ -420,13 +327,13 @@ class DistOptim(torch.optim.Optimizer):
     def deft_preserved(self):
         """Under ``schedule="deft"`` with a solved, checked schedule: the Preserver's outcome (a
         :class:`dearopt.schedules.deft.Preserved`: ratio, capacity factor, re-solves, passed); else None."""
-        return getattr(self._executor, "preserved", None)
+        return self._deft("preserved")
 
     @property
     def deft_reduction(self) -> Optional[str]:
         """Under ``schedule="deft"``: how each piece is summed over ranks, ``"all_reduce"`` or
         ``"reduce_scatter+all_gather"`` (measured faster, or a profile's fits); None under every other schedule."""
-        return getattr(self._executor, "reduction", None) if hasattr(self._executor, "deft_state") else None
+        return self._deft("reduction")
 
     @property
     def deft_times(self) -> Optional[Dict[str, List[float]]]:
@@ -434,8 +341,8 @@ class DistOptim(torch.optim.Optimizer):
         measurement or the profile's, the same on every rank): ``forward`` and ``backward`` compute (the knapsack
         capacities) and ``comm`` (each piece's reduction, the items' weights); None before and under every other
         schedule."""
-        measured = getattr(self._executor, "measured", None)
-        if measured is None or not hasattr(self._executor, "deft_state"):
+        measured = self._deft("measured")
+        if measured is None:
             return None
         forward, backward, comm = measured
         return {"forward": list(forward), "backward": list(backward), "comm": list(comm)}
@@ -444,51 +351,33 @@ class DistOptim(torch.optim.Optimizer):
     def deft_repartitions(self) -> Optional[List[int]]:
         """Under ``schedule="deft"``: the sizes in bytes the measuring steps re-partitioned buckets and pieces to,
         where one outlasted a stage (empty: none); None under every other schedule."""
-        sizes = getattr(self._executor, "repartitions", None)
+        sizes = self._deft("repartitions")
         return list(sizes) if sizes is not None else None
 
     @property
     def applied_steps(self) -> Optional[List[int]]:
         """Under ``schedule="deft"``: the steps at which a group of gradients was applied; None under every other
         schedule (each step's gradients are applied at that step, unless skipped: :attr:`skipped_steps`)."""
-        steps = getattr(self._executor, "applied_steps", None)
+        steps = self._deft("applied_steps")
         return list(steps) if steps is not None else None
+
+    def _deft(self, name: str):
+        """The delayed engine's ``name`` (``deft``), None under a schedule that applies each step at that step."""
+        return getattr(self._executor, name) if self.options.policy.delays_updates else None
 
     @property
     def settled(self) -> bool:
         """Whether the plan has stopped changing by itself: the profile is applied, tuning (``"auto"`` knobs)
         and the measured choice of ``allreduce="auto"`` are over.  The same on every rank."""
         executor = self._executor
-        if getattr(executor, "offset", 0) and getattr(executor, "deft", None) is None:
+        if self._deft("offset") and self._deft("deft") is None:
             return False  # schedule="deft" is still measuring the job
         if executor.plan is None or (executor.profile.enabled and (executor.profile.result is None
                                                                   or executor.profile.fresh)):
             return False
-        if self.tuning is not None and not self.tuning.finished:
-            return False
-        return self._choice_considered and (self.plan_choice is None or self.plan_choice.finished)
+        return self._search.settled
 
     step.hooked = True  # torch must not wrap it: the post hooks fire when the step's updates have landed
-
-    def _scaler_found_inf(self, scaler, unscale: bool) -> bool:
-        """Unscale through ``scaler`` if it has not been done this step (recording the agreed inf/NaN answer in
-        the scaler's state, as its own ``unscale_`` would); return whether inf/NaN was found."""
-        from torch.amp.grad_scaler import OptState
-
-        if self._executor.sparse is not None:
-            raise UsageError("GradScaler is not supported with comm_hook=dearopt.Sparsify(...): the residuals "
-                             "(error feedback) would carry gradients scaled differently from step to step, and a "
-                             "skipped step would lose what it selected")
-        state = scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.READY and unscale:
-            inv_scale = scaler._scale.double().reciprocal().float()
-            found = self._executor.unscale_and_check(inv_scale)
-            state["found_inf_per_device"] = {scaler._scale.device: torch.full((), float(found),
-                                                                               device=scaler._scale.device)}
-            state["stage"] = OptState.UNSCALED
-        elif state["stage"] is OptState.UNSCALED and not unscale:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        return sum(float(v) for v in state["found_inf_per_device"].values()) > 0
 
     @engine_boundary
     def synchronize(self) -> None:
@@ -507,7 +396,7 @@ class DistOptim(torch.optim.Optimizer):
         of single-process training; costs one scalar all-reduce where the
         schedule keeps the averaged gradients as shards.
         """
-        return self._executor.clip_grad_norm_(max_norm, norm_type)
+        return self._executor.gradients.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the averaged gradients to ``[-clip_value, clip_value]``; between ``backward()`` and ``step()``.
@@ -515,7 +404,7 @@ class DistOptim(torch.optim.Optimizer):
         Equal to ``torch.nn.utils.clip_grad_value_`` on the averaged gradients
         of single-process training, under every schedule.
         """
-        self._executor.clip_grad_value_(clip_value)
+        self._executor.gradients.clip_grad_value_(clip_value)
 
     def unscale_(self, scale) -> None:
         """Unscale the averaged gradients; call between ``backward()`` and ``step()``.
@@ -533,9 +422,9 @@ class DistOptim(torch.optim.Optimizer):
             scale._check_scale_growth_tracker("unscale_")
             if scale._per_optimizer_states[id(self)]["stage"] is not OptState.READY:
                 raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-            self._scaler_found_inf(scale, unscale=True)
+            self._executor.gradients.scaler_found_inf(scale, id(self), unscale=True)
             return
-        self._executor.unscale_(scale)
+        self._executor.gradients.unscale_(scale)
 
     def reduce_gradients(self) -> None:
         """Finish communication now, so that every ``p.grad`` holds the averaged gradient.
@@ -544,7 +433,7 @@ class DistOptim(torch.optim.Optimizer):
         averages are gathered into ``p.grad`` now, as a read of ``p.grad`` between backward and ``step()`` does:
         that step's gathers then no longer overlap the next forward.
         """
-        self._executor.reduce_gradients()
+        self._executor.gradients.reduce()
 
     def register_comm_hook(self, hook) -> None:
         """Set how gradients travel (see the ``comm_hook`` argument); before the first backward, on every rank."""
@@ -557,7 +446,7 @@ class DistOptim(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change local accumulation between steps (the same on every rank)."""
-        options = dataclasses.replace(self.options, backward_passes_per_step=passes)
+        options = self.options.replace(backward_passes_per_step=passes)
         self.options = options
         self._executor.options = options
         self._executor.checks.options = options
@@ -583,7 +472,7 @@ class DistOptim(torch.optim.Optimizer):
             saved = self._inner.state_dict()
         else:
             saved = self._inner_state_dict(sharding.gather_state())
-        if hasattr(self._executor, "deft_state"):  # schedule="deft": this rank's delayed group sums
+        if self.options.policy.delays_updates:  # schedule="deft": this rank's delayed group sums
             saved["dearopt_deft"] = self._executor.deft_state()
         if self._executor.sparse is not None:  # comm_hook=Sparsify: this rank's residuals (error feedback)
             saved["dearopt_sparse"] = self._executor.sparse.state_dict()
@@ -602,7 +491,7 @@ class DistOptim(torch.optim.Optimizer):
         """Load an ordinary ``state_dict()`` (from this class, sharded or not, or from a torch optimizer)."""
         self.synchronize()
         if "dearopt_deft" in state_dict:
-            if not hasattr(self._executor, "load_deft_state"):
+            if not self.options.policy.delays_updates:
                 raise UsageError("this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
                                  "load it into a DistOptim with schedule='deft'")
             state_dict = dict(state_dict)

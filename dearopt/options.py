@@ -1,185 +1,167 @@
-"""The knobs of :class:`dearopt.DistOptim`, validated in one place."""
+"""The knobs of :class:`dearopt.DistOptim`, validated and settled in one place.
+
+A :class:`Options` is the schedule object (:mod:`dearopt.schedules`: it owns
+its own knobs) plus the knobs every schedule shares.  It is made once per
+``DistOptim`` and never changed; :meth:`Options.replace` makes another.  The
+environment (``DEAROPT_TIMELINE``, ``DEAROPT_DEBUG``) is read here and nowhere
+else.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
-from .plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, parse_size
+from .plan import DEFAULT_BUFFER_SIZE, parse_size
 
-__all__ = ["Options", "NONFINITE_POLICIES"]
+__all__ = ["Options", "NONFINITE_POLICIES", "CHECKS", "SHARED"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
+CHECKS = ("off", "step", "full")
+"""How much the ranks' agreement is checked.  ``"step"`` (default): at every step, inside the gradient buckets'
+own messages, that all ranks are at the same step (no extra message; a few scalar writes per bucket).
+``"full"``: also the parameters' checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
+``"off"``: nothing (only to measure what the check costs)."""
 
-@dataclasses.dataclass(frozen=True)
+SHARED = ("buffer_size", "shard_optimizer", "backward_passes_per_step", "broadcast_parameters", "broadcast_buffers",
+          "nonfinite", "checks", "timeline")
+"""The knobs every schedule shares (besides ``comm_hook``, ``tuner`` and ``backend``, which ``DistOptim`` keeps)."""
+
+
 class Options:
-    schedule: str = "dear"
-    """A registered schedule (:mod:`dearopt.schedules`).  ``"dear"``: reduce-scatter during backward,
-    all-gather + update during the next forward (the DeAR paper).  ``"wfbp"``: all-reduce during
-    backward, update at ``step()`` (Horovod/DDP).  ``"rsag"``: reduce-scatter then all-gather, both
-    during backward (the paper's baseline).  ``"bytescheduler"``: all-reduce per partition, each bucket
-    finished and updated just before its layers run in the next forward.  ``"prophet"`` /
-    ``"prophet-allreduce"``: buckets are Prophet's gradient blocks, formed from a profile of steps 1-3
-    (:mod:`dearopt.schedules.prophet`), reduce-scattered (all-reduced) in backward and gathered (waited for)
-    just before their layers in the next forward."""
+    """The schedule (with its knobs) and the shared knobs of one ``DistOptim``, settled once.
 
-    buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE
-    """Bytes per fusion bucket (or ``"25MB"``).  25 MB is DDP's default and the
-    paper's first tuning trial; ``"auto"`` tunes it online."""
+    ``schedule``: a registered name (its default knobs) or a :class:`dearopt.schedules.Schedule` instance.
+    ``**knobs``: schedule knobs in the flat spelling of old (``allreduce=``, ``credit=``, ...), applied to the
+    schedule with :meth:`~dearopt.schedules.Schedule.with_knobs`; ``check_agreement=False`` and ``debug=True``
+    are ``checks="off"`` and ``checks="full"``.  The knobs of the schedule in force are readable here too
+    (``options.allreduce``), as the schedule settled them.
+    """
 
-    first_bucket_size: Union[int, str, None] = DEFAULT_FIRST_BUCKET_SIZE
-    """Bytes of the first bucket backward fills (the last layers').  1 MB as DDP: the first reduction starts
-    as soon as the last layers' gradients exist instead of waiting for 25 MB of them; ``None``: no cap."""
+    __slots__ = ("policy",) + SHARED + ("sparsify",)
 
-    allreduce: Union[float, str] = "auto"
-    """``dear``: which buckets are all-reduced in backward (as ``wfbp``: one collective, less CPU than a
-    reduce-scatter plus an all-gather, nothing to gather in the next forward) instead of DeAR's
-    reduce-scatter in backward and all-gather in the next forward.  ``"predicted"``: from a profile of
-    steps 1-3 taken on rank 0 and shared once, the buckets (output side first) whose all-reduce still fits in
-    the link's idle time in backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that
-    prediction, then measured: the predicted choice, none (DeAR's) and all (DDP's) run a few steps each
-    (those that pick the same buckets once) and the fastest on rank 0's clock is kept by every rank, because
-    the link model cannot see what communication costs the computation on the same cores.  A fraction in
-    [0, 1]: the buckets from the output side holding that fraction of the bytes (0: DeAR as in the paper)."""
-
-    embedding_rows: Optional[bool] = None
-    """Default (None): on for parameters on the CPU, unless ``shard_optimizer`` or ``schedule="deft"``; off for
-    parameters on a GPU (the rows' count must be read on the host, which would wait for the device every step,
-    and NCCL's dense all-reduce is fast; pass True to have rows there too).  Reduce each ``nn.Embedding``
-    weight as the rows its lookups touched (all ranks' rows all-gathered,
-    a dense all-reduce when they are not few), and a tied use of it (a decoder sharing the word
-    embedding) as a gradient of its own, added before the update (:mod:`dearopt.tied`).  Exact either way."""
-
-    shard_optimizer: bool = False
-    """``dear`` only: each rank runs the wrapped optimizer on its shard of every bucket at ``step()`` (the shard its
-    reduce-scatter averaged) and the next forward's all-gather carries the updated parameters instead of the
-    gradients (:mod:`dearopt.sharding`): the optimizer's state and work per rank are 1/N.  Elementwise optimizers
-    only; every bucket is reduce-scattered (``allreduce`` is 0) and embeddings are reduced densely (no
-    ``embedding_rows``).  After ``step()`` every ``p.grad`` is None (the whole averaged gradient never exists on
-    a rank), so gradients do not accumulate across steps."""
-
-    partition_size: Union[int, str, None] = None
-    """Split each bucket into collectives of at most this many bytes (ByteScheduler's
-    partitioning); ``None``: one collective per bucket; ``"auto"``: tuned."""
-
-    credit: Union[int, str, None] = None
-    """At most this many bytes of collectives in flight (ByteScheduler's credit);
-    ``None``: unbounded for reductions, all-gathers one bucket ahead; ``"auto"``: tuned."""
-
-    priority: bool = False
-    """Order reductions by priority (layers near the input first) where the data
-    allows, from a profile of steps 1-3 taken on rank 0 and shared once; the order
-    is part of the plan, identical on every rank."""
-
-    link_check_every: Union[int, str, None] = "auto"
-    """Schedules whose buckets are made from the profile (``prophet``): every this many steps rank 0
-    re-measures the gradients' ready times and the link's bandwidth on the job's own reductions and shares
-    them; when the bandwidth moved by more than 25 % in two measurements in a row, every rank re-plans at the
-    same step (:class:`dearopt.profiling.LinkMonitor`).  ``"auto"``: every 20 steps for those schedules;
-    ``None``: never."""
-
-    backward_passes_per_step: int = 1
-    """Backward passes accumulated locally before gradients are communicated."""
-
-    broadcast_parameters: bool = True
-    """Copy rank 0's parameters and buffers to every rank at construction (like DDP)."""
-
-    broadcast_buffers: bool = True
-    """Copy rank 0's buffers (e.g. BatchNorm statistics) before each training forward, as DDP does."""
-
-    nonfinite: str = "raise"
-    """What a non-finite averaged gradient does: ``"raise"`` a named error,
-    ``"skip"`` the step on every rank, or ``"ignore"`` it (DDP's behaviour)."""
-
-    check_agreement: bool = True
-    """Check at every step, inside the gradient buckets' own messages, that all
-    ranks are at the same step (no extra message; cost is a few scalar writes
-    per bucket).  Turn off only to measure its cost."""
-
-    timeline: Optional[str] = None
-    """Write Chrome trace events to this path (one file per rank); default ``DEAROPT_TIMELINE``."""
-
-    debug: bool = False
-    sparsify: bool = False
-    """The communication hook is a :class:`dearopt.Sparsify` (set by ``DistOptim`` from ``comm_hook``): ``wfbp``
-    or ``dear`` only, every bucket all-reduced (under ``dear``: in backward, updated before its forward), whole
-    buckets (no ``partition_size``), embeddings reduced as dense gradients."""
-    """Extra agreement checks per step (parameter checksums); default ``DEAROPT_DEBUG``."""
-
-    def __post_init__(self):
+    def __init__(self, schedule: Any = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE, *,
+                 shard_optimizer: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
+                 broadcast_buffers: bool = True, nonfinite: str = "raise", checks: str = "step",
+                 timeline: Optional[str] = None, sparsify: bool = False, check_agreement: Optional[bool] = None,
+                 debug: Optional[bool] = None, **knobs):
         from .schedules import get_schedule
 
-        policy = get_schedule(self.schedule)
-        for knob in ("buffer_size", "first_bucket_size", "partition_size", "credit"):
-            value = getattr(self, knob)
-            if value is not None and value != "auto":
-                object.__setattr__(self, knob, parse_size(value))
-        if self.buffer_size is None:
+        if buffer_size is None:
             raise ValueError("buffer_size must be a size or 'auto', not None")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        if self.allreduce not in ("auto", "predicted") and (isinstance(self.allreduce, bool) or not isinstance(self.allreduce, (int, float))
-                                         or not 0.0 <= float(self.allreduce) <= 1.0):
-            raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {self.allreduce!r}")
-        policy.check_options(self)
-        if self.sparsify:
-            if self.shard_optimizer:
-                raise ValueError("comm_hook=dearopt.Sparsify(...) and shard_optimizer=True do not combine (the "
-                                 "sharded update needs each bucket reduce-scattered)")
-            if self.schedule not in ("wfbp", "dear"):
-                raise ValueError(f"comm_hook=dearopt.Sparsify(...) replaces each bucket's all-reduce: it works "
-                                 f"with schedule='wfbp' or 'dear', not {self.schedule!r}")
-            if self.schedule == "dear":
-                if self.allreduce not in ("auto", 1, 1.0):
-                    raise ValueError(f"comm_hook=dearopt.Sparsify(...) under 'dear' all-reduces every bucket in "
-                                     f"backward (a sparse sum is whole on every rank); allreduce={self.allreduce!r} "
-                                     f"must be left 'auto' or 1")
-                object.__setattr__(self, "allreduce", 1.0)
-            if self.partition_size is not None:
-                raise ValueError("comm_hook=dearopt.Sparsify(...) selects over whole buckets: partition_size must "
-                                 "be None")
-            if self.nonfinite == "skip":
-                raise ValueError("comm_hook=dearopt.Sparsify(...) takes each step's gradients into its residuals "
-                                 "as it sends them; nonfinite='skip' would lose them: use 'raise' or 'ignore'")
-            if self.embedding_rows:
-                raise ValueError("comm_hook=dearopt.Sparsify(...) sparsifies embeddings itself (top-k of the "
-                                 "whole gradient); leave embedding_rows unset")
-            object.__setattr__(self, "embedding_rows", False)
-        if self.shard_optimizer:
-            if self.schedule != "dear":
-                raise ValueError(f"shard_optimizer=True needs schedule='dear' (the reduce-scatter leaves each rank "
-                                 f"the averaged gradient of its shard, the next forward's all-gather brings the "
-                                 f"parameters); schedule={self.schedule!r} has no such pair")
-            if self.allreduce not in ("auto", 0, 0.0):
-                raise ValueError(f"shard_optimizer=True reduce-scatters every bucket (an all-reduced bucket would "
-                                 f"be updated whole on every rank); allreduce={self.allreduce!r} must be left "
-                                 f"'auto' or 0")
-            object.__setattr__(self, "allreduce", 0.0)
-            if self.embedding_rows:
-                raise ValueError("shard_optimizer=True reduces embeddings densely: with embedding_rows=True every "
-                                 "rank would hold the whole averaged embedding gradient; leave embedding_rows "
-                                 "unset")
-        if policy.delays_updates and self.embedding_rows:
-            raise ValueError(f"schedule={self.schedule!r} reduces embeddings densely (a tied weight's two "
-                             f"gradients are one); leave embedding_rows unset")
-        object.__setattr__(self, "embedding_rows_given", self.embedding_rows is not None)  # not a field
-        if self.embedding_rows is None:
-            object.__setattr__(self, "embedding_rows", not (self.shard_optimizer or policy.delays_updates))
-        every = self.link_check_every
-        if every == "auto":
-            object.__setattr__(self, "link_check_every", 20 if policy.needs_profile else None)
-        elif every is not None:
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(f"link_check_every must be an integer >= 1, 'auto' or None, got {every!r}")
-            if not policy.needs_profile:
-                raise ValueError(f"link_check_every re-plans schedules whose buckets are made from the profile "
-                                 f"(prophet); schedule={self.schedule!r} has none")
-        bpps = self.backward_passes_per_step
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        bpps = backward_passes_per_step
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {bpps!r}")
-        if self.timeline is None and os.environ.get("DEAROPT_TIMELINE"):
-            object.__setattr__(self, "timeline", os.environ["DEAROPT_TIMELINE"])
-        if not self.debug and os.environ.get("DEAROPT_DEBUG", "0") not in ("", "0"):
-            object.__setattr__(self, "debug", True)
+        if checks not in CHECKS:
+            raise ValueError(f"checks must be one of {CHECKS}, got {checks!r}")
+        if check_agreement is False:
+            checks = "off"
+        if debug or (debug is None and checks != "full" and os.environ.get("DEAROPT_DEBUG", "0") not in ("", "0")):
+            checks = "full"
+        if timeline is None and os.environ.get("DEAROPT_TIMELINE"):
+            timeline = os.environ["DEAROPT_TIMELINE"]
+        settled = {"buffer_size": buffer_size if buffer_size == "auto" else parse_size(buffer_size),
+                   "shard_optimizer": bool(shard_optimizer), "backward_passes_per_step": bpps,
+                   "broadcast_parameters": bool(broadcast_parameters), "broadcast_buffers": bool(broadcast_buffers),
+                   "nonfinite": nonfinite, "checks": checks, "timeline": timeline, "sparsify": bool(sparsify)}
+        for name, value in settled.items():
+            object.__setattr__(self, name, value)
+        policy = get_schedule(schedule)
+        if knobs:
+            policy = policy.with_knobs(**knobs)
+        object.__setattr__(self, "policy", policy.resolve(self))
+        self.policy.check_options(self)  # schedules registered from outside may still refuse combinations here
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Options are settled once; make another with options.replace({name}=...)")
+
+    def replace(self, **changes) -> "Options":
+        """Another ``Options`` with ``changes`` (shared knobs, or schedule knobs in the flat spelling)."""
+        shared = {name: getattr(self, name) for name in SHARED}
+        schedule_knobs = {k: changes.pop(k) for k in list(changes) if k not in SHARED and k != "sparsify"}
+        policy = self.policy.with_knobs(**schedule_knobs) if schedule_knobs else self.policy
+        return Options(policy, **{**shared, "sparsify": self.sparsify, **changes})
+
+    # --------------------------------------------------- the schedule's knobs
+    @property
+    def schedule(self) -> str:
+        """The schedule's name (for messages; what it does is answered by its traits)."""
+        return self.policy.name
+
+    def _knob(self, name: str):
+        from .schedules.base import KNOB_DEFAULTS
+
+        return getattr(self.policy, name) if name in self.policy.knob_names() else KNOB_DEFAULTS[name]
+
+    @property
+    def allreduce(self):
+        """``dear``'s all-reduced buckets rule (:class:`dearopt.DeAR`), as settled."""
+        return self._knob("allreduce")
+
+    @property
+    def partition_size(self):
+        """Bytes per collective at most (ByteScheduler's partitioning), ``"auto"`` or None."""
+        return self.policy.partition_size
+
+    @property
+    def credit(self):
+        """Bytes of collectives in flight at most (ByteScheduler's credit), ``"auto"`` or None."""
+        return self.policy.credit
+
+    @property
+    def priority(self) -> bool:
+        """Whether reductions are ordered by priority from a profile."""
+        return self.policy.priority
+
+    @property
+    def first_bucket_size(self):
+        """Bytes of the first bucket backward fills (None: no cap)."""
+        return self.policy.first_bucket_size
+
+    @property
+    def embedding_rows(self) -> bool:
+        """Whether embeddings are reduced as the rows a batch touched, as settled."""
+        return self.policy.embedding_rows
+
+    @property
+    def embedding_rows_given(self) -> bool:
+        """Whether the user chose ``embedding_rows`` (else the default decided, off for GPU parameters)."""
+        return self.policy.embedding_rows_given
+
+    @property
+    def link_check_every(self) -> Optional[int]:
+        """Prophet's link re-measurement period in steps (None: never, or another schedule)."""
+        return self._knob("link_check_every") if self.policy.needs_profile else None
+
+    @property
+    def profile(self):
+        """The :class:`dearopt.sim.Profile` given with the schedule, or None."""
+        return self.policy.profile
+
+    @property
+    def check_agreement(self) -> bool:
+        """Whether the step agreement is checked (``checks`` is not ``"off"``)."""
+        return self.checks != "off"
+
+    @property
+    def debug(self) -> bool:
+        """Whether parameter checksums are compared at every step (``checks="full"``)."""
+        return self.checks == "full"
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The shared knobs and the schedule, as given to :class:`Options` again."""
+        return {"schedule": self.policy, **{name: getattr(self, name) for name in SHARED}, "sparsify": self.sparsify}
+
+    def __reduce__(self):
+        return (_rebuild, (self.as_dict(),))
+
+    def __repr__(self) -> str:
+        shared = ", ".join(f"{name}={getattr(self, name)!r}" for name in SHARED)
+        return f"Options(schedule={self.policy!r}, {shared})"
+
+
+def _rebuild(settled: Dict[str, Any]) -> Options:
+    return Options(**settled)

@@ -395,7 +395,7 @@ class Layout:
 
 
 def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-               world_size: int = 1, schedule: str = "dear", *, partition_size: Union[int, str, None] = None,
+               world_size: int = 1, schedule="dear", *, partition_size: Union[int, str, None] = None,
                priority: bool = False, ready_times: Optional[Sequence[float]] = None,
                bandwidth: Optional[float] = None, latency: Optional[float] = None,
                credit: Union[int, str, None] = None,
@@ -435,7 +435,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     """
     from .schedules import get_schedule  # the registry imports this module
 
-    policy = get_schedule(schedule)
+    policy = get_schedule(schedule)  # a name, or the schedule object itself
+    schedule = policy.name
     buffer_size = parse_size(buffer_size)
     partition_size = None if partition_size is None else parse_size(partition_size)
     credit = None if credit is None else parse_size(credit)

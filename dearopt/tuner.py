@@ -204,6 +204,7 @@ class BayesianTuner(_Trials):
         noise: the relative standard deviation of one throughput measurement
             (an average over a few steps), default 0.02 (2 %); the GP's
             ``alpha`` is its square.
+        steps_per_trial: iterations ``DistOptim`` measures per trial (after one discarded iteration).
         dedup_tol: a suggestion closer than this (Euclidean, in the unit cube
             where every knob spans [0, 1]) to an observed point counts as a
             repeat and is replaced by the best non-repeated candidate (see
@@ -212,7 +213,9 @@ class BayesianTuner(_Trials):
 
     def __init__(self, knobs: Sequence[Knob], *, budget: int = 10, xi: float = 0.1, seed: int = 0,
                  min_improvement: float = 0.005, min_trials: Optional[int] = None, noise: float = 0.02,
-                 dedup_tol: float = 0.01, n_candidates: int = 2000):
+                 dedup_tol: float = 0.01, n_candidates: int = 2000, steps_per_trial: int = 10):
+        _check_number("steps_per_trial", steps_per_trial, minimum=1, integer=True)
+        self.steps_per_trial = int(steps_per_trial)
         if isinstance(knobs, Knob):
             knobs = [knobs]
         knobs = list(knobs)

@@ -1,7 +1,8 @@
 """The schedule registry: one policy per module, found by name.
 
-A schedule is a :class:`~dearopt.schedules.base.Schedule`: it checks the
-options it is given and lists the plan's collectives (when each starts, when it
+A schedule is a :class:`~dearopt.schedules.base.Schedule`: an object that
+owns its knobs (``dearopt.DeFT(links=2)``; the name is shorthand for the
+defaults), settles what follows from the shared ones, and lists the plan's collectives (when each starts, when it
 is due, what completing it does).  The executor carries out whatever plan it is
 given and never asks which schedule made it.  Adding a schedule is one module
 with one ``Schedule`` subclass and one line in :data:`_BUILTIN` (or a call to
@@ -20,7 +21,8 @@ from .prophet import Prophet, ProphetAllReduce
 from .rsag import RSAG
 from .wfbp import WFBP
 
-__all__ = ["Schedule", "mark_updates", "get_schedule", "register", "names"]
+__all__ = ["Schedule", "mark_updates", "get_schedule", "register", "names", "DeAR", "WFBP", "RSAG", "ByteScheduler",
+           "Prophet", "ProphetAllReduce", "DeFT"]
 
 _BUILTIN = (DeAR, WFBP, RSAG, ByteScheduler, Prophet, ProphetAllReduce, DeFT)
 _REGISTRY: Dict[str, Schedule] = {cls.name: cls() for cls in _BUILTIN}
@@ -36,8 +38,11 @@ def register(schedule: Schedule) -> Schedule:
     return schedule
 
 
-def get_schedule(name: str) -> Schedule:
-    """The registered schedule called ``name``; a ``ValueError`` listing the known ones otherwise."""
+def get_schedule(name) -> Schedule:
+    """The registered schedule called ``name`` (with its default knobs), or ``name`` itself where it is a
+    :class:`Schedule` instance; a ``ValueError`` listing the known ones otherwise."""
+    if isinstance(name, Schedule):
+        return name
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -45,4 +50,5 @@ def get_schedule(name: str) -> Schedule:
 
 
 def names() -> Tuple[str, ...]:
+    """The names of the registered schedules."""
     return tuple(_REGISTRY)

@@ -15,6 +15,10 @@ from .base import Schedule, mark_updates
 
 
 class ByteScheduler(Schedule):
+    """``bytescheduler``: ByteScheduler's per-partition all-reduce, finished just in time for the next forward
+    (see the module): ``ByteScheduler(partition_size="4MB", credit="16MB", priority=True)``; knobs:
+    :class:`Schedule`."""
+
     name = "bytescheduler"
     reduction = ALL_REDUCE
     reduces_before_step = False

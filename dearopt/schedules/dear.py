@@ -24,10 +24,46 @@ from .base import Schedule, mark_updates
 
 
 class DeAR(Schedule):
+    """``dear``: DeAR's BackPipe and FeedPipe (see the module).
+
+    ``allreduce``: which buckets are all-reduced in backward instead of reduce-scattered and gathered in the
+    next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the link's idle time in
+    backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that prediction, then measured
+    against none (DeAR's plan), all (DDP's) and DeAR's plan on Prophet's gradient blocks for a few steps each,
+    and the fastest is kept (``optimizer.plan_choice``).  A fraction in [0, 1] of the bytes from the output
+    side (0: DeAR as in the paper) fixes the plan.  The other knobs: :class:`Schedule`.
+    """
+
     name = "dear"
     reduction = REDUCE_SCATTER
     updates_in_forward = True
     mixes_allreduce = True
+    shards_update = True
+    takes_sparsify = True
+
+    def __init__(self, *, allreduce="auto", **common):
+        if allreduce not in ("auto", "predicted") and (isinstance(allreduce, bool)
+                                                       or not isinstance(allreduce, (int, float))
+                                                       or not 0.0 <= float(allreduce) <= 1.0):
+            raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {allreduce!r}")
+        self.allreduce = allreduce
+        super().__init__(**common)
+
+    def resolve(self, options):
+        resolved = super().resolve(options)
+        if options.sparsify:
+            if self.allreduce not in ("auto", 1, 1.0):
+                raise ValueError(f"comm_hook=dearopt.Sparsify(...) under 'dear' all-reduces every bucket in "
+                                 f"backward (a sparse sum is whole on every rank); allreduce={self.allreduce!r} "
+                                 f"must be left 'auto' or 1")
+            resolved.allreduce = 1.0
+        if options.shard_optimizer:
+            if self.allreduce not in ("auto", 0, 0.0):
+                raise ValueError(f"shard_optimizer=True reduce-scatters every bucket (an all-reduced bucket would "
+                                 f"be updated whole on every rank); allreduce={self.allreduce!r} must be left "
+                                 f"'auto' or 0")
+            resolved.allreduce = 0.0
+        return resolved
 
     def ops(self, layout):
         buckets, whole = layout.buckets, layout.allreduce

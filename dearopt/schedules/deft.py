@@ -554,28 +554,73 @@ class Preserver:
         return dataclasses.replace(kept, inputs={"loss": loss, "drift": drift, "noise": noise})
 
 
+APPLY_MODES = ("bucket", "group")
+"""When a reduced sum is applied (``DeFT(apply=...)``).  ``"bucket"`` (the default): each bucket of a group as
+soon as every piece of it was sent, at the ``step()`` that ends the iteration that sent its last piece, lazily
+(just before its module's next forward; earlier where user code touches its parameters, as under ``dear``), so
+only the buckets the schedule sends in a later iteration are applied late.  ``"group"``: the paper's Algorithm 2,
+the whole group as one update at the ``step()`` after its last bucket was sent (every parameter one step late
+at least)."""
+
+
 class DeFT(Schedule):
-    """``deft``: the plan gives the buckets (fused by ``buffer_size``, split into pieces by ``partition_size``,
-    one all-reduce per piece, listed as ``wfbp``'s for the plan's fingerprint); when each piece is sent is the
-    :class:`DeftSchedule`'s, carried out by :class:`dearopt.delayed.DelayedExecutor`."""
+    """``deft``: delayed, merged updates (Meng and Sun; carried out by :mod:`dearopt.delayed`).
+
+    The plan gives the buckets (fused by ``buffer_size``, split into pieces by ``partition_size``, one
+    all-reduce per piece); when each piece is sent is a :class:`DeftSchedule`'s.  Knobs:
+
+    * ``given``: a :class:`DeftSchedule` to follow instead of solving one (from ``profile`` or from the job's
+      measured first steps).
+    * ``preserver``: the convergence check a solved schedule must pass (``True``: :class:`Preserver` with its
+      defaults, or one given; ``False``/None: the solver's schedule unchecked).  It needs the training loss of
+      the first steps: ``optimizer.step(loss=loss)``.
+    * ``links``: 2 sends part of the buckets over a second communicator concurrently (DeFT's heterogeneous
+      links), with the two links' time ratio measured on the job.
+    * ``apply``: :data:`APPLY_MODES` (``"group"`` is needed to clip).
+    * ``profile``: a :class:`dearopt.sim.Profile` whose times the schedule is solved from (no measuring steps).
+    """
 
     name = "deft"
     reduction = ALL_REDUCE
-    takes_ordering_knobs = False  # partition_size is taken (check_options): pieces are the solver's items
+    takes_ordering_knobs = False  # partition_size is taken: pieces are the solver's items
     reduces_before_step = False
     delays_updates = True
+    rows_by_default = False
 
-    def check_options(self, options) -> None:
+    def __init__(self, *, given: Optional["DeftSchedule"] = None, preserver=True, links: int = 1,
+                 apply: str = "bucket", **common):
+        if given is not None and not isinstance(given, DeftSchedule):
+            raise TypeError(f"DeFT(given=...) takes a dearopt.schedules.deft.DeftSchedule, got "
+                            f"{type(given).__name__}")
+        if preserver is True:
+            preserver = Preserver()
+        elif preserver is False:
+            preserver = None
+        elif preserver is not None and not isinstance(preserver, Preserver):
+            raise TypeError(f"preserver= takes True, False or a dearopt.Preserver, got {preserver!r}")
+        if links not in (1, 2) or isinstance(links, bool):
+            raise ValueError(f"links must be 1 or 2, got {links!r}")
+        if apply not in APPLY_MODES:
+            raise ValueError(f"apply must be one of {APPLY_MODES}, got {apply!r}")
+        self.given, self.preserver, self.links, self.apply = given, preserver, links, apply
+        super().__init__(**common)
+
+    def _takes_partitions(self) -> bool:
+        return True
+
+    def _ordering_refusal(self) -> str:
+        return ("schedule='deft' takes no credit or priority (its schedule decides what is sent when); "
+                "partition_size splits buckets into pieces it schedules one by one")
+
+    def resolve(self, options):
         if options.nonfinite == "skip":
             raise ValueError("schedule='deft' applies groups of several steps' gradients at later steps; "
                              "nonfinite='skip' is not supported: use 'raise' or 'ignore'")
-        for knob in ("buffer_size", "partition_size", "credit"):
-            if getattr(options, knob) == "auto":
+        for knob, value in (("buffer_size", options.buffer_size), ("partition_size", self.partition_size)):
+            if value == "auto":
                 raise ValueError(f"schedule='deft' cannot re-plan (its groups span iterations): {knob}='auto' is "
                                  f"not supported")
-        if options.credit is not None or options.priority:  # the schedule decides what goes when
-            raise ValueError("schedule='deft' takes no credit or priority (its schedule decides what is sent "
-                             "when); partition_size splits buckets into pieces it schedules one by one")
+        return super().resolve(options)
 
     def ops(self, layout):
         return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,

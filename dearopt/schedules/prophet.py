@@ -161,10 +161,38 @@ def profile_blocks(params: Sequence[ParamSpec], *, buffer_size: int, ready_times
 
 
 class Prophet(Schedule):
+    """``prophet``: buckets are Prophet's gradient blocks, formed from a profile of steps 1-3, reduce-scattered in
+    backward and gathered just before their layers in the next forward (see the module).
+
+    ``link_check_every``: every this many steps rank 0 re-measures the gradients' ready times and the link's
+    bandwidth on the job's own reductions; when the bandwidth moved by more than 25 % in two measurements in a
+    row every rank re-plans at the same step (:class:`dearopt.profiling.LinkMonitor`; the re-plans:
+    ``optimizer.link_changes``).  ``"auto"``: 20; ``None``: never.  The other knobs: :class:`Schedule`.
+    """
+
     name = "prophet"
     reduction = REDUCE_SCATTER
     updates_in_forward = True
     needs_profile = True
+
+    def __init__(self, *, link_check_every="auto", **common):
+        every = link_check_every
+        if every is not None and every != "auto" and (isinstance(every, bool) or not isinstance(every, int)
+                                                      or every < 1):
+            raise ValueError(f"link_check_every must be an integer >= 1, 'auto' or None, got {every!r}")
+        self.link_check_every = link_check_every
+        super().__init__(**common)
+
+    def resolve(self, options):
+        resolved = super().resolve(options)
+        if resolved.link_check_every == "auto":
+            resolved.link_check_every = 20
+        return resolved
+
+    def predicted_sends(self, plan, measured):
+        sizes = [p.nbytes for p in plan.params]
+        return predicted_sends([b.params for b in plan.buckets], measured.ready, sizes, measured.bandwidth,
+                               self.block_latency(measured.latency))
 
     def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
                       ready_times: Optional[Sequence[float]], bandwidth: Optional[float],
@@ -189,6 +217,9 @@ class Prophet(Schedule):
 
 
 class ProphetAllReduce(Prophet):
+    """``prophet-allreduce``: Prophet's blocks, each all-reduced in backward and waited for just before its layers
+    in the next forward; knobs: :class:`Prophet`."""
+
     name = "prophet-allreduce"
     reduction = ALL_REDUCE
     reduces_before_step = False

@@ -13,14 +13,15 @@ from .base import Schedule, mark_updates
 
 
 class RSAG(Schedule):
+    """``rsag``: reduce-scatter then all-gather, both in backward (see the module); knobs: :class:`Schedule`
+    without the ordering ones."""
+
     name = "rsag"
     reduction = REDUCE_SCATTER
     takes_ordering_knobs = False
 
-    def check_options(self, options) -> None:
-        if options.partition_size is not None or options.credit is not None or options.priority:
-            raise ValueError("schedule='rsag' is the paper's baseline and takes no partition_size, credit or priority")
-        super().check_options(options)
+    def _ordering_refusal(self) -> str:
+        return "schedule='rsag' is the paper's baseline and takes no partition_size, credit or priority"
 
     def ops(self, layout):
         ops = []

@@ -16,8 +16,11 @@ from .base import Schedule, mark_updates
 
 
 class WFBP(Schedule):
+    """``wfbp``: Horovod's and DDP's all-reduce in backward (see the module); knobs: :class:`Schedule`."""
+
     name = "wfbp"
     reduction = ALL_REDUCE
+    takes_sparsify = True
 
     def ops(self, layout):
         return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,

@@ -1,0 +1,132 @@
+"""Schedules as objects that own their knobs: the new spelling, the old one (deprecated, same result), traits
+instead of names, and the limits of the engine's shape measured from the code."""
+
+import ast
+import inspect
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+import dearopt
+from dearopt.options import Options
+from dearopt.optimizer import _moved_keywords
+from dearopt.schedules import WFBP, register
+from harness import run_workers
+from models import global_batch, loss_fn, make_model
+from test_bytescheduler import _train as train_bytescheduler
+from test_distoptim import assert_params_match
+
+PACKAGE = pathlib.Path(dearopt.__file__).parent
+
+
+def test_a_schedule_object_owns_and_validates_its_knobs():
+    bs = dearopt.ByteScheduler(partition_size="4MB", credit="16MB", priority=True)
+    assert (bs.partition_size, bs.credit, bs.priority) == (4 * 2**20, 16 * 2**20, True)
+    assert dearopt.Prophet(link_check_every=20).link_check_every == 20
+    deft = dearopt.DeFT(links=2, preserver=False, apply="group")
+    assert (deft.links, deft.preserver, deft.apply) == (2, None, "group")
+    assert isinstance(dearopt.DeFT().preserver, dearopt.Preserver)  # True: the defaults
+    assert dearopt.DeAR(allreduce=0.25).with_knobs(first_bucket_size="2MB").knobs()["allreduce"] == 0.25
+    for make, match in [(lambda: dearopt.DeAR(allreduce=2), "allreduce must be"),
+                        (lambda: dearopt.DeFT(links=3), "links must be 1 or 2"),
+                        (lambda: dearopt.DeFT(apply="later"), "apply must be one of"),
+                        (lambda: dearopt.DeFT(credit=100), "takes no credit or priority"),
+                        (lambda: dearopt.RSAG(priority=True), "rsag"),
+                        (lambda: dearopt.Prophet(link_check_every=0), "link_check_every must be"),
+                        (lambda: dearopt.ByteScheduler(credit="lots"), "credit"),
+                        (lambda: dearopt.DeFT(embedding_rows=True), "reduces embeddings densely")]:
+        with pytest.raises(ValueError, match=match):
+            make()
+    with pytest.raises(TypeError, match="preserver="):
+        dearopt.DeFT(preserver="yes")
+    with pytest.raises(ValueError, match="is a knob of schedule 'dear'.*'wfbp' has none"):
+        dearopt.WFBP().with_knobs(allreduce=0.5)
+    # the name is shorthand for the defaults
+    assert Options("bytescheduler").policy == Options(dearopt.ByteScheduler()).policy
+    assert Options(dearopt.DeAR(allreduce=0.5)).allreduce == 0.5
+
+
+def test_old_flat_keywords_warn_naming_the_new_spelling_and_mean_the_same():
+    new = dearopt.ByteScheduler(partition_size=128, credit=384, priority=True)
+    with pytest.warns(DeprecationWarning) as caught:
+        policy, shared, steps = _moved_keywords("bytescheduler", dict(partition_size=128, credit=384, priority=True,
+                                                                      check_agreement=False, tuning_steps=4))
+    messages = [str(w.message) for w in caught]
+    assert any("dearopt.ByteScheduler(credit=...)" in m for m in messages)
+    assert any("checks='off'" in m for m in messages) and any("steps_per_trial" in m for m in messages)
+    assert policy == new and shared == {"check_agreement": False} and steps == 4
+    assert Options(policy, **shared).checks == "off"
+    with pytest.warns(DeprecationWarning, match=r"dearopt.DeFT\(links=...\)"):
+        policy, _, _ = _moved_keywords("deft", dict(deft_links=2, deft_apply="group", preserver=False))
+    assert policy == dearopt.DeFT(links=2, apply="group", preserver=False)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="are for schedule='deft'"):
+        _moved_keywords("dear", dict(deft_links=2))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        _moved_keywords("dear", dict(bucket_cap_mb=25))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _moved_keywords(dearopt.DeAR(allreduce=0.0), {})  # the new spelling warns nothing
+
+
+def _train_old_spelling():
+    with pytest.warns(DeprecationWarning):
+        return train_bytescheduler("bytescheduler", partition_size=128, credit=384, priority=True)
+
+
+@pytest.mark.timeout(120)
+def test_the_object_spelling_trains_as_the_old_one_and_as_one_process():
+    """ByteScheduler's three knobs on the object: bit-identical to the flat keywords, equal to one process."""
+    knobs = dict(partition_size=128, credit=384, priority=True)
+    new = run_workers(train_bytescheduler, 2, dearopt.ByteScheduler(**knobs), timeout=100)
+    old = run_workers(_train_old_spelling, 2, timeout=100)
+    model = make_model("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(5):
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+    want = [p.detach() for p in model.parameters()]
+    for o in new:
+        assert_params_match(o.value["params"], want)
+        assert o.value["priority_plan"] and o.value["max_inflight"] <= knobs["credit"]
+    for n, o in zip(new, old):  # the same plan and sums (the priority order follows each run's own profile)
+        assert all(torch.equal(a, b) for a, b in zip(n.value["params"], o.value["params"]))
+        assert n.value["pieces"] == o.value["pieces"] and n.value["priority_plan"] == o.value["priority_plan"]
+
+
+def test_what_combines_is_answered_by_traits_not_names():
+    class NoSparse(WFBP):
+        name = "no-sparse"
+        takes_sparsify = False
+
+    register(NoSparse())
+    with pytest.raises(ValueError, match="Sparsify"):
+        Options("no-sparse", sparsify=True)
+    Options(dearopt.WFBP(), sparsify=True)  # the same class with the trait on is accepted
+    with pytest.raises(ValueError, match="shard_optimizer=True needs"):
+        Options(NoSparse(), shard_optimizer=True)
+
+
+def test_the_engine_shape_measured_from_the_code():
+    """DistOptim takes at most 12 keyword parameters; no schedule name is compared outside dearopt/schedules/
+    (bench/ compares the peers it runs, "ddp" among them, and is outside the engine)."""
+    keyword = [n for n, p in inspect.signature(dearopt.DistOptim.__init__).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(keyword) <= 12, keyword
+    names = set(dearopt.schedules.names()) | {"prophet-allreduce"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(("schedules/", "bench/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                constants += [e for c in node.comparators if isinstance(c, (ast.Tuple, ast.List, ast.Set))
+                              for e in c.elts if isinstance(e, ast.Constant)]
+                if any(c.value in names for c in constants) and "schedule" in ast.unparse(node):
+                    found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
