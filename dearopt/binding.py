@@ -13,6 +13,7 @@ changes the plan, which plans are worth measuring against each other.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
@@ -84,7 +85,7 @@ class Planner:
         self.engine = engine
         self.knobs = knobs
         self.window = CreditWindow(knobs.credit)
-        self.launch_log: list = []
+        self.launch_log = collections.deque(maxlen=100_000)  # the issuers' (step, kind, bucket, piece), in order
         self.module_order: List[torch.nn.Module] = []
         self.link_monitor = link_monitor
         self.generation = 0

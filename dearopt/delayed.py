@@ -273,19 +273,364 @@ class DelayedGradients(AveragedGradients):
         self.finish_averaging()
 
 
+class DelayedGroups:
+    """``deft``'s part of the moments protocol (:class:`dearopt.updates.RoundUpdates` is the exact one): the
+    forward stage's sends when a forward starts; each group's buckets applied when they are due (``apply="bucket"``:
+    lazily, before their module's next forward or when user code touches their parameters) or the whole group
+    at the ``step()`` the schedule names; every send finished on ``synchronize()``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
+        # last of the old group's and all of the new group's)
+        self.due_buckets: Dict[int, List[_Group]] = {}
+        self.due_landing = False  # the step whose due buckets are not all applied yet (its post hooks wait)
+        self.applied_steps: List[int] = []  # the steps at which a group was applied (the update frequency)
+        self.replanning = False  # the measuring steps re-partition (nothing in flight): a re-plan is allowed
+
+    # ------------------------------------------------ the moments protocol
+    def forward_started(self) -> None:
+        """A training forward began: the measuring step's first mark, and Case 1's sends."""
+        e = self.engine
+        if e.plan is None:
+            return
+        if e.measurement.measuring(1) and e.forwards == 1:  # the step's first forward (more where it accumulates)
+            e.measurement.marks = {"start": time.perf_counter()}
+        e._send_forward_stage()
+
+    def module_reached(self, module) -> None:
+        """Before ``module`` runs: its due buckets applied; the measuring step's forward marks."""
+        e = self.engine
+        if self.due_buckets:
+            bucket = e.bound.module_bucket.get(id(module))
+            if bucket is not None:
+                self.apply_due(bucket)
+        if e.issuer is not None:
+            e.issuer.poll_sends()
+        if e.measurement.measuring(1) and module.training and "start" in e.measurement.marks:
+            now = time.perf_counter()
+            for p in module.parameters(recurse=False):
+                if id(p) in e.bound.where:
+                    e.measurement.marks.setdefault(("forward", e.bound.where[id(p)][0].index), now)
+
+    def touched(self, bucket: int) -> None:
+        """User code touched a parameter of ``bucket`` after step(): apply the due buckets up to it first."""
+        self.apply_due(bucket)
+
+    def synchronize(self) -> None:
+        """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
+        nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
+        e = self.engine
+        if e.state is TrainingState.IDLE:
+            self.apply_due()
+            e._wait(e.group)
+
+    def may_replan(self) -> None:
+        """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
+        if self.engine.plan is not None and not self.replanning:
+            raise UsageError("schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
+                             "and the other tuned knobs are not supported")
+
+    def close(self) -> None:
+        """Release the second link and the reduce-scatter + all-gather communicator."""
+        e = self.engine
+        if e._rsag is not None:
+            e._rsag.close()
+        if e.second is not None:
+            e.second.close()
+
+    # ---------------------------------------------------- applying groups
+    def hand_over(self, it: DeftIteration) -> None:
+        """``deft_apply="bucket"``: every bucket of the groups in flight all of whose pieces are sent by the end
+        of this iteration becomes due, to be applied (with this step's hyperparameters) before its parameters are
+        next used; a group the schedule applies now must have none left."""
+        e = self.engine
+        fresh = 0
+        for group in (e.group, e.forming):
+            if group is None:
+                continue
+            for b in range(len(e.buckets)):
+                if b not in group.due and all(u in group.sent for u in e._units_of[b]):
+                    group.due.add(b)
+                    self.due_buckets.setdefault(b, []).append(group)
+                    fresh += 1
+        if it.applies is not None:
+            if e.group is None or len(e.group.due) != len(e.buckets):
+                raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the "
+                                   "solver and the executor disagree")
+            self.applied_steps.append(e.step_count)
+            e.group = None
+        if fresh:
+            e.updater.begin_step(fresh)
+
+    def apply_due(self, upto: Optional[int] = None) -> None:
+        """Apply the due buckets numbered up to ``upto`` (all: ``None``), in one optimizer call, each after its
+        sends are complete."""
+        e = self.engine
+        chosen = sorted(b for b in self.due_buckets if upto is None or b <= upto)
+        if not chosen:
+            return
+        t0 = e.timeline.now()
+        with e.guard.suspended():
+            rounds = max(len(self.due_buckets[b]) for b in chosen)
+            pending = {b: self.due_buckets.pop(b) for b in chosen}
+            for r in range(rounds):  # the older group's sum first: one optimizer call per round
+                members = [[] for _ in e.optimizer.param_groups]
+                saved: Dict[int, tuple] = {}
+                waited = []
+                now = [b for b in chosen if r < len(pending[b])]
+                for b in now:
+                    group = pending[b][r]
+                    for u in e._units_of[b]:
+                        handle = group.unit_handles.get(u)  # none for a unit reduced before a checkpoint
+                        if handle is not None:
+                            handle.wait()
+                            waited.append(handle)
+                    self.take_average(e.buckets[b], group, members, saved)
+                if e.timeline.enabled:
+                    e.issuer.poll_sends(waited)
+                try:
+                    e.updater.apply_members(members, updates=len(now))
+                finally:
+                    for p, grad in saved.values():
+                        p.grad = grad
+        e.timeline.span("update", "update", t0, buckets=chosen)
+        if e.guard.armed:
+            if self.due_buckets:
+                e.guard.arm({id(p): b for b in self.due_buckets for p in e.buckets[b].params})
+            else:
+                e.guard.disarm()
+        if not self.due_buckets and self.due_landing:
+            self.due_landing = False
+            if e.on_step_landed is not None:
+                e.on_step_landed()
+
+    def apply(self, group: _Group, measure: bool = False) -> None:
+        """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
+        ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
+        e = self.engine
+        if group is None or len(group.sent) != len(e.units):
+            raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
+                               "and the executor disagree")
+        members = [[] for _ in e.optimizer.param_groups]
+        saved = {}
+        for bucket in e.buckets:
+            if bucket.index not in group.due:  # (applied already: a checkpoint of deft_apply="bucket")
+                self.take_average(bucket, group, members, saved)
+        before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
+        e.updater.begin_step(1)
+        try:
+            e.updater.apply_members(members)
+        finally:
+            for p, grad in saved.values():
+                p.grad = grad
+        if measure:  # p.grad is this rank's own gradient again
+            e.measurement.dots[e.step_count] = sum(float(torch.sum(p.grad.double() * (p.detach() - old).double()))
+                                              for p, old in before if p.grad is not None)
+        self.applied_steps.append(e.step_count)
+
+    def take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
+        """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
+        (the old ``p.grad`` kept in ``saved``), each added to its param group's ``members``."""
+        e = self.engine
+        storage = group.storage[bucket.index]
+        storage[:bucket.spec.grad_numel].mul_(1.0 / (e.world * group.covers))
+        used = [count > 0 for count in storage[bucket.spec.flags_offset:
+                                               bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
+        if e.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
+            raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
+                                         f"{', '.join(bucket.names[:3])}) is not finite", rank=e.rank,
+                                         op="update", bucket=bucket.index, step=e.step_count)
+        for gi, params in enumerate(bucket.group_members):
+            for p in params:
+                j = bucket.position[id(p)]
+                if used[j]:
+                    saved[id(p)] = (p, p.grad)
+                    offset = bucket.spec.offsets[j]
+                    p.grad = storage[offset:offset + p.numel()].view_as(p)
+                    members[gi].append(p)
+
+
+class DeftMeasurement:
+    """``deft``'s measuring steps and solver: without a given schedule the first :data:`MEASURED_STEPS` steps
+    are exact and measure the job (compute per bucket, each piece's reduction alone, the loss and the update's
+    drift and noise for the Preserver); rank 0's numbers are shared, every rank solves the same schedule, and a
+    piece that outlasts a stage re-partitions the buckets (at most :data:`REPARTITIONS` times)."""
+
+    def __init__(self, engine, preserver: Optional[Preserver], profile):
+        self.engine = engine
+        self.preserver = preserver
+        self.preserved: Optional[Preserved] = None  # the Preserver's outcome, once solved
+        self.profile = profile  # a dearopt.sim.Profile the times come from (no measuring of them)
+        self.losses: Dict[int, float] = {}  # measuring step -> the loss the user reported at its step()
+        self.dots: Dict[int, float] = {}  # measuring step -> this rank's own gradient . the update made
+        self.measure_from = 0  # the first measuring step (later after a re-partition)
+        self.repartitions: List[int] = []  # the buffer sizes re-planned to
+        self.measured: Optional[tuple] = None  # (forward, backward, comm) per bucket, rank 0's, shared
+        self.marks: Dict[object, float] = {}  # step 1: forward/backward start and end, per bucket reached/ready
+        self.comm: Dict[int, float] = {}  # each piece's all-reduce alone (seconds)
+        self.comm_second: Dict[int, float] = {}  # on the second link
+        self.comm_rsag: Dict[int, float] = {}  # as reduce-scatter + all-gather
+
+    @property
+    def times_alone(self) -> bool:
+        """Whether the last measuring step times each bucket's all-reduce alone: for the times (no profile), or
+        for the second link's ratio ``mu``."""
+        e = self.engine
+        return self.profile is None or e.second is not None
+
+    def measuring(self, step: int) -> bool:
+        """Whether this is measuring step ``step`` (1: compute times, 2: each all-reduce alone)."""
+        e = self.engine
+        return e.offset > 0 and e.step_count == self.measure_from + step and e.plan is not None
+
+
+    def measured_times(self) -> tuple:
+        """Per unit: forward and backward seconds from step 1's marks (per bucket), all-reduce seconds from
+        step 2."""
+        e = self.engine
+        n, marks = len(e.buckets), self.marks
+        forward = [0.0] * n
+        reached = sorted((marks[("forward", b)], b) for b in range(n) if ("forward", b) in marks)
+        for k, (at, b) in enumerate(reached):
+            until = reached[k + 1][0] if k + 1 < len(reached) else marks["backward"]
+            forward[b] = max(until - at, 0.0)
+        if reached:
+            forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
+        ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
+        forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], e.units)
+        measured = self.comm_rsag if self.measured_reduction() == RSAG else self.comm
+        # one sample per unit, on a machine that computes and communicates at once: the solver takes the line
+        # fitted through them (Theil-Sen, robust to the one slow sample that would otherwise break the
+        # partition constraint), not each sample
+        nbytes = [e._unit_nbytes(u) for u in range(len(e.units))]
+        bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(e.units))])
+        return forward, backward, [latency + n / bandwidth for n in nbytes]
+
+    def measured_reduction(self) -> str:
+        """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
+        e = self.engine
+        if e._rsag is not None and len(self.comm_rsag) == len(self.comm) and \
+                sum(self.comm_rsag.values()) < sum(self.comm.values()):
+            return RSAG
+        return ALL_REDUCE
+
+    def choose_profiled_reduction(self) -> None:
+        e = self.engine
+        if e._rsag is not None:
+            e.reduction = profile_reduction(self.profile, e.plan)
+
+    def solve_measured(self) -> None:
+        """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
+        e = self.engine
+        from .functions import broadcast_object
+
+        if self.times_alone:  # rank 0's numbers for everyone
+            measured, e.mu, e.reduction = broadcast_object(
+                (self.measured_times(), self.measured_mu(), self.measured_reduction()) if e.rank == 0 else None,
+                0, backend=e.control)
+        if self.profile is not None:
+            self.choose_profiled_reduction()
+            measured = deft_times(self.profile, e.plan, e.reduction)
+        self.measured = measured
+        forward, backward, comm = self.measured
+        too_long = check_partition(forward, backward, comm)
+        if too_long and len(self.repartitions) < REPARTITIONS:
+            # split: buckets, and pieces of any larger parameter, that take at most 80 % of the shortest stage
+            # by the link's line through the units' (bytes, seconds) (``comm`` lies on it: fitted above, shared);
+            # at most GROWTH times as many pieces per re-partition, since the line cannot always see the fixed
+            # cost per collective (a tiny model was cut into ~700 pieces of mostly fixed cost); and only where it
+            # shrinks a unit that is too long
+            shortest = min(sum(forward), sum(backward))
+            nbytes = [e._unit_nbytes(u) for u in range(len(e.units))]
+            bandwidth, latency = fit_link(list(zip(nbytes, comm)))
+            size = max(int((0.8 * shortest - latency) * bandwidth), -(-sum(nbytes) // (GROWTH * len(nbytes))))
+            if size < max(nbytes[u] for u in too_long) and self.profile is None:
+                self.repartitions.append(size)
+                # nothing in flight: every measuring step was applied
+                knobs = e.planner.knobs
+                e.updates.replanning = True
+                try:
+                    e.replan(buffer_size=min(knobs.buffer_size, size),
+                                partition_size=min(knobs.partition_size or size, size))
+                finally:
+                    e.updates.replanning = False
+                self.measure_from, e.offset = e.step_count, e.step_count + MEASURED_STEPS
+                self.marks, self.comm, self.comm_second, self.losses, self.dots = {}, {}, {}, {}, {}
+                self.comm_rsag = {}
+                return
+        self.solve(self.measured)
+
+
+    def measured_mu(self) -> Optional[float]:
+        """The second link's all-reduce time over the first's, over all buckets measured alone (None: one link)."""
+        e = self.engine
+        if e.second is None:
+            return None
+        first = sum(self.comm.values())
+        return sum(self.comm_second.values()) / first if first > 0 else 1.0
+
+    def convergence_stats(self) -> tuple:
+        """The Preserver's inputs from the measuring steps, the same on every rank: the mean loss, and per step
+        the drift (minus the averaged gradient . the update) and the noise (the spread of the ranks' own
+        gradients . the update, over sqrt(ranks)), averaged over the measuring steps."""
+        e = self.engine
+        steps = sorted(self.dots)
+        rows = [[self.dots[s], self.dots[s] ** 2, self.losses.get(s, math.nan)] for s in steps]
+        total = torch.tensor(rows, dtype=torch.float64, device=e.control.device)
+        e.control.all_reduce(total, "sum", step=e.step_count).wait()
+        total = total.cpu()
+        n = e.world
+        dot = total[:, 0] / n  # the averaged gradient . the update, per step
+        var = (total[:, 1] - n * dot ** 2).clamp(min=0) / (n - 1) if n > 1 else torch.zeros_like(dot)
+        loss = float(total[:, 2].mean()) / n
+        if not math.isfinite(loss):
+            raise UsageError(f"schedule='deft' checks its solved schedule's convergence (the Preserver) from the "
+                             f"training loss of its first {len(steps)} steps, and not every rank reported one: "
+                             f"pass it as optimizer.step(loss=loss) on every rank, or preserver=None to use the "
+                             f"solver's schedule unchecked [rank {e.rank}, step {e.step_count}]")
+        return loss, -float(dot.mean()), math.sqrt(float(var.mean()) / n)
+
+    def solve(self, times) -> None:
+        e = self.engine
+        try:
+            if self.preserver is None:
+                e.deft = deft_schedule(*times, mu=e.mu)
+                return
+            loss, drift, noise = self.convergence_stats()
+            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=e.mu)
+            e.deft = self.preserved.schedule
+            if not self.preserved.passed:
+                warnings.warn(f"dearopt: the DeFT schedule failed the Preserver's check after "
+                              f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
+                              f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
+                              f"last re-solve left it ({e.deft.updates_per_iteration:.2f} updates per step)",
+                              RuntimeWarning)
+        except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
+            raise UsageError(f"schedule='deft' cannot schedule these {len(e.buckets)} buckets (sent in "
+                             f"{len(e.units)} pieces, numbered from the input side): {exc}. A smaller "
+                             f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
+                             f"the fixed cost per collective does, this model computes too little per step for "
+                             f"DeFT [rank {e.rank}, step {e.step_count}]") from None
+
+
+    def record_loss(self, loss) -> None:
+        """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
+        e = self.engine
+        if self.preserver is not None and e.deft is None and e.step_count < e.offset:
+            self.losses[e.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
+
+
 class DelayedExecutor(Executor):
     """Carries out a :class:`DeftSchedule` over the buckets of a plan (see the module's docstring)."""
 
     Gradients = DelayedGradients
+    Updates = DelayedGroups
 
     def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None,
                  preserver: Optional[Preserver] = None, links: int = 1, apply: str = "bucket", **kwargs):
         super().__init__(*args, **kwargs)
         self.apply_mode = apply  # one of schedules.deft.APPLY_MODES (the DeFT object checked it)
-        # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
-        # last of the old group's and all of the new group's)
-        self._due_buckets: Dict[int, List[_Group]] = {}
-        self._due_landing = False  # the step whose due buckets are not all applied yet (its post hooks wait)
         if schedule is not None and links == 1 and any(it.second_old or it.second_new
                                                        for it in schedule.warmup + schedule.period):
             raise UsageError("the given DeFT schedule sends on a second link: pass dearopt.DeFT(links=2) (of old: "
@@ -308,30 +653,17 @@ class DelayedExecutor(Executor):
         # while the one before still gathers it (its bucket applied only when the next forward reaches it)
         self._shards: Dict[Tuple[int, int], torch.Tensor] = {}
         self._groups_formed = 0
-        self._in_flight: List = []  # with a timeline: the sends whose span is open
         self._accumulating = False  # this backward only accumulates (no_sync(), backward_passes_per_step)
         self.deft: Optional[DeftSchedule] = schedule
         # A given schedule is followed as it is.  Otherwise the first MEASURED_STEPS steps are exact and measure
         # the job: its times (unless a profile gives them) and what the Preserver needs (unless it is off)
-        self.preserver = None if schedule is not None else preserver
+        self.measurement = DeftMeasurement(self, None if schedule is not None else preserver, profile)
         self.offset = MEASURED_STEPS if schedule is None and (profile is None or preserver is not None) else 0
-        self.preserved: Optional[Preserved] = None  # the Preserver's outcome, once solved
-        self._losses: Dict[int, float] = {}  # measuring step -> the loss the user reported at its step()
-        self._dots: Dict[int, float] = {}  # measuring step -> this rank's own gradient . the update made
-        self._measure_from = 0  # the first measuring step (later after a re-partition)
-        self.repartitions: List[int] = []  # the buffer sizes re-planned to
-        self.measured: Optional[tuple] = None  # (forward, backward, comm) per bucket, rank 0's, shared
-        self._marks: Dict[object, float] = {}  # step 1: forward/backward start and end, per bucket reached/ready
-        self._comm: Dict[int, float] = {}
-        self._comm_second: Dict[int, float] = {}
-        self._comm_rsag: Dict[int, float] = {}
-        self._deft_profile = profile
         self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
         self.forming: Optional[_Group] = None  # the group this backward starts
         self.held: Optional[_Group] = None  # gradients held (summed) while the group in flight is unfinished
         self._new_cursor = 0
         self._forward_sent_at = -1
-        self.applied_steps: List[int] = []  # the steps at which a group was applied (the update frequency)
         self._loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
 
     # --------------------------------------------------------------- plan
@@ -343,9 +675,9 @@ class DelayedExecutor(Executor):
         self.units = plan_units(self.plan)
         self._units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in self.buckets]
         self._shards = {}
-        if self.deft is None and self._deft_profile is not None and not self.offset:
-            self._choose_profiled_reduction()
-            self._solve(deft_times(self._deft_profile, self.plan, self.reduction))
+        if self.deft is None and self.measurement.profile is not None and not self.offset:
+            self.measurement.choose_profiled_reduction()
+            self.measurement.solve(deft_times(self.measurement.profile, self.plan, self.reduction))
         if self.deft is not None and self.deft.buckets != len(self.units):
             pieces = "" if len(self.units) == len(self.buckets) else f" in {len(self.units)} pieces"
             raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
@@ -354,105 +686,23 @@ class DelayedExecutor(Executor):
             self._restore(self._loaded)
         return kept
 
+    measured = property(lambda self: self.measurement.measured, doc="The times the schedule was solved from.")
+    preserved = property(lambda self: self.measurement.preserved, doc="The Preserver's outcome, once solved.")
+    repartitions = property(lambda self: self.measurement.repartitions, doc="The sizes re-partitioned to.")
+
+    @property
+    def applied_steps(self) -> List[int]:
+        """The steps at which a group was applied (the update frequency)."""
+        return self.updates.applied_steps
+
     @property
     def iteration(self) -> DeftIteration:
         if self.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
             n = len(self.units)
-            alone = self.step_count == self.offset - 1 and self._times_alone  # timed in _end_backward
+            alone = self.step_count == self.offset - 1 and self.measurement.times_alone  # timed in _end_backward
             send = () if alone else tuple(range(n - 1, -1, -1))
             return DeftIteration(4, (), (), send, False, 0, 1)
         return self.deft.iteration(self.step_count - self.offset)
-
-    @property
-    def _times_alone(self) -> bool:
-        """Whether the last measuring step times each bucket's all-reduce alone: for the times (no profile), or
-        for the second link's ratio ``mu``."""
-        return self._deft_profile is None or self.second is not None
-
-    def _measuring(self, step: int) -> bool:
-        """Whether this is measuring step ``step`` (1: compute times, 2: each all-reduce alone)."""
-        return self.offset > 0 and self.step_count == self._measure_from + step and self.plan is not None
-
-    def _module_pre_hook(self, module, args) -> None:
-        super()._module_pre_hook(module, args)
-        if self._due_buckets:
-            bucket = self.bound.module_bucket.get(id(module))
-            if bucket is not None:
-                self._apply_due(bucket)
-        self._poll_timeline()
-        if self._measuring(1) and module.training and "start" in self._marks:
-            now = time.perf_counter()
-            for p in module.parameters(recurse=False):
-                if id(p) in self.bound.where:
-                    self._marks.setdefault(("forward", self.bound.where[id(p)][0].index), now)
-
-    def _measured_times(self) -> tuple:
-        """Per unit: forward and backward seconds from step 1's marks (per bucket), all-reduce seconds from
-        step 2."""
-        n, marks = len(self.buckets), self._marks
-        forward = [0.0] * n
-        reached = sorted((marks[("forward", b)], b) for b in range(n) if ("forward", b) in marks)
-        for k, (at, b) in enumerate(reached):
-            until = reached[k + 1][0] if k + 1 < len(reached) else marks["backward"]
-            forward[b] = max(until - at, 0.0)
-        if reached:
-            forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
-        ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
-        forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], self.units)
-        measured = self._comm_rsag if self._measured_reduction() == RSAG else self._comm
-        # one sample per unit, on a machine that computes and communicates at once: the solver takes the line
-        # fitted through them (Theil-Sen, robust to the one slow sample that would otherwise break the
-        # partition constraint), not each sample
-        nbytes = [self._unit_nbytes(u) for u in range(len(self.units))]
-        bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(self.units))])
-        return forward, backward, [latency + n / bandwidth for n in nbytes]
-
-    def _measured_reduction(self) -> str:
-        """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
-        if self._rsag is not None and len(self._comm_rsag) == len(self._comm) and \
-                sum(self._comm_rsag.values()) < sum(self._comm.values()):
-            return RSAG
-        return ALL_REDUCE
-
-    def _choose_profiled_reduction(self) -> None:
-        if self._rsag is not None:
-            self.reduction = profile_reduction(self._deft_profile, self.plan)
-
-    def _solve_measured(self) -> None:
-        """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
-        from .functions import broadcast_object
-
-        if self._times_alone:  # rank 0's numbers for everyone
-            measured, self.mu, self.reduction = broadcast_object(
-                (self._measured_times(), self._measured_mu(), self._measured_reduction()) if self.rank == 0 else None,
-                0, backend=self.control)
-        if self._deft_profile is not None:
-            self._choose_profiled_reduction()
-            measured = deft_times(self._deft_profile, self.plan, self.reduction)
-        self.measured = measured
-        forward, backward, comm = self.measured
-        too_long = check_partition(forward, backward, comm)
-        if too_long and len(self.repartitions) < REPARTITIONS:
-            # split: buckets, and pieces of any larger parameter, that take at most 80 % of the shortest stage
-            # by the link's line through the units' (bytes, seconds) (``comm`` lies on it: fitted above, shared);
-            # at most GROWTH times as many pieces per re-partition, since the line cannot always see the fixed
-            # cost per collective (a tiny model was cut into ~700 pieces of mostly fixed cost); and only where it
-            # shrinks a unit that is too long
-            shortest = min(sum(forward), sum(backward))
-            nbytes = [self._unit_nbytes(u) for u in range(len(self.units))]
-            bandwidth, latency = fit_link(list(zip(nbytes, comm)))
-            size = max(int((0.8 * shortest - latency) * bandwidth), -(-sum(nbytes) // (GROWTH * len(nbytes))))
-            if size < max(nbytes[u] for u in too_long) and self._deft_profile is None:
-                self.repartitions.append(size)
-                # nothing in flight: every measuring step was applied
-                knobs = self.planner.knobs
-                Executor.replan(self, buffer_size=min(knobs.buffer_size, size),
-                                partition_size=min(knobs.partition_size or size, size))
-                self._measure_from, self.offset = self.step_count, self.step_count + MEASURED_STEPS
-                self._marks, self._comm, self._comm_second, self._losses, self._dots = {}, {}, {}, {}, {}
-                self._comm_rsag = {}
-                return
-        self._solve(self.measured)
 
     def _unit_nbytes(self, u: int) -> int:
         b, k = self.units[u]
@@ -464,87 +714,21 @@ class DelayedExecutor(Executor):
         start, end = self.buckets[b].spec.pieces[k]
         return group.storage[b][start:end]
 
-    def _measured_mu(self) -> Optional[float]:
-        """The second link's all-reduce time over the first's, over all buckets measured alone (None: one link)."""
-        if self.second is None:
-            return None
-        first = sum(self._comm.values())
-        return sum(self._comm_second.values()) / first if first > 0 else 1.0
-
-    def _convergence_stats(self) -> tuple:
-        """The Preserver's inputs from the measuring steps, the same on every rank: the mean loss, and per step
-        the drift (minus the averaged gradient . the update) and the noise (the spread of the ranks' own
-        gradients . the update, over sqrt(ranks)), averaged over the measuring steps."""
-        steps = sorted(self._dots)
-        rows = [[self._dots[s], self._dots[s] ** 2, self._losses.get(s, math.nan)] for s in steps]
-        total = torch.tensor(rows, dtype=torch.float64, device=self.control.device)
-        self.control.all_reduce(total, "sum", step=self.step_count).wait()
-        total = total.cpu()
-        n = self.world
-        dot = total[:, 0] / n  # the averaged gradient . the update, per step
-        var = (total[:, 1] - n * dot ** 2).clamp(min=0) / (n - 1) if n > 1 else torch.zeros_like(dot)
-        loss = float(total[:, 2].mean()) / n
-        if not math.isfinite(loss):
-            raise UsageError(f"schedule='deft' checks its solved schedule's convergence (the Preserver) from the "
-                             f"training loss of its first {len(steps)} steps, and not every rank reported one: "
-                             f"pass it as optimizer.step(loss=loss) on every rank, or preserver=None to use the "
-                             f"solver's schedule unchecked [rank {self.rank}, step {self.step_count}]")
-        return loss, -float(dot.mean()), math.sqrt(float(var.mean()) / n)
-
-    def _solve(self, times) -> None:
-        try:
-            if self.preserver is None:
-                self.deft = deft_schedule(*times, mu=self.mu)
-                return
-            loss, drift, noise = self._convergence_stats()
-            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=self.mu)
-            self.deft = self.preserved.schedule
-            if not self.preserved.passed:
-                warnings.warn(f"dearopt: the DeFT schedule failed the Preserver's check after "
-                              f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
-                              f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
-                              f"last re-solve left it ({self.deft.updates_per_iteration:.2f} updates per step)",
-                              RuntimeWarning)
-        except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
-            raise UsageError(f"schedule='deft' cannot schedule these {len(self.buckets)} buckets (sent in "
-                             f"{len(self.units)} pieces, numbered from the input side): {exc}. A smaller "
-                             f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
-                             f"the fixed cost per collective does, this model computes too little per step for "
-                             f"DeFT [rank {self.rank}, step {self.step_count}]") from None
-
     def _all_reduce(self, group: _Group, u: int, new: bool = False) -> None:
-        """Start unit ``u``'s all-reduce of ``group`` (the group formed in this backward: ``new``) on the link
-        the schedule gives it (measuring steps: the first)."""
+        """Start unit ``u``'s sum of ``group`` (the group formed in this backward: ``new``) through the issuer, on
+        the link the schedule gives it (measuring steps: the first)."""
         group.sent.add(u)
-        on_second = self.second is not None and self.step_count >= self.offset and self.iteration.link(u, new)
-        b = self.units[u][0]
-        if on_second:
-            handle = self.second.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count)
-        elif self.reduction == RSAG and self.step_count >= self.offset:
-            handle = self._rsag.start(self._unit_tensor(group, u), self._shard(u, group.serial % 2), bucket=b,
-                                      step=self.step_count)
-        else:
-            handle = self.backend.all_reduce(self._unit_tensor(group, u), "sum", bucket=b, step=self.step_count)
+        scheduled = self.step_count >= self.offset
+        on_second = self.second is not None and scheduled and self.iteration.link(u, new)
+        b, k = self.units[u]
+        rsag = self.reduction == RSAG and scheduled and not on_second
+        kind = "second link" if on_second else self.reduction if scheduled else ALL_REDUCE
+        handle = self.issuer.send(self._unit_tensor(group, u), bucket=b, piece=k, step=self.step_count,
+                                  link=self.second if on_second else self._rsag if rsag else None,
+                                  shard=self._shard(u, group.serial % 2) if rsag else None,
+                                  label=f"{kind} unit {u}", unit=u, group="new" if new else "old")
         group.handles.append(handle)
         group.unit_handles[u] = handle
-        if self.timeline.enabled:  # its span ends when a hook, a wait or step() first sees it complete
-            kind = "second link" if on_second else self.reduction if self.step_count >= self.offset else ALL_REDUCE
-            self.timeline.begin(("deft", id(handle)), f"{kind} unit {u}", "comm", bucket=b, unit=u,
-                                group="new" if new else "old", step=self.step_count)
-            self._in_flight.append(handle)
-
-    def _poll_timeline(self, waited=()) -> None:
-        """Close the timeline spans of the sends that are complete (and of ``waited``, just waited for)."""
-        if not self._in_flight:
-            return
-        done = {id(h) for h in waited}
-        left = []
-        for handle in self._in_flight:
-            if id(handle) in done or handle.is_completed():
-                self.timeline.end(("deft", id(handle)))
-            else:
-                left.append(handle)
-        self._in_flight = left
 
     def _shard(self, u: int, parity: int = 0) -> torch.Tensor:
         """Unit ``u``'s reduce-scatter output for groups of this ``parity`` (allocated once per plan)."""
@@ -555,14 +739,6 @@ class DelayedExecutor(Executor):
         return self._shards[(u, parity)]
 
     # ----------------------------------------------------------- forward
-    def _root_pre_hook(self, module, args) -> None:
-        super()._root_pre_hook(module, args)
-        if self.plan is None or not (module.training and torch.is_grad_enabled()):
-            return
-        if self._measuring(1) and self.forwards == 1:  # the step's first forward (more where it accumulates)
-            self._marks = {"start": time.perf_counter()}
-        self._send_forward_stage()
-
     def _send_forward_stage(self) -> None:
         """Case 1: the old group's buckets the schedule sends while the forward computes, once per step (at the
         forward's start; or at backward's start where the plan was made only then, after a resume)."""
@@ -579,8 +755,8 @@ class DelayedExecutor(Executor):
         self.pass_id += 1
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
-        self._stale = set(self._due_buckets)
-        self._apply_due()
+        self._stale = set(self.updates.due_buckets)
+        self.updates.apply_due()
         torch.autograd.Variable._execution_engine.queue_callback(_EngineHook(self._end_backward))
         self._hook_new_params()
         if any(id(p) not in self.bound.where for p in self.planner.trainable()):
@@ -593,8 +769,8 @@ class DelayedExecutor(Executor):
         self._accumulating = self.no_sync or self.accumulated + 1 < self.options.backward_passes_per_step
         if self._accumulating:
             return
-        if self._measuring(1):
-            self._marks["backward"] = time.perf_counter()
+        if self.measurement.measuring(1):
+            self.measurement.marks["backward"] = time.perf_counter()
         for b in self.buckets:
             b.start_round()
         it = self.iteration
@@ -614,8 +790,8 @@ class DelayedExecutor(Executor):
         self._new_cursor = 0
 
     def _on_grad_ready(self, p) -> None:
-        self._poll_timeline()
         located = self._located_in_backward(p)
+        self.issuer.poll_sends()
         if located is None:
             return
         bucket, j = located
@@ -631,8 +807,8 @@ class DelayedExecutor(Executor):
             bucket.stamp[j] = self.pass_id
             bucket.ready += 1
         if bucket.complete:
-            if self._measuring(1):
-                self._marks.setdefault(("ready", bucket.index), time.perf_counter())
+            if self.measurement.measuring(1):
+                self.measurement.marks.setdefault(("ready", bucket.index), time.perf_counter())
             self._start_new(force=False)
 
     def _take(self, b: int) -> torch.Tensor:
@@ -686,9 +862,10 @@ class DelayedExecutor(Executor):
                 self.held.storage[b.index].add_(b.buffer)
             self.held.covers += 1
             return
-        if self._measuring(1):
-            self._marks["end"] = time.perf_counter()
-        if self._measuring(MEASURED_STEPS - 1) and self._times_alone:  # each all-reduce alone, in turn
+        if self.measurement.measuring(1):
+            self.measurement.marks["end"] = time.perf_counter()
+        m = self.measurement
+        if m.measuring(MEASURED_STEPS - 1) and m.times_alone:  # each all-reduce alone, in turn
             for u in range(len(self.units) - 1, -1, -1):
                 b = self.units[u][0]
                 if b not in self.forming.storage:
@@ -697,16 +874,16 @@ class DelayedExecutor(Executor):
                     scratch = self._unit_tensor(self.forming, u).clone()
                     t0 = time.perf_counter()
                     self.second.all_reduce(scratch, "sum", bucket=b, step=self.step_count).wait()
-                    self._comm_second[u] = time.perf_counter() - t0
+                    self.measurement.comm_second[u] = time.perf_counter() - t0
                 if self._rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
                     scratch = self._unit_tensor(self.forming, u).clone()
                     t0 = time.perf_counter()
                     self._rsag.start(scratch, self._shard(u), bucket=b, step=self.step_count).wait()
-                    self._comm_rsag[u] = time.perf_counter() - t0
+                    self.measurement.comm_rsag[u] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._all_reduce(self.forming, u)
                 self.forming.handles[-1].wait()
-                self._comm[u] = time.perf_counter() - t0
+                self.measurement.comm[u] = time.perf_counter() - t0
         self._start_new(force=True)
         for b in range(len(self.buckets)):  # the new group's other buckets wait on this rank for a later stage
             if b not in self.forming.storage:
@@ -721,7 +898,7 @@ class DelayedExecutor(Executor):
         for handle in group.handles:
             handle.wait()
         if self.timeline.enabled:
-            self._poll_timeline(group.handles)
+            self.issuer.poll_sends(group.handles)
             self.timeline.span("wait for sends", "wait", t0, sends=len(group.handles))
         group.handles = []
 
@@ -737,13 +914,13 @@ class DelayedExecutor(Executor):
         # next forward (the link stays busy; the next backward waits for them with the forward stage's sends)
         if it.applies == 0:  # a measuring step: exact, applied at once
             self._wait(self.forming)
-            self._apply(self.forming, measure=self.preserver is not None)
+            self.updates.apply(self.forming, measure=self.measurement.preserver is not None)
             self.forming = None
         elif self.apply_mode == "bucket":
-            self._hand_over(it)
+            self.updates.hand_over(it)
         elif it.applies is not None:
             self._wait(self.group)
-            self._apply(self.group)
+            self.updates.apply(self.group)
             self.group = None
         if self.forming is not None:  # (a group in flight and not applied was refused when this backward began)
             self.group, self.forming = self.forming, None
@@ -751,138 +928,15 @@ class DelayedExecutor(Executor):
         self.step_count += 1
         self.state = TrainingState.IDLE
         if self.deft is None and self.step_count == self.offset:
-            self._solve_measured()
+            self.measurement.solve_measured()
         self.timeline.span("step", "update", t0)
-        if self._due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
-            self._due_landing = True
-            self.guard.arm({id(p): b for b in self._due_buckets for p in self.buckets[b].params})
+        if self.updates.due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
+            self.updates.due_landing = True
+            self.guard.arm({id(p): b for b in self.updates.due_buckets for p in self.buckets[b].params})
         elif self.on_step_landed is not None:
             self.on_step_landed()
 
     # ------------------------------------------- per-bucket application
-    def _hand_over(self, it: DeftIteration) -> None:
-        """``deft_apply="bucket"``: every bucket of the groups in flight all of whose pieces are sent by the end
-        of this iteration becomes due, to be applied (with this step's hyperparameters) before its parameters are
-        next used; a group the schedule applies now must have none left."""
-        fresh = 0
-        for group in (self.group, self.forming):
-            if group is None:
-                continue
-            for b in range(len(self.buckets)):
-                if b not in group.due and all(u in group.sent for u in self._units_of[b]):
-                    group.due.add(b)
-                    self._due_buckets.setdefault(b, []).append(group)
-                    fresh += 1
-        if it.applies is not None:
-            if self.group is None or len(self.group.due) != len(self.buckets):
-                raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the "
-                                   "solver and the executor disagree")
-            self.applied_steps.append(self.step_count)
-            self.group = None
-        if fresh:
-            self.updater.begin_step(fresh)
-
-    def _apply_due(self, upto: Optional[int] = None) -> None:
-        """Apply the due buckets numbered up to ``upto`` (all: ``None``), in one optimizer call, each after its
-        sends are complete."""
-        chosen = sorted(b for b in self._due_buckets if upto is None or b <= upto)
-        if not chosen:
-            return
-        t0 = self.timeline.now()
-        with self.guard.suspended():
-            rounds = max(len(self._due_buckets[b]) for b in chosen)
-            pending = {b: self._due_buckets.pop(b) for b in chosen}
-            for r in range(rounds):  # the older group's sum first: one optimizer call per round
-                members = [[] for _ in self.optimizer.param_groups]
-                saved: Dict[int, tuple] = {}
-                waited = []
-                now = [b for b in chosen if r < len(pending[b])]
-                for b in now:
-                    group = pending[b][r]
-                    for u in self._units_of[b]:
-                        handle = group.unit_handles.get(u)  # none for a unit reduced before a checkpoint
-                        if handle is not None:
-                            handle.wait()
-                            waited.append(handle)
-                    self._take_average(self.buckets[b], group, members, saved)
-                if self.timeline.enabled:
-                    self._poll_timeline(waited)
-                try:
-                    self.updater.apply_members(members, updates=len(now))
-                finally:
-                    for p, grad in saved.values():
-                        p.grad = grad
-        self.timeline.span("update", "update", t0, buckets=chosen)
-        if self.guard.armed:
-            if self._due_buckets:
-                self.guard.arm({id(p): b for b in self._due_buckets for p in self.buckets[b].params})
-            else:
-                self.guard.disarm()
-        if not self._due_buckets and self._due_landing:
-            self._due_landing = False
-            if self.on_step_landed is not None:
-                self.on_step_landed()
-
-    def _make_current(self, bucket: int) -> None:
-        """User code touched a parameter of ``bucket`` after step(): apply the due buckets up to it first."""
-        self._apply_due(bucket)
-
-    def record_loss(self, loss) -> None:
-        """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
-        if self.preserver is not None and self.deft is None and self.step_count < self.offset:
-            self._losses[self.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
-
-    def _apply(self, group: _Group, measure: bool = False) -> None:
-        """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
-        ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
-        if group is None or len(group.sent) != len(self.units):
-            raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
-                               "and the executor disagree")
-        members = [[] for _ in self.optimizer.param_groups]
-        saved = {}
-        for bucket in self.buckets:
-            if bucket.index not in group.due:  # (applied already: a checkpoint of deft_apply="bucket")
-                self._take_average(bucket, group, members, saved)
-        before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
-        self.updater.begin_step(1)
-        try:
-            self.updater.apply_members(members)
-        finally:
-            for p, grad in saved.values():
-                p.grad = grad
-        if measure:  # p.grad is this rank's own gradient again
-            self._dots[self.step_count] = sum(float(torch.sum(p.grad.double() * (p.detach() - old).double()))
-                                              for p, old in before if p.grad is not None)
-        self.applied_steps.append(self.step_count)
-
-    def _take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
-        """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
-        (the old ``p.grad`` kept in ``saved``), each added to its param group's ``members``."""
-        storage = group.storage[bucket.index]
-        storage[:bucket.spec.grad_numel].mul_(1.0 / (self.world * group.covers))
-        used = [count > 0 for count in storage[bucket.spec.flags_offset:
-                                               bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
-        if self.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
-            raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
-                                         f"{', '.join(bucket.names[:3])}) is not finite", rank=self.rank,
-                                         op="update", bucket=bucket.index, step=self.step_count)
-        for gi, params in enumerate(bucket.group_members):
-            for p in params:
-                j = bucket.position[id(p)]
-                if used[j]:
-                    saved[id(p)] = (p, p.grad)
-                    offset = bucket.spec.offsets[j]
-                    p.grad = storage[offset:offset + p.numel()].view_as(p)
-                    members[gi].append(p)
-
-    def synchronize(self) -> None:
-        """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
-        nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
-        if self.state is TrainingState.IDLE:
-            self._apply_due()
-            self._wait(self.group)
-        self.timeline.flush()
-
     # -------------------------------------------------------- checkpoints
     def deft_state(self) -> dict:
         """The schedule, the step within it and this rank's group sums, for ``DistOptim.state_dict()``."""
@@ -899,12 +953,12 @@ class DelayedExecutor(Executor):
 
         if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
             return dict(self._loaded)
-        self._apply_due()  # the parameters saved are current
+        self.updates.apply_due()  # the parameters saved are current
         self._wait(self.group)  # its sends may still be in flight (step() waits only for a group it applies)
         return {"step": self.step_count, "apply": self.apply_mode, "schedule": self.deft, "offset": self.offset,
-                "measured": self.measured,
-                "preserved": self.preserved, "mu": self.mu, "reduction": self.reduction,
-                "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.applied_steps)}
+                "measured": self.measurement.measured,
+                "preserved": self.measurement.preserved, "mu": self.mu, "reduction": self.reduction,
+                "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.updates.applied_steps)}
 
     def load_deft_state(self, saved: dict) -> None:
         """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
@@ -914,16 +968,16 @@ class DelayedExecutor(Executor):
             raise UsageError("this checkpoint was saved with deft_apply='bucket' (part of its group in flight is "
                              "applied already): resume with deft_apply='bucket'")
         self._wait(self.group)  # nothing of the replaced group may still be on the link
-        for groups in self._due_buckets.values():
+        for groups in self.updates.due_buckets.values():
             for group in groups:
                 self._wait(group)
-        self._due_buckets.clear()  # the replaced run's pending updates: the checkpoint's parameters supersede them
-        self._due_landing = False
+        self.updates.due_buckets.clear()  # the replaced run's pending updates: the checkpoint supersedes them
+        self.updates.due_landing = False
         self.guard.disarm()
         self.step_count = int(saved["step"])
         self.deft = saved["schedule"]
-        self.offset, self.measured = saved.get("offset", 0), saved.get("measured")
-        self.preserved = saved.get("preserved")
+        self.offset, self.measurement.measured = saved.get("offset", 0), saved.get("measured")
+        self.measurement.preserved = saved.get("preserved")
         self.mu = saved.get("mu")
         self.reduction = saved.get("reduction", ALL_REDUCE)
         if self.reduction == RSAG and self._rsag is None:
@@ -931,7 +985,7 @@ class DelayedExecutor(Executor):
                              "link on gloo and no given deft_schedule=")
         if self.second is None and self.deft is not None and self.deft.mu is not None:
             raise UsageError("this checkpoint's DeFT schedule uses a second link: resume with deft_links=2")
-        self.applied_steps = list(saved.get("applied_steps", []))
+        self.updates.applied_steps = list(saved.get("applied_steps", []))
         self._loaded = saved
         if self.plan is not None:
             self._restore(saved)
@@ -956,16 +1010,3 @@ class DelayedExecutor(Executor):
 
         self.group, self.held = load(saved["group"]), load(saved["held"])
         self._loaded = None
-
-    def close(self) -> None:
-        if self._rsag is not None:
-            self._rsag.close()
-        super().close()
-        if self.second is not None:
-            self.second.close()
-
-    def replan(self, *args, **kwargs) -> None:
-        if self.plan is not None:
-            raise UsageError("schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
-                             "and the other tuned knobs are not supported")
-        super().replan(*args, **kwargs)

@@ -76,6 +76,9 @@ class Executor:
 
     Gradients = AveragedGradients
     """The part that holds the averaged gradients between ``backward()`` and ``step()``."""
+    Updates = RoundUpdates
+    """The part that carries a step's gradients from ``step()`` to their updates (the moments protocol:
+    ``forward_started``, ``module_reached``, ``touched``, ``synchronize``, ``may_replan``, ``close``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, backend: CollectiveBackend,
                  options: Options, buffer_size: int, partition_size: Optional[int] = None,
@@ -114,7 +117,7 @@ class Executor:
         self.bound: Optional[BoundPlan] = None  # the plan on the tensors (set by _build_plan)
         self.issuer: Optional[Issuer] = None
         self.gradients = self.Gradients(self)
-        self.updates = RoundUpdates(self)
+        self.updates = self.Updates(self)
         # the life cycle
         self.state = TrainingState.IDLE
         self.round: Optional[Round] = None
@@ -178,6 +181,7 @@ class Executor:
         if self.options.broadcast_buffers and self.world > 1:
             broadcast_buffers_as_bytes(self.model, self.control, self.step_count)
         self.profile.begin_forward()
+        self.updates.forward_started()
 
     def _root_post_hook(self, module, args, output) -> None:
         """A training forward ended: where this step's backward will leave ``p.grad`` without the average, the
@@ -188,14 +192,7 @@ class Executor:
 
     def _module_pre_hook(self, module, args) -> None:
         self.hooks.recorder.saw(module)
-        r = self.round
-        if r is None or not r.stepped:
-            return
-        bucket = self.bound.module_bucket.get(id(module))
-        if bucket is not None and bucket > r.forward_reached:
-            self.updates.reach_forward(bucket)
-        elif self.window.credit is not None:
-            self.issuer.pump(self.may_start)  # ops held back for credit start as soon as room frees
+        self.updates.module_reached(module)
 
     # ------------------------------------------------------------- planning
     def _build_plan(self, trainable: Optional[List[torch.nn.Parameter]] = None,
@@ -236,6 +233,7 @@ class Executor:
         self.synchronize()
         if self.state is TrainingState.REDUCING or (self.state is TrainingState.BACKWARD and not _inside_backward):
             raise UsageError("replan() must be called between step() and the next backward()")
+        self.updates.may_replan()
         self.planner.change(buffer_size=buffer_size, partition_size=partition_size, credit=credit,
                             allreduce=allreduce, blocks=None if blocks is None else bool(blocks))
         if self.bound is None:  # nothing recorded yet: the first plan will use the new knobs
@@ -475,13 +473,11 @@ class Executor:
 
     def _make_current(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after step(): apply the pending updates up to it first."""
-        if self.round is not None and self.round.stepped:
-            self.updates.reach_forward(bucket)
+        self.updates.touched(bucket)
 
     def synchronize(self) -> None:
         """Apply every pending update now (parameters become current)."""
-        if self.round is not None and self.round.stepped:
-            self.updates.reach_forward(len(self.buckets) - 1)
+        self.updates.synchronize()
         self.timeline.flush()
 
     # ----------------------------------------------------------- gradients
@@ -508,5 +504,6 @@ class Executor:
         self.hooks.remove()
         self.tied.restore()
         self.timeline.flush()
+        self.updates.close()
         if self.control is not self.backend:
             self.control.close()

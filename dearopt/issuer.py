@@ -126,6 +126,7 @@ class Issuer:
         self.first_reduction_at: Optional[float] = None  # perf_counter of the round's first reduction
         self.last_reduction_done_at: Optional[float] = None
         self._inverse: dict = {}  # device -> 1/world as the one-element float32 tensor the fused pass takes
+        self.sends_in_flight: List[Handle] = []  # send()'s handles whose timeline span is open
 
     # ----------------------------------------------------------------- round
     def start_round(self, step: int) -> None:
@@ -204,6 +205,38 @@ class Issuer:
         self.window.add(op)
         self.launch_log.append((self.step, spec.kind, spec.bucket, spec.piece))
         self.timeline.begin(("comm", op.position), spec.kind, "comm", bucket=spec.bucket, piece=spec.piece)
+
+    def send(self, tensor: torch.Tensor, *, bucket: int, piece: int, step: int, link=None,
+             shard: Optional[torch.Tensor] = None, label: str = "all_reduce", **span) -> Handle:
+        """Start a sum over ranks that the plan does not list as an op of its own: a schedule whose sends cross
+        iterations (``deft``'s groups) says what goes when, and the issuer starts it as it starts the plan's
+        ops (logged in :attr:`launch_log`, a timeline span until :meth:`poll_sends` sees it complete).  ``link``:
+        another communicator over the same ranks (a second link), or a
+        :class:`dearopt.collectives.ReduceScatterThenGather` with ``shard`` its reduce-scatter's output; by
+        default the plan's own backend."""
+        where = dict(bucket=bucket, step=step)
+        if shard is not None:
+            handle = link.start(tensor, shard, **where)
+        else:
+            handle = (link or self.backend).all_reduce(tensor, "sum", **where)
+        self.launch_log.append((step, label, bucket, piece))
+        if self.timeline.enabled:  # its span ends when a hook, a wait or step() first sees it complete
+            self.timeline.begin(("send", id(handle)), label, "comm", bucket=bucket, step=step, **span)
+            self.sends_in_flight.append(handle)
+        return handle
+
+    def poll_sends(self, waited: Sequence[Handle] = ()) -> None:
+        """Close the timeline spans of the sends that are complete (and of ``waited``, just waited for)."""
+        if not self.sends_in_flight:
+            return
+        done = {id(h) for h in waited}
+        left = []
+        for handle in self.sends_in_flight:
+            if id(handle) in done or handle.is_completed():
+                self.timeline.end(("send", id(handle)))
+            else:
+                left.append(handle)
+        self.sends_in_flight = left
 
     def _start_rows(self, op: OpState, where: dict) -> None:
         """Reduce a row-sparse gradient as its nonzero rows: the counts first (every rank learns the largest; on

@@ -277,7 +277,7 @@ class DistOptim(torch.optim.Optimizer):
         for hook in itertools.chain(list(_global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
             hook(self, (), {})
         if loss is not None and self.options.policy.delays_updates:
-            self._executor.record_loss(loss)
+            self._executor.measurement.record_loss(loss)
         self._search.notice_new_inputs()
         self._inner._opt_called = True  # an LR scheduler built on the wrapped optimizer: its step() counts as called
         if grad_scaler is not None:

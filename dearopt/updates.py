@@ -27,6 +27,42 @@ class RoundUpdates:
     def __init__(self, engine):
         self.engine = engine
 
+    # ------------------------------------------------ the moments protocol
+    def forward_started(self) -> None:
+        """A training forward began (nothing to do: the updates wait for their buckets' modules)."""
+
+    def module_reached(self, module) -> None:
+        """The forward is about to run ``module``: the moments of the buckets up to its own."""
+        e = self.engine
+        r = e.round
+        if r is None or not r.stepped:
+            return
+        bucket = e.bound.module_bucket.get(id(module))
+        if bucket is not None and bucket > r.forward_reached:
+            self.reach_forward(bucket)
+        elif e.window.credit is not None:
+            e.issuer.pump(e.may_start)  # ops held back for credit start as soon as room frees
+
+    def touched(self, bucket: int) -> None:
+        """User code touched a parameter of ``bucket`` after ``step()``: its pending updates first."""
+        r = self.engine.round
+        if r is not None and r.stepped:
+            self.reach_forward(bucket)
+
+    def synchronize(self) -> None:
+        """Apply every pending update now."""
+        r = self.engine.round
+        if r is not None and r.stepped:
+            self.reach_forward(len(self.engine.buckets) - 1)
+
+    def may_replan(self) -> None:
+        """A re-plan is about to happen (every update of an exact round lands by the next forward: allowed)."""
+
+    def close(self) -> None:
+        """Nothing of its own to release."""
+
+    # ------------------------------------------------------------ the round
+
     def reach_forward(self, target: int) -> None:
         """The forward reached bucket ``target``: carry out every bucket's forward moment up to it, in order."""
         e = self.engine

@@ -483,7 +483,7 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
     opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size,
                             preserver=preserver, deft_links=links, backward_passes_per_step=micro)
     executor = opt._executor
-    measured = executor._measured_times
+    measured = executor.measurement.measured_times
     real = {}
 
     def times():  # rank 0's real measurement is kept; the schedule is solved from fixed times, so that the
@@ -493,9 +493,9 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
             return [0.1], [0.1], [1.0]
         return [1.0] * n, [1.0] * n, [2.5] * n
 
-    executor._measured_times = times
+    executor.measurement.measured_times = times
     if reduction is not None:  # as if rank 0 had measured this one faster
-        executor._measured_reduction = lambda: reduction
+        executor.measurement.measured_reduction = lambda: reduction
     for step in range(steps):
         opt.zero_grad()
         x, y = global_batch(step, "mlp")

@@ -110,9 +110,34 @@ def test_what_combines_is_answered_by_traits_not_names():
         Options(NoSparse(), shard_optimizer=True)
 
 
+def _classes():
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(("bench/", "sim/", "horovod/")):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                attrs = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                         and isinstance(n.value, ast.Name) and n.value.id == "self"}
+                methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
+                found[node.name] = (relative, node.end_lineno - node.lineno + 1, attrs, methods,
+                                    [ast.unparse(b) for b in node.bases])
+    return found
+
+
 def test_the_engine_shape_measured_from_the_code():
-    """DistOptim takes at most 12 keyword parameters; no schedule name is compared outside dearopt/schedules/
-    (bench/ compares the peers it runs, "ddp" among them, and is outside the engine)."""
+    """No class of the engine above 450 lines or 30 attributes of its own, none overriding more than 6 methods of
+    another (the backends implement the abstract CollectiveBackend and are not counted); DistOptim takes at most
+    12 keyword parameters; no schedule name is compared outside dearopt/schedules/ (bench/ compares the peers it
+    runs, "ddp" among them, and is outside the engine)."""
+    classes = _classes()
+    for name, (relative, lines, attrs, methods, bases) in classes.items():
+        assert lines <= 450 and len(attrs) <= 30, (relative, name, lines, len(attrs))
+        for base in bases:
+            if base in classes and base != "CollectiveBackend":
+                overridden = methods & classes[base][3]
+                assert len(overridden) <= 6, (name, base, sorted(overridden))
     keyword = [n for n, p in inspect.signature(dearopt.DistOptim.__init__).parameters.items()
                if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert len(keyword) <= 12, keyword
