@@ -313,6 +313,8 @@ class CollectiveBackend(abc.ABC):
         """Copy ``root``'s ``tensor`` into every rank's ``tensor``."""
 
     def check_shapes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Raise ``ValueError``/``TypeError`` unless ``full`` and ``shard`` are flat, contiguous, of one dtype, and
+        ``full`` has exactly ``size`` times ``shard``'s elements (what reduce-scatter and all-gather need)."""
         if full.dim() != 1 or shard.dim() != 1:
             raise ValueError(f"{op}: tensors must be flat (1-D); got shapes {tuple(full.shape)} and {tuple(shard.shape)}")
         if full.numel() != shard.numel() * self.size:

@@ -212,6 +212,7 @@ class DearStrategy(DDPStrategy):
                               module.register_load_state_dict_pre_hook(self._synchronize_hook)]
 
     def setup_precision_plugin(self) -> None:
+        """Lightning's setup, then its gradient clipping routed to each ``DistOptim``'s own clip."""
         super().setup_precision_plugin()
         if self._distoptims:
             self._route_precision_plugin()
@@ -256,14 +257,17 @@ class DearStrategy(DDPStrategy):
             return self._training_forward(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Apply pending updates, then Lightning's validation step."""
         self._synchronize()
         return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Apply pending updates, then Lightning's test step."""
         self._synchronize()
         return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Apply pending updates, then Lightning's predict step."""
         self._synchronize()
         return super().predict_step(*args, **kwargs)
 
@@ -318,6 +322,7 @@ class DearStrategy(DDPStrategy):
         return dist.state_dict()
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """Apply pending updates, then the module's state dict (for a checkpoint)."""
         self._synchronize()
         return super().lightning_module_state_dict()
 
@@ -347,10 +352,12 @@ class DearStrategy(DDPStrategy):
         self._close_distoptims()
 
     def on_exception(self, exception: BaseException) -> None:
+        """Remember the failure (so ``teardown`` applies no pending update), then Lightning's handling."""
         self._failed = True
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        """Undo the clipping route, apply pending updates unless the run failed, then Lightning's teardown."""
         self._unroute_precision_plugin()
         if not self._failed:
             self._synchronize()  # the model holds its final parameters when fit() returns

@@ -269,6 +269,8 @@ class Plan:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def describe(self, ops: bool = False) -> str:
+        """A human-readable summary: the schedule, world size and buffer size, one line per bucket (its size, dtype and
+        first parameters), and with ``ops=True`` one line per op in issue order."""
         lines = [f"plan: schedule={self.schedule} world={self.world_size} buffer={self.buffer_size} B, "
                  f"{len(self.buckets)} buckets, {len(self.ops)} ops"
                  + (", sharded update (the all-gathers carry parameters)" if self.sharded_update else "")]

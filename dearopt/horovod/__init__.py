@@ -95,6 +95,8 @@ class SyncBatchNorm(_torch.nn.SyncBatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input):
+        """Batch normalization over every rank's batch (torch's ``SyncBatchNorm``); refused on CPU tensors in training
+        with more than one rank."""
         if self.training and input.device.type == "cpu" and is_initialized() and size() > 1:
             raise NotImplementedError(
                 "hvd.SyncBatchNorm on CPU tensors is not supported by dearopt.horovod (torch's SyncBatchNorm "
