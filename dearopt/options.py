@@ -120,7 +120,8 @@ class Options:
             raise ValueError("buffer_size must be a size or 'auto', not None")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        if self.allreduce not in ("auto", "predicted") and (isinstance(self.allreduce, bool) or not isinstance(self.allreduce, (int, float))
+        if self.allreduce not in ("auto", "predicted") and (isinstance(self.allreduce, bool)
+                                                            or not isinstance(self.allreduce, (int, float))
                                          or not 0.0 <= float(self.allreduce) <= 1.0):
             raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {self.allreduce!r}")
         policy.check_options(self)

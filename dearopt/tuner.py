@@ -195,8 +195,8 @@ class BayesianTuner(_Trials):
         min_improvement: stop early (``done``) once the largest expected
             improvement (pure EI, ``xi = 0``, under the GP) over the space (a
             fixed grid of 200 points for one knob, ``n_candidates`` seeded
-            random points for more, plus the EI maximizer) is below this fraction of the best observed throughput after two
-            observations in a row; default 0.005 (0.5 %, under the noise of a
+            random points for more, plus the EI maximizer) is below this fraction of the best observed throughput after
+            two observations in a row; default 0.005 (0.5 %, under the noise of a
             few-step throughput average: a trial expected to gain less cannot
             even be told apart from noise).  Never before ``min_trials``
             observations.  0 disables the early stop.

@@ -32,7 +32,8 @@ __all__ = [
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
     "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "handle_average_backwards_compatibility", "HorovodInternalError", "HorovodMismatchError", "HorovodJoinedError", "ProcessSet", "global_process_set",
+    "handle_average_backwards_compatibility", "HorovodInternalError", "HorovodMismatchError", "HorovodJoinedError",
+    "ProcessSet", "global_process_set",
     "add_process_set",
     "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
@@ -526,8 +527,8 @@ _channels: Dict[int, Dict[str, object]] = {}
 
 def _channel(backend, kind: str):
     """A communicator of its own beside ``backend`` for ``kind``: ``"data"`` carries only the second stage of
-    allgathers and broadcasts, in issue order (so when each starts never matters), ``"barrier"`` only barriers (so a barrier
-    never pairs with an op a rank left in flight).  Made at the first collective that needs one, which every
+    allgathers and broadcasts, in issue order (so when each starts never matters), ``"barrier"`` only barriers (so a
+    barrier never pairs with an op a rank left in flight).  Made at the first collective that needs one, which every
     rank reaches in the same order."""
     forks = _channels.get(id(backend))
     if forks is None:  # both at once, in one order: the n-th new group is the same channel on every rank
@@ -831,7 +832,8 @@ def _rows(everyone, backend, what: str) -> List[List[int]]:
     active = [(r, row) for r, row in enumerate(rows) if row[0] != _JOIN]
     kinds = {_KIND_NAMES.get(row[0], "?") for _, row in active}
     if len(kinds) > 1:
-        raise HorovodMismatchError(f"Mismatched operations: ranks started {[_KIND_NAMES.get(row[0], '?') for _, row in active]} "
+        started = [_KIND_NAMES.get(row[0], "?") for _, row in active]
+        raise HorovodMismatchError(f"Mismatched operations: ranks started {started} "
                                    f"at the same point; every rank must issue the same collectives in the same order")
     if any(row[2] != active[0][1][2] for _, row in active):
         raise HorovodMismatchError(f"Mismatched data types: {what} got dtype codes {[row[2] for _, row in active]} on "
