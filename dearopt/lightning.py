@@ -114,6 +114,11 @@ def _launch_environment(rank: int, world_size: int, local_rank: int, local_size:
 class DearStrategy(DDPStrategy):
     """Train a ``LightningModule`` with :class:`dearopt.DistOptim` (any schedule) instead of DDP.
 
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
+    ``process_group_backend`` and ``start_method`` are as for Lightning's ``DDPStrategy`` (``start_method="popen"``,
+    the default, re-runs the script for each device; ``"spawn"``/``"fork"``/``"forkserver"`` start workers from this
+    process).
+
     Args:
         schedule: the ``DistOptim`` schedule (``"dear"``, ``"wfbp"``, ``"rsag"``, ``"bytescheduler"``,
             ``"prophet"``, ``"prophet-allreduce"``, ``"deft"``).
@@ -121,10 +126,6 @@ class DearStrategy(DDPStrategy):
             ``"gloo"`` on CPU, ``"nccl"`` on GPUs, the process group's own (``process_group_backend``).
         timeout: how long any collective may wait: dearopt's timeout (seconds or a ``timedelta``) and the
             process group's; default: dearopt's (``DEAROPT_TIMEOUT`` or 300 s) and Lightning's.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, start_method: as for Lightning's ``DDPStrategy`` (``start_method="popen"``, the
-            default, re-runs the script for each device; ``"spawn"``/``"fork"``/``"forkserver"`` start workers
-            from this process).
         **distoptim_kwargs: passed to every ``DistOptim`` (``shard_optimizer``, ``buffer_size``, ``allreduce``,
             ``comm_hook``, ``nonfinite``, ...); an unknown name is a ``TypeError`` here.
     """
