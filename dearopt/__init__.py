@@ -40,3 +40,16 @@ from .schedules.deft import Preserver
 from .sharding import register_elementwise
 from .sparsify import Sparsify
 from .tuner import BayesianTuner, ChoiceTuner, Knob, TuningController
+
+# the public names (what the API reference and tests/test_docstrings.py cover); a new export is added here too
+__all__ = [
+    "CollectiveBackend", "Handle", "padded_numel", "BackendUnavailableError", "CheckpointMismatchError",
+    "CollectiveError", "CollectiveTimeoutError", "DearoptError", "InternalError", "LaunchEnvironmentError",
+    "NonFiniteGradientError", "NotElementwiseError", "NotInitializedError", "PeerFailedError", "PeerLostError",
+    "PlanMismatchError", "StepMismatchError", "UsageError", "allreduce", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "check_same_model", "no_sync", "get_backend", "get_timeout",
+    "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size", "schedules", "CommHook",
+    "bf16_compress", "fp16_compress", "DistOptim", "Options", "Plan", "build_plan", "parse_size", "Preserver",
+    "register_elementwise", "Sparsify", "BayesianTuner", "ChoiceTuner", "Knob", "TuningController",
+    "Schedule", "DeAR", "WFBP", "RSAG", "ByteScheduler", "Prophet", "ProphetAllReduce", "DeFT",
+]

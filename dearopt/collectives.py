@@ -313,8 +313,11 @@ class CollectiveBackend(abc.ABC):
         """Copy ``root``'s ``tensor`` into every rank's ``tensor``."""
 
     def check_shapes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Raise ``ValueError``/``TypeError`` unless ``full`` and ``shard`` are flat, contiguous, of one dtype, and
+        ``full`` has exactly ``size`` times ``shard``'s elements (what reduce-scatter and all-gather need)."""
         if full.dim() != 1 or shard.dim() != 1:
-            raise ValueError(f"{op}: tensors must be flat (1-D); got shapes {tuple(full.shape)} and {tuple(shard.shape)}")
+            raise ValueError(f"{op}: tensors must be flat (1-D); got shapes {tuple(full.shape)} and "
+                             f"{tuple(shard.shape)}")
         if full.numel() != shard.numel() * self.size:
             raise ValueError(
                 f"{op}: the full tensor has {full.numel()} elements but the shard has {shard.numel()} "
@@ -559,7 +562,8 @@ class TorchDistBackend(CollectiveBackend):
         self._in_flight: Dict[int, tuple] = {}  # id(handle) -> (handle, receive buffer bytes), oldest first
         self._use_all_to_all = self.pg_backend == "gloo"
         self.host_waits = self.pg_backend == "gloo"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl"
+                       else torch.device("cpu"))
 
     def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:
         where = dict(where)

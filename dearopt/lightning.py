@@ -116,6 +116,11 @@ def _launch_environment(rank: int, world_size: int, local_rank: int, local_size:
 class DearStrategy(DDPStrategy):
     """Train a ``LightningModule`` with :class:`dearopt.DistOptim` (any schedule) instead of DDP.
 
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
+    ``process_group_backend`` and ``start_method`` are as for Lightning's ``DDPStrategy`` (``start_method="popen"``,
+    the default, re-runs the script for each device; ``"spawn"``/``"fork"``/``"forkserver"`` start workers from this
+    process).
+
     Args:
         schedule: the ``DistOptim`` schedule (``"dear"``, ``"wfbp"``, ``"rsag"``, ``"bytescheduler"``,
             ``"prophet"``, ``"prophet-allreduce"``, ``"deft"``).
@@ -123,10 +128,6 @@ class DearStrategy(DDPStrategy):
             ``"gloo"`` on CPU, ``"nccl"`` on GPUs, the process group's own (``process_group_backend``).
         timeout: how long any collective may wait: dearopt's timeout (seconds or a ``timedelta``) and the
             process group's; default: dearopt's (``DEAROPT_TIMEOUT`` or 300 s) and Lightning's.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, start_method: as for Lightning's ``DDPStrategy`` (``start_method="popen"``, the
-            default, re-runs the script for each device; ``"spawn"``/``"fork"``/``"forkserver"`` start workers
-            from this process).
         **distoptim_kwargs: passed to every ``DistOptim`` (``shard_optimizer``, ``buffer_size``, ``allreduce``,
             ``comm_hook``, ``nonfinite``, ...); an unknown name is a ``TypeError`` here.
     """
@@ -214,6 +215,7 @@ class DearStrategy(DDPStrategy):
                               module.register_load_state_dict_pre_hook(self._synchronize_hook)]
 
     def setup_precision_plugin(self) -> None:
+        """Lightning's setup, then its gradient clipping routed to each ``DistOptim``'s own clip."""
         super().setup_precision_plugin()
         if self._distoptims:
             self._route_precision_plugin()
@@ -258,14 +260,17 @@ class DearStrategy(DDPStrategy):
             return self._training_forward(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Apply pending updates, then Lightning's validation step."""
         self._synchronize()
         return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Apply pending updates, then Lightning's test step."""
         self._synchronize()
         return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Apply pending updates, then Lightning's predict step."""
         self._synchronize()
         return super().predict_step(*args, **kwargs)
 
@@ -321,6 +326,7 @@ class DearStrategy(DDPStrategy):
         return dist.state_dict()
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """Apply pending updates, then the module's state dict (for a checkpoint)."""
         self._synchronize()
         return super().lightning_module_state_dict()
 
@@ -350,10 +356,12 @@ class DearStrategy(DDPStrategy):
         self._close_distoptims()
 
     def on_exception(self, exception: BaseException) -> None:
+        """Remember the failure (so ``teardown`` applies no pending update), then Lightning's handling."""
         self._failed = True
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        """Undo the clipping route, apply pending updates unless the run failed, then Lightning's teardown."""
         self._unroute_precision_plugin()
         if not self._failed:
             self._synchronize()  # the model holds its final parameters when fit() returns

@@ -541,12 +541,12 @@ class DistOptim(torch.optim.Optimizer):
         return self._executor.sharding
 
     def add_param_group(self, param_group) -> None:
-        if getattr(self, "_constructing", False):  # Optimizer.__init__ registering the wrapped optimizer's groups
-            return super().add_param_group(param_group)
         """Add a parameter group, as ``torch.optim.Optimizer.add_param_group`` does (how fine-tuning scripts unfreeze a
         backbone); adding it to the wrapped optimizer is the same.  The plan follows at the next backward, on every
         rank (each rank must add the same group); what was derived from the old groups (the profile, the
         measured choice, a tuning trial under way) is measured again."""
+        if getattr(self, "_constructing", False):  # Optimizer.__init__ registering the wrapped optimizer's groups
+            return super().add_param_group(param_group)
         params = param_group["params"] if isinstance(param_group, dict) else None
         if params is None:
             raise TypeError(f"add_param_group() takes a dict with 'params', got {type(param_group).__name__}")

@@ -269,6 +269,8 @@ class Plan:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def describe(self, ops: bool = False) -> str:
+        """A human-readable summary: the schedule, world size and buffer size, one line per bucket (its size, dtype and
+        first parameters), and with ``ops=True`` one line per op in issue order."""
         lines = [f"plan: schedule={self.schedule} world={self.world_size} buffer={self.buffer_size} B, "
                  f"{len(self.buckets)} buckets, {len(self.ops)} ops"
                  + (", sharded update (the all-gathers carry parameters)" if self.sharded_update else "")]
@@ -471,7 +473,8 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
                 first_bucket_size=first_bucket_size, allreduce=tuple(sorted(chosen)), sharded_update=sharded_update)
 
 
-def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequence[int]], ready_times: Optional[Sequence[float]],
+def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequence[int]],
+                      ready_times: Optional[Sequence[float]],
                       bandwidth: Optional[float], latency: Optional[float] = None,
                       phases: Optional[Tuple[float, float]] = None) -> FrozenSet[int]:
     """Which buckets ``dear`` all-reduces in backward instead of reduce-scattering them (twins and rows aside).
@@ -483,8 +486,9 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
     * a fraction: the buckets from the output side holding that fraction of the bytes;
     * bucket indices (a tuple or set, e.g. a plan's ``allreduce`` that ran): those buckets;
     * ``"auto"`` or ``"predicted"`` (the same here; the executor measures ``"auto"``'s choice against
-      others, see :meth:`dearopt.executor.Executor.plan_choices`): from a profile (each parameter's ``ready_times`` after backward
-      starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter and its fixed ``latency`` in seconds per op):
+      others, see :meth:`dearopt.executor.Executor.plan_choices`): from a profile (each parameter's ``ready_times``
+      after backward starts, the link's ``bandwidth`` in bytes/s for a reduce-scatter and its fixed ``latency`` in
+      seconds per op):
       walking the buckets in the order backward completes
       them, a bucket is all-reduced (twice a reduce-scatter's time) while the
       link, which carries one op at a time, still finishes *every* reduction

@@ -372,6 +372,7 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """True once :func:`dearopt.init` has run in this process (and :func:`dearopt.shutdown` has not)."""
     return _runtime is not None
 
 

@@ -122,6 +122,7 @@ class Knob:
         return self._snap(value)
 
     def format(self, value) -> str:
+        """``value`` as text for a log line: sizes in MB, integers as integers, else 4 significant digits."""
         if self.name.endswith("size") and self.log and self.low >= 1024:
             return f"{value / MB:.2f}MB"
         if self.integer:
@@ -194,8 +195,8 @@ class BayesianTuner(_Trials):
         min_improvement: stop early (``done``) once the largest expected
             improvement (pure EI, ``xi = 0``, under the GP) over the space (a
             fixed grid of 200 points for one knob, ``n_candidates`` seeded
-            random points for more, plus the EI maximizer) is below this fraction of the best observed throughput after two
-            observations in a row; default 0.005 (0.5 %, under the noise of a
+            random points for more, plus the EI maximizer) is below this fraction of the best observed throughput after
+            two observations in a row; default 0.005 (0.5 %, under the noise of a
             few-step throughput average: a trial expected to gain less cannot
             even be told apart from noise).  Never before ``min_trials``
             observations.  0 disables the early stop.
@@ -490,18 +491,23 @@ class ChoiceTuner(_Trials):
 
     @property
     def initial(self) -> Knobs:
+        """The first candidate (the first suggestion)."""
         return dict(self.candidates[0])
 
     @property
     def done(self) -> bool:
+        """True once every candidate (and the rematch of the close ones, if any) has been observed."""
         return not self._queue
 
     def suggest(self) -> Knobs:
+        """The candidate to try next (the same one again until :meth:`observe` is called)."""
         if self.done:
             raise RuntimeError("the tuner is done; use .best")
         return dict(self._queue[0])
 
     def observe(self, knobs: Mapping[str, object], throughput: float) -> None:
+        """Record that the candidate on trial, ``knobs``, gave ``throughput`` (higher is better, > 0); after the last
+        one, the candidates within ``rematch`` of the best are queued once more in reverse order."""
         if self.done:
             raise RuntimeError("the tuner is done; no more observations")
         if dict(knobs) != self._queue[0]:
@@ -532,6 +538,7 @@ class ChoiceTuner(_Trials):
         return dict(knobs), self._mean(knobs)
 
     def describe(self, knobs: Mapping[str, object]) -> str:
+        """``"key=value, ..."`` text for logs."""
         return ", ".join(f"{k}={v!r}" for k, v in knobs.items())
 
 

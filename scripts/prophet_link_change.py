@@ -85,7 +85,8 @@ def _summary(result: dict, change_at: int, steps: int) -> dict:
     from dearopt.profiling import ReadyProfile
 
     blocks_from = ReadyProfile.STEP + ReadyProfile.STEPS + 1  # the step after the first re-plan to the blocks
-    windows = {"before the change": (blocks_from, change_at), "after it, before the re-plan": (change_at + 1, replan_at),
+    windows = {"before the change": (blocks_from, change_at),
+               "after it, before the re-plan": (change_at + 1, replan_at),
                "after the re-plan": (replan_at + 1, steps)}
     table = {}
     for label, (a, b) in windows.items():

@@ -127,7 +127,8 @@ def _rank(args) -> dict:
                       f"MiB on rank 0", flush=True)
             if ours is not None:
                 ours.close()
-            del work, module, opt, holder, ours
+            # one model alive at a time (None, not del: the closure iteration() above names these)
+            work = module = opt = holder = ours = None
             gc.collect()
     everyone = torch.tensor([state[s] for s in schedules], dtype=torch.float64)
     backend.all_reduce(everyone, "max").wait()

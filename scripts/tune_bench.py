@@ -124,7 +124,7 @@ def main(argv=None):
     res = spawn(_run, args.ranks, cfg)[0]
     best_mb = max(res["grid"], key=lambda k: res["grid"][k]["samples_per_s"])
     best = res["grid"][best_mb]["samples_per_s"]
-    print(f"\n| buffer | s/iteration | samples/s |\n| --- | --- | --- |")
+    print("\n| buffer | s/iteration | samples/s |\n| --- | --- | --- |")
     for mb, row in res["grid"].items():
         print(f"| {mb:g} MB | {row['iteration_s']:.3f} | {row['samples_per_s']:.2f} |")
     tuner = res["tuner"]

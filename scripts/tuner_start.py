@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     high = min(100 * MB, max(model_bytes, 2 * MB))
     candidates = [int(MB * 2 ** (i / 2)) for i in range(0, 15) if MB * 2 ** (i / 2) <= high]
     start_sim = sim.best_buffer_size(profile, args.schedule, candidates, allreduce=args.allreduce)
-    print(f"measured grid ({doc.get('link', '?')}): " + ", ".join(f"{mb:g} MB {v:.2f}/s" for mb, v in sorted(grid.items()))
+    print(f"measured grid ({doc.get('link', '?')}): "
+          + ", ".join(f"{mb:g} MB {v:.2f}/s" for mb, v in sorted(grid.items()))
           + f"; best {best_mb:g} MB")
     print("simulated: " + ", ".join(
         f"{mb:g} MB "

@@ -104,7 +104,8 @@ def run_workers(
     port = free_port()
     queue = _CTX.Queue()
     procs = [
-        _CTX.Process(target=_entry, args=(target, r, world_size, port, args, kwargs, queue, env, init_kwargs), daemon=True)
+        _CTX.Process(target=_entry, args=(target, r, world_size, port, args, kwargs, queue, env, init_kwargs),
+                     daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -135,7 +136,8 @@ def run_workers(
     if not expect_errors:
         failed = [o for o in outcomes.values() if not o.ok]
         if failed:
-            raise AssertionError("\n".join(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}" for o in failed))
+            raise AssertionError("\n".join(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}"
+                                           for o in failed))
     return [outcomes[r] for r in range(world_size)]
 
 

@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_end_to_end_tiny(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "dearopt.bench", "--model", "tiny", "--ranks", "2", "--iterations", "2",
-           "--warmup", "1", "--rounds", "2", "--schedules", "ddp,wfbp,dear,dear+pc,bytescheduler", "--rsag", "--out", str(out),
+           "--warmup", "1", "--rounds", "2", "--schedules", "ddp,wfbp,dear,dear+pc,bytescheduler", "--rsag",
+           "--out", str(out),
            "--timeline"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)

@@ -112,15 +112,12 @@ def _skip_one_step(schedule):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=schedule, buffer_size=64)
-    before = None
     for step in range(4):
         x, y = global_batch(step, "mlp")
         opt.zero_grad()
         loss = loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world))
         if rank == 1 and step == 1:
             continue  # rank 1 skips backward() and step() this iteration
-        if step == 2:
-            before = [p.detach().clone() for p in model.parameters()]
         loss.backward()
         opt.step()
     opt.synchronize()
@@ -373,8 +370,8 @@ def test_survivors_exit_by_themselves_under_launchers(launcher, tmp_path):
     script = tmp_path / "dying.py"
     script.write_text(DYING_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(script)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), str(script)]
     else:
         mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
         if not os.path.exists(mpirun):

@@ -623,7 +623,8 @@ def _accuracy(output):
 
 
 def _run_single():
-    out = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=100, env=launcher_free_env())
+    out = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=100,
+                         env=launcher_free_env())
     assert out.returncode == 0, out.stderr[-3000:]
     return _accuracy(out.stdout)
 

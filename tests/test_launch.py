@@ -18,7 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("env, expected", [
     ({}, ("none", 0, 1, 0, 1)),
-    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5"},
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+      "MASTER_ADDR": "h", "MASTER_PORT": "5"},
      ("torchrun", 3, 4, 1, 2)),
     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, ("openmpi", 2, 3, 0, 1)),
@@ -162,7 +163,8 @@ def test_shutdown_frees_the_default_group_even_after_torch_binds_it_as_a_default
 PROBE = (
     "import dearopt, torch; dearopt.init(); dearopt.shutdown(); dearopt.init(); "
     "t = torch.tensor([float(dearopt.rank() + 1)]); dearopt.get_backend().all_reduce(t).wait(); "
-    "import os; os.write(1, f'RESULT {dearopt.rank()} {dearopt.size()} {dearopt.local_rank()} {t.item()}\\n'.encode()); "
+    "import os; "
+    "os.write(1, f'RESULT {dearopt.rank()} {dearopt.size()} {dearopt.local_rank()} {t.item()}\\n'.encode()); "
     "dearopt.shutdown()"
 )
 
@@ -190,7 +192,8 @@ def _run_each(envs, timeout=100):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")) is None,
+@pytest.mark.skipif(shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                                 + os.environ.get("PATH", "")) is None,
                     reason="no mpirun")
 def test_mpirun_launch_init_reinit_and_one_collective():
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))

@@ -28,7 +28,8 @@ HAS_CUDA = torch.cuda.is_available()
 WITH_NCCL = os.environ.get("DEAROPT_WITH_NCCL", "").strip().lower()
 
 def _load_build_config():
-    spec = importlib.util.spec_from_file_location("dearopt_csrc_build_ext_test", os.path.join(ROOT, "csrc", "build_ext.py"))
+    spec = importlib.util.spec_from_file_location("dearopt_csrc_build_ext_test",
+                                                  os.path.join(ROOT, "csrc", "build_ext.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 import dearopt
-from dearopt.plan import (ALL_GATHER, ALL_REDUCE, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, ParamSpec, When,
-                          after, build_plan, forward_of, layout_buckets, padded_numel)
+from dearopt.plan import (ALL_GATHER, ALL_REDUCE, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, ParamSpec,
+                          When, after, build_plan, forward_of, layout_buckets, padded_numel)
 from dearopt.schedules import Schedule, get_schedule, mark_updates, register
 
 

@@ -92,7 +92,7 @@ def _toggling_run(schedule, set_to_none, rank=None, world=None, quiet=QUIET):
 def _toggled_schedules(set_to_none):
     """Under the sharded update every p.grad is None after step() (the whole average exists on no rank), so with
     zero_grad(set_to_none=False) a frozen parameter has no zero gradient for the optimizer to step with, unlike
-    torch: it is compared with set_to_none=True only (README, "Sharded optimizer state")."""
+    torch: it is compared with set_to_none=True only (docs/sharding.md)."""
     return SCHEDULES if set_to_none else [s for s in SCHEDULES if s != "dear-sharded"]
 
 

@@ -47,7 +47,8 @@ def parse_args(argv):
                         "candidate plans for a few steps) runs untimed until it settles")
     p.add_argument("--rounds", type=int, default=2,
                    help="interleave: split the timed iterations into this many rounds of parts + every schedule")
-    p.add_argument("--part-repeats", type=int, default=None, help="t_ff/t_bp samples per round (default: iterations/rounds)")
+    p.add_argument("--part-repeats", type=int, default=None,
+                   help="t_ff/t_bp samples per round (default: iterations/rounds)")
     p.add_argument("--comm-repeats", type=int, default=2, help="t_ar/t_rs/t_ag samples per round (default 2)")
     p.add_argument("--overlap-repeats", type=int, default=1,
                    help="per round: forward during all-gathers, backward during reduce-scatters/all-reduces "

@@ -345,7 +345,8 @@ def table(doc: dict) -> str:
                      "   (ideal: max of the two parts)")
     if "parts_min" in doc:
         m = doc["parts_min"]
-        lines.append(f"minimum (best sample; other load only adds time): parts t_ff {m['t_ff']:.3f}  t_bp {m['t_bp']:.3f}  "
+        lines.append(f"minimum (best sample; other load only adds time): parts t_ff {m['t_ff']:.3f}  "
+                     f"t_bp {m['t_bp']:.3f}  "
                      f"t_ar {m['t_ar']:.3f}  t_rs {m['t_rs']:.3f}  t_ag {m['t_ag']:.3f}; " +
                      "; ".join(f"{s} {r['iter_time_min']:.3f}s {r['speedup_vs_ddp_min']:.3f}x "
                                f"{r['fraction_of_bound_min']:.3f} of bound"

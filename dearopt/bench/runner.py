@@ -458,7 +458,8 @@ def run_rank(cfg: dict) -> dict:
             if plan is not None and plan.allreduce:
                 _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
             if plan is not None and getattr(runner.opt, "tuning", None) is not None:
-                _log(rank, f"  {s:>5}: tuned buffer_size {plan.buffer_size / 2**20:.1f} MiB ({len(plan.buckets)} buckets)")
+                _log(rank, f"  {s:>5}: tuned buffer_size {plan.buffer_size / 2**20:.1f} MiB "
+                           f"({len(plan.buckets)} buckets)")
             if plan is not None and base_schedule(s).startswith("prophet"):
                 sizes = [b.grad_numel * b.element_size / 2**20 for b in plan.buckets]
                 _log(rank, f"  {s:>5}: {len(sizes)} blocks from the profile, {min(sizes):.2f}-{max(sizes):.2f} MiB")

@@ -93,7 +93,6 @@ def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, flo
 
 
 def _run_variant(variant: str, args, device: torch.device) -> dict:
-    import torch.distributed as dist
 
     import dearopt
 
@@ -155,7 +154,7 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
         row["syncs_per_step"], row["sync_sites"] = _count_syncs(step, args.iterations, device)
     if opt is not inner:
         opt.close()
-    del opt, inner, model, wrapped, batches, workload
+    opt = inner = model = wrapped = batches = workload = None  # freed (not del: step() and sync() name them)
     gc.collect()
     return row
 

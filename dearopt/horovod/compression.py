@@ -32,10 +32,12 @@ class NoneCompressor(Compressor):
 
     @staticmethod
     def compress(tensor):
+        """Return ``(tensor, None)``: the tensor unchanged."""
         return tensor, None
 
     @staticmethod
     def decompress(tensor, ctx):
+        """Return ``tensor`` unchanged."""
         return tensor
 
 
@@ -51,6 +53,7 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def compress(tensor):
+        """Return ``(tensor as float16, its dtype)``; a float16 or non-floating tensor is returned as it is."""
         ctx = tensor.dtype
         if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
             return tensor.type(torch.float16), ctx
@@ -58,6 +61,7 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def decompress(tensor, ctx):
+        """Return ``tensor`` cast back to the floating dtype ``ctx`` it had before :meth:`compress`."""
         if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
             return tensor.type(ctx)
         return tensor

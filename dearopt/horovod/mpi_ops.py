@@ -32,7 +32,8 @@ __all__ = [
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
     "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "handle_average_backwards_compatibility", "HorovodInternalError", "HorovodMismatchError", "HorovodJoinedError", "ProcessSet", "global_process_set",
+    "handle_average_backwards_compatibility", "HorovodInternalError", "HorovodMismatchError", "HorovodJoinedError",
+    "ProcessSet", "global_process_set",
     "add_process_set",
     "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
@@ -91,6 +92,7 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """True once ``hvd.init()`` (or :func:`dearopt.init`) has run in this process."""
     return runtime.is_initialized()
 
 
@@ -201,10 +203,12 @@ def nccl_built() -> int:
 
 
 def ddl_built() -> bool:
+    """False: dearopt has no IBM DDL backend."""
     return False
 
 
 def ccl_built() -> bool:
+    """False: dearopt has no oneCCL backend."""
     return False
 
 
@@ -214,16 +218,19 @@ def cuda_built() -> bool:
 
 
 def rocm_built() -> bool:
+    """True when torch was built for ROCm (``torch.version.hip`` is set)."""
     return getattr(torch.version, "hip", None) is not None
 
 
 def start_timeline(file_path, mark_cycles=False):
+    """Not supported: raises ``NotImplementedError`` (use ``DistOptim(timeline=...)`` or ``DEAROPT_TIMELINE``)."""
     raise NotImplementedError(
         "hvd.start_timeline() is not supported: dearopt records a Chrome trace of its optimizer instead; pass "
         "timeline='trace.json' to dearopt.DistOptim or set DEAROPT_TIMELINE=trace.json before starting")
 
 
 def stop_timeline():
+    """Not supported: raises ``NotImplementedError`` (dearopt's trace runs for the whole job)."""
     raise NotImplementedError(
         "hvd.stop_timeline() is not supported: dearopt's trace (DEAROPT_TIMELINE) runs for the whole job")
 
@@ -284,16 +291,19 @@ class ProcessSet:
         return list(range(size())) if self.ranks is None else self.ranks
 
     def included(self) -> Optional[bool]:
+        """Whether this rank is in the set; None until the set is added (:func:`add_process_set`)."""
         if self.process_set_id is None:
             return None
         return rank() in self._members()
 
     def size(self) -> Optional[int]:
+        """The number of ranks in the set; None until the set is added."""
         if self.process_set_id is None:
             return None
         return len(self._members())
 
     def rank(self) -> Optional[int]:
+        """This rank's index within the set; None until the set is added or where this rank is not in it."""
         if self.process_set_id is None or not self.included():
             return None
         return self._members().index(rank())
@@ -517,8 +527,8 @@ _channels: Dict[int, Dict[str, object]] = {}
 
 def _channel(backend, kind: str):
     """A communicator of its own beside ``backend`` for ``kind``: ``"data"`` carries only the second stage of
-    allgathers and broadcasts, in issue order (so when each starts never matters), ``"barrier"`` only barriers (so a barrier
-    never pairs with an op a rank left in flight).  Made at the first collective that needs one, which every
+    allgathers and broadcasts, in issue order (so when each starts never matters), ``"barrier"`` only barriers (so a
+    barrier never pairs with an op a rank left in flight).  Made at the first collective that needs one, which every
     rank reaches in the same order."""
     forks = _channels.get(id(backend))
     if forks is None:  # both at once, in one order: the n-th new group is the same channel on every rank
@@ -822,7 +832,8 @@ def _rows(everyone, backend, what: str) -> List[List[int]]:
     active = [(r, row) for r, row in enumerate(rows) if row[0] != _JOIN]
     kinds = {_KIND_NAMES.get(row[0], "?") for _, row in active}
     if len(kinds) > 1:
-        raise HorovodMismatchError(f"Mismatched operations: ranks started {[_KIND_NAMES.get(row[0], '?') for _, row in active]} "
+        started = [_KIND_NAMES.get(row[0], "?") for _, row in active]
+        raise HorovodMismatchError(f"Mismatched operations: ranks started {started} "
                                    f"at the same point; every rank must issue the same collectives in the same order")
     if any(row[2] != active[0][1][2] for _, row in active):
         raise HorovodMismatchError(f"Mismatched data types: {what} got dtype codes {[row[2] for _, row in active]} on "
@@ -1171,6 +1182,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """Start :func:`reducescatter_async` on each of ``tensors``; one handle for :func:`synchronize` returns the list
+    of outputs."""
     _claim(name)
     backend = _set_backend(process_set)
     started = [_reducescatter_start(t, op, prescale_factor, postscale_factor, backend) for t in tensors]
@@ -1181,6 +1194,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """:func:`reducescatter` of each of ``tensors``: this rank's part of each reduction, in a list."""
     return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
             for t in tensors]
 

@@ -50,6 +50,7 @@ class DeAR(Schedule):
         super().__init__(**common)
 
     def resolve(self, options):
+        """``allreduce`` settled: 1 under a Sparsify (whole sums), 0 under ``shard_optimizer=True``."""
         resolved = super().resolve(options)
         if options.sparsify:
             if self.allreduce not in ("auto", 1, 1.0):
@@ -66,6 +67,7 @@ class DeAR(Schedule):
         return resolved
 
     def ops(self, layout):
+        """BackPipe's reduce-scatters (all-reduces for ``layout.allreduce``), FeedPipe's all-gathers."""
         buckets, whole = layout.buckets, layout.allreduce
         ops = []
         for b, k in layout.reduction_order:

@@ -613,6 +613,7 @@ class DeFT(Schedule):
                 "partition_size splits buckets into pieces it schedules one by one")
 
     def resolve(self, options):
+        """Refuses ``nonfinite='skip'`` and sizes set to ``'auto'`` (a DeFT schedule cannot re-plan)."""
         if options.nonfinite == "skip":
             raise ValueError("schedule='deft' applies groups of several steps' gradients at later steps; "
                              "nonfinite='skip' is not supported: use 'raise' or 'ignore'")
@@ -623,6 +624,7 @@ class DeFT(Schedule):
         return super().resolve(options)
 
     def ops(self, layout):
+        """``wfbp``'s all-reduces per piece, for the plan's fingerprint: when each is sent is the DeftSchedule's."""
         return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,
                                     due=BACKWARD_END, average=True) for b, k in layout.reduction_order],
                             at=lambda op: STEP)

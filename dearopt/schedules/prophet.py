@@ -184,12 +184,14 @@ class Prophet(Schedule):
         super().__init__(**common)
 
     def resolve(self, options):
+        """``link_check_every='auto'`` settled to 20 steps."""
         resolved = super().resolve(options)
         if resolved.link_check_every == "auto":
             resolved.link_check_every = 20
         return resolved
 
     def predicted_sends(self, plan, measured):
+        """Each block's reduction as Prophet's link model predicts it (seconds after backward starts)."""
         sizes = [p.nbytes for p in plan.params]
         return predicted_sends([b.params for b in plan.buckets], measured.ready, sizes, measured.bandwidth,
                                self.block_latency(measured.latency))
@@ -197,6 +199,7 @@ class Prophet(Schedule):
     def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
                       ready_times: Optional[Sequence[float]], bandwidth: Optional[float],
                       latency: Optional[float] = None):
+        """Prophet's gradient blocks from the profile (None before it exists)."""
         return profile_blocks(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth,
                               latency=latency)
 
@@ -225,4 +228,5 @@ class ProphetAllReduce(Prophet):
     reduces_before_step = False
 
     def ops(self, layout: Layout):
+        """ByteScheduler's ops on Prophet's blocks: all-reduced in backward, due at each block's forward."""
         return ByteScheduler().ops(layout)

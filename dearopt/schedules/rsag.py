@@ -24,6 +24,7 @@ class RSAG(Schedule):
         return "schedule='rsag' is the paper's baseline and takes no partition_size, credit or priority"
 
     def ops(self, layout):
+        """Per piece a reduce-scatter, then its all-gather once it finished; all due when backward ends."""
         ops = []
         for b, k in layout.reduction_order:
             nbytes = layout.buckets[b].piece_nbytes(k)

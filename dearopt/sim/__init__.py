@@ -47,7 +47,8 @@ def link_costs(profile: Profile, link: Optional[str] = None, latency: Optional[f
     if link is None and latency is None:
         return dict(profile.comm)
     bits = parse_link(link) if link else None
-    return {k: (c.on_link(bits, latency) if bits else CommCost(c.kind, latency, c.beta)) for k, c in profile.comm.items()}
+    return {k: (c.on_link(bits, latency) if bits else CommCost(c.kind, latency, c.beta))
+            for k, c in profile.comm.items()}
 
 
 def predict(profile: Profile, schedule: str, *, ranks: Optional[int] = None, link: Optional[str] = None,

@@ -44,6 +44,8 @@ class CommCost:
     beta: float  # seconds per byte
 
     def time(self, nbytes: float, world: int) -> float:
+        """Predicted seconds of this op on ``nbytes`` among ``world`` ranks: steps times alpha plus the bytes each rank
+        sends times beta."""
         steps, fraction = op_steps(self.kind, world)
         return steps * self.alpha + fraction * nbytes * self.beta
 

@@ -70,6 +70,7 @@ class Profile:
 
     @property
     def t_ff(self) -> float:
+        """The forward time of one iteration: every segment plus the tail after the last one, in seconds."""
         return sum(t for _, t in self.forward_segments) + self.forward_tail
 
     def without_twins(self) -> "Profile":
@@ -97,6 +98,7 @@ class Profile:
                                    forward_tail=self.forward_tail + carried, rows_fraction={})
 
     def to_json(self) -> dict:
+        """The profile as a JSON-serializable dict (what :meth:`save` writes)."""
         doc = dataclasses.asdict(self)
         doc["params"] = [dataclasses.asdict(p) for p in self.params]
         doc["comm"] = {k: dataclasses.asdict(c) for k, c in self.comm.items()}
@@ -105,6 +107,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, doc: dict) -> "Profile":
+        """The profile from a dict written by :meth:`to_json`."""
         doc = dict(doc)
         doc["params"] = [ParamSpec(**p) for p in doc["params"]]
         doc["comm"] = {k: CommCost(**c) for k, c in doc["comm"].items()}
@@ -114,11 +117,13 @@ class Profile:
         return cls(**doc)
 
     def save(self, path: str) -> None:
+        """Write the profile to ``path`` as JSON."""
         with open(path, "w") as fh:
             json.dump(self.to_json(), fh, indent=1)
 
     @classmethod
     def load(cls, path: str) -> "Profile":
+        """Read a profile written by :meth:`save`."""
         with open(path) as fh:
             return cls.from_json(json.load(fh))
 

@@ -53,6 +53,7 @@ class Prediction:
     events: List[dict]  # Chrome trace events of the last iteration (the timeline renderer's format)
 
     def parts(self) -> Dict[str, float]:
+        """The predicted iteration, forward, backward and step times by name, in seconds."""
         return {"iter": self.iteration, "forward": self.forward, "backward": self.backward, "step": self.step}
 
 
