@@ -25,6 +25,7 @@ from .forward_order import parameters_in_forward_order
 from .issuer import CreditWindow, Issuer, OpState
 from .plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, allreduce_buckets, build_plan, moment_key
 from .schedules.prophet import profile_blocks
+from .tied import EmbeddingRows
 
 __all__ = ["BoundPlan", "PlanInputs", "PlanKnobs", "Planner"]
 
@@ -78,16 +79,17 @@ class Planner:
 
     It owns what outlives one plan: the knobs (:class:`PlanKnobs`, replaced whole by :meth:`change`), the
     credit window, the issuer's launch log, the recorded forward order, the names of the parameters, the link
-    monitor, and ``generation``, bumped when the trainable set or the groups changed (what was derived from
-    the old ones is void)."""
+    monitor, the embedding rows' hook, and ``generation``, bumped when the trainable set or the groups changed
+    (what was derived from the old ones is void)."""
 
     def __init__(self, engine, knobs: PlanKnobs, link_monitor=None):
         self.engine = engine
         self.knobs = knobs
         self.window = CreditWindow(knobs.credit)
-        self.launch_log = collections.deque(maxlen=100_000)  # the issuers' (step, kind, bucket, piece), in order
+        self.launch_log = collections.deque(maxlen=100_000)  # the issuers' (step, kind, bucket, piece)
         self.module_order: List[torch.nn.Module] = []
         self.link_monitor = link_monitor
+        self.rows = EmbeddingRows()  # the comm hook of row-sparse buckets (its counts over the run)
         self.generation = 0
         self.names: Dict[int, str] = {}
         for name, p in engine.model.named_parameters():

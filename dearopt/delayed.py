@@ -93,12 +93,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import NonFiniteGradientError, UsageError
-from .executor import Executor, TrainingState, _EngineHook
+from .hooks import EngineHook, TrainingState
 from .gradients import AveragedGradients
 from .profiling import fit_link
 from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
-__all__ = ["DelayedExecutor", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE",
+__all__ = ["DelayedRounds", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE",
            "RSAG"]
 
 ALL_REDUCE = "all_reduce"
@@ -220,16 +220,16 @@ class DelayedGradients(AveragedGradients):
         its sums the average, or ``(None, 0.0)`` at a step that applies none."""
         e = self.engine
         e.require_gradients("clip the gradients")
-        if e.apply_mode == "bucket" and e.step_count >= e.offset:
+        if e.rounds.apply_mode == "bucket" and e.step_count >= e.rounds.offset:
             raise UsageError("under deft_apply='bucket' a group's buckets are applied at different steps, so no "
                              "step applies one whole average to clip: pass deft_apply='group' (now "
                              "dearopt.DeFT(apply='group')) to clip with "
                              "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)")
-        it = e.iteration
-        group = e.forming if it.applies == 0 else e.group if it.applies is not None else None
+        it = e.rounds.iteration
+        group = e.rounds.forming if it.applies == 0 else e.rounds.group if it.applies is not None else None
         if group is None:
             return None, 0.0
-        e._wait(group)
+        e.rounds._wait(group)
         return group, 1.0 / (e.world * group.covers)
 
     def _sum_regions(self, group: _Group) -> List[torch.Tensor]:
@@ -273,182 +273,7 @@ class DelayedGradients(AveragedGradients):
         self.finish_averaging()
 
 
-class DelayedGroups:
-    """``deft``'s part of the moments protocol (:class:`dearopt.updates.RoundUpdates` is the exact one): the
-    forward stage's sends when a forward starts; each group's buckets applied when they are due (``apply="bucket"``:
-    lazily, before their module's next forward or when user code touches their parameters) or the whole group
-    at the ``step()`` the schedule names; every send finished on ``synchronize()``."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
-        # last of the old group's and all of the new group's)
-        self.due_buckets: Dict[int, List[_Group]] = {}
-        self.due_landing = False  # the step whose due buckets are not all applied yet (its post hooks wait)
-        self.applied_steps: List[int] = []  # the steps at which a group was applied (the update frequency)
-        self.replanning = False  # the measuring steps re-partition (nothing in flight): a re-plan is allowed
-
-    # ------------------------------------------------ the moments protocol
-    def forward_started(self) -> None:
-        """A training forward began: the measuring step's first mark, and Case 1's sends."""
-        e = self.engine
-        if e.plan is None:
-            return
-        if e.measurement.measuring(1) and e.forwards == 1:  # the step's first forward (more where it accumulates)
-            e.measurement.marks = {"start": time.perf_counter()}
-        e._send_forward_stage()
-
-    def module_reached(self, module) -> None:
-        """Before ``module`` runs: its due buckets applied; the measuring step's forward marks."""
-        e = self.engine
-        if self.due_buckets:
-            bucket = e.bound.module_bucket.get(id(module))
-            if bucket is not None:
-                self.apply_due(bucket)
-        if e.issuer is not None:
-            e.issuer.poll_sends()
-        if e.measurement.measuring(1) and module.training and "start" in e.measurement.marks:
-            now = time.perf_counter()
-            for p in module.parameters(recurse=False):
-                if id(p) in e.bound.where:
-                    e.measurement.marks.setdefault(("forward", e.bound.where[id(p)][0].index), now)
-
-    def touched(self, bucket: int) -> None:
-        """User code touched a parameter of ``bucket`` after step(): apply the due buckets up to it first."""
-        self.apply_due(bucket)
-
-    def synchronize(self) -> None:
-        """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
-        nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
-        e = self.engine
-        if e.state is TrainingState.IDLE:
-            self.apply_due()
-            e._wait(e.group)
-
-    def may_replan(self) -> None:
-        """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
-        if self.engine.plan is not None and not self.replanning:
-            raise UsageError("schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
-                             "and the other tuned knobs are not supported")
-
-    def close(self) -> None:
-        """Release the second link and the reduce-scatter + all-gather communicator."""
-        e = self.engine
-        if e._rsag is not None:
-            e._rsag.close()
-        if e.second is not None:
-            e.second.close()
-
-    # ---------------------------------------------------- applying groups
-    def hand_over(self, it: DeftIteration) -> None:
-        """``deft_apply="bucket"``: every bucket of the groups in flight all of whose pieces are sent by the end
-        of this iteration becomes due, to be applied (with this step's hyperparameters) before its parameters are
-        next used; a group the schedule applies now must have none left."""
-        e = self.engine
-        fresh = 0
-        for group in (e.group, e.forming):
-            if group is None:
-                continue
-            for b in range(len(e.buckets)):
-                if b not in group.due and all(u in group.sent for u in e._units_of[b]):
-                    group.due.add(b)
-                    self.due_buckets.setdefault(b, []).append(group)
-                    fresh += 1
-        if it.applies is not None:
-            if e.group is None or len(e.group.due) != len(e.buckets):
-                raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the "
-                                   "solver and the executor disagree")
-            self.applied_steps.append(e.step_count)
-            e.group = None
-        if fresh:
-            e.updater.begin_step(fresh)
-
-    def apply_due(self, upto: Optional[int] = None) -> None:
-        """Apply the due buckets numbered up to ``upto`` (all: ``None``), in one optimizer call, each after its
-        sends are complete."""
-        e = self.engine
-        chosen = sorted(b for b in self.due_buckets if upto is None or b <= upto)
-        if not chosen:
-            return
-        t0 = e.timeline.now()
-        with e.guard.suspended():
-            rounds = max(len(self.due_buckets[b]) for b in chosen)
-            pending = {b: self.due_buckets.pop(b) for b in chosen}
-            for r in range(rounds):  # the older group's sum first: one optimizer call per round
-                members = [[] for _ in e.optimizer.param_groups]
-                saved: Dict[int, tuple] = {}
-                waited = []
-                now = [b for b in chosen if r < len(pending[b])]
-                for b in now:
-                    group = pending[b][r]
-                    for u in e._units_of[b]:
-                        handle = group.unit_handles.get(u)  # none for a unit reduced before a checkpoint
-                        if handle is not None:
-                            handle.wait()
-                            waited.append(handle)
-                    self.take_average(e.buckets[b], group, members, saved)
-                if e.timeline.enabled:
-                    e.issuer.poll_sends(waited)
-                try:
-                    e.updater.apply_members(members, updates=len(now))
-                finally:
-                    for p, grad in saved.values():
-                        p.grad = grad
-        e.timeline.span("update", "update", t0, buckets=chosen)
-        if e.guard.armed:
-            if self.due_buckets:
-                e.guard.arm({id(p): b for b in self.due_buckets for p in e.buckets[b].params})
-            else:
-                e.guard.disarm()
-        if not self.due_buckets and self.due_landing:
-            self.due_landing = False
-            if e.on_step_landed is not None:
-                e.on_step_landed()
-
-    def apply(self, group: _Group, measure: bool = False) -> None:
-        """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
-        ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
-        e = self.engine
-        if group is None or len(group.sent) != len(e.units):
-            raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
-                               "and the executor disagree")
-        members = [[] for _ in e.optimizer.param_groups]
-        saved = {}
-        for bucket in e.buckets:
-            if bucket.index not in group.due:  # (applied already: a checkpoint of deft_apply="bucket")
-                self.take_average(bucket, group, members, saved)
-        before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
-        e.updater.begin_step(1)
-        try:
-            e.updater.apply_members(members)
-        finally:
-            for p, grad in saved.values():
-                p.grad = grad
-        if measure:  # p.grad is this rank's own gradient again
-            e.measurement.dots[e.step_count] = sum(float(torch.sum(p.grad.double() * (p.detach() - old).double()))
-                                              for p, old in before if p.grad is not None)
-        self.applied_steps.append(e.step_count)
-
-    def take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
-        """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
-        (the old ``p.grad`` kept in ``saved``), each added to its param group's ``members``."""
-        e = self.engine
-        storage = group.storage[bucket.index]
-        storage[:bucket.spec.grad_numel].mul_(1.0 / (e.world * group.covers))
-        used = [count > 0 for count in storage[bucket.spec.flags_offset:
-                                               bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
-        if e.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
-            raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
-                                         f"{', '.join(bucket.names[:3])}) is not finite", rank=e.rank,
-                                         op="update", bucket=bucket.index, step=e.step_count)
-        for gi, params in enumerate(bucket.group_members):
-            for p in params:
-                j = bucket.position[id(p)]
-                if used[j]:
-                    saved[id(p)] = (p, p.grad)
-                    offset = bucket.spec.offsets[j]
-                    p.grad = storage[offset:offset + p.numel()].view_as(p)
-                    members[gi].append(p)
 
 
 class DeftMeasurement:
@@ -477,12 +302,12 @@ class DeftMeasurement:
         """Whether the last measuring step times each bucket's all-reduce alone: for the times (no profile), or
         for the second link's ratio ``mu``."""
         e = self.engine
-        return self.profile is None or e.second is not None
+        return self.profile is None or e.rounds.second is not None
 
     def measuring(self, step: int) -> bool:
         """Whether this is measuring step ``step`` (1: compute times, 2: each all-reduce alone)."""
         e = self.engine
-        return e.offset > 0 and e.step_count == self.measure_from + step and e.plan is not None
+        return e.rounds.offset > 0 and e.step_count == self.measure_from + step and e.plan is not None
 
 
     def measured_times(self) -> tuple:
@@ -498,27 +323,27 @@ class DeftMeasurement:
         if reached:
             forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
         ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
-        forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], e.units)
+        forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], e.rounds.units)
         measured = self.comm_rsag if self.measured_reduction() == RSAG else self.comm
         # one sample per unit, on a machine that computes and communicates at once: the solver takes the line
         # fitted through them (Theil-Sen, robust to the one slow sample that would otherwise break the
         # partition constraint), not each sample
-        nbytes = [e._unit_nbytes(u) for u in range(len(e.units))]
-        bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(e.units))])
+        nbytes = [e.rounds._unit_nbytes(u) for u in range(len(e.rounds.units))]
+        bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(e.rounds.units))])
         return forward, backward, [latency + n / bandwidth for n in nbytes]
 
     def measured_reduction(self) -> str:
         """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
         e = self.engine
-        if e._rsag is not None and len(self.comm_rsag) == len(self.comm) and \
+        if e.rounds._rsag is not None and len(self.comm_rsag) == len(self.comm) and \
                 sum(self.comm_rsag.values()) < sum(self.comm.values()):
             return RSAG
         return ALL_REDUCE
 
     def choose_profiled_reduction(self) -> None:
         e = self.engine
-        if e._rsag is not None:
-            e.reduction = profile_reduction(self.profile, e.plan)
+        if e.rounds._rsag is not None:
+            e.rounds.reduction = profile_reduction(self.profile, e.plan)
 
     def solve_measured(self) -> None:
         """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
@@ -526,12 +351,12 @@ class DeftMeasurement:
         from .functions import broadcast_object
 
         if self.times_alone:  # rank 0's numbers for everyone
-            measured, e.mu, e.reduction = broadcast_object(
+            measured, e.rounds.mu, e.rounds.reduction = broadcast_object(
                 (self.measured_times(), self.measured_mu(), self.measured_reduction()) if e.rank == 0 else None,
                 0, backend=e.control)
         if self.profile is not None:
             self.choose_profiled_reduction()
-            measured = deft_times(self.profile, e.plan, e.reduction)
+            measured = deft_times(self.profile, e.plan, e.rounds.reduction)
         self.measured = measured
         forward, backward, comm = self.measured
         too_long = check_partition(forward, backward, comm)
@@ -542,20 +367,20 @@ class DeftMeasurement:
             # cost per collective (a tiny model was cut into ~700 pieces of mostly fixed cost); and only where it
             # shrinks a unit that is too long
             shortest = min(sum(forward), sum(backward))
-            nbytes = [e._unit_nbytes(u) for u in range(len(e.units))]
+            nbytes = [e.rounds._unit_nbytes(u) for u in range(len(e.rounds.units))]
             bandwidth, latency = fit_link(list(zip(nbytes, comm)))
             size = max(int((0.8 * shortest - latency) * bandwidth), -(-sum(nbytes) // (GROWTH * len(nbytes))))
             if size < max(nbytes[u] for u in too_long) and self.profile is None:
                 self.repartitions.append(size)
                 # nothing in flight: every measuring step was applied
                 knobs = e.planner.knobs
-                e.updates.replanning = True
+                e.rounds.replanning = True
                 try:
                     e.replan(buffer_size=min(knobs.buffer_size, size),
                                 partition_size=min(knobs.partition_size or size, size))
                 finally:
-                    e.updates.replanning = False
-                self.measure_from, e.offset = e.step_count, e.step_count + MEASURED_STEPS
+                    e.rounds.replanning = False
+                self.measure_from, e.rounds.offset = e.step_count, e.step_count + MEASURED_STEPS
                 self.marks, self.comm, self.comm_second, self.losses, self.dots = {}, {}, {}, {}, {}
                 self.comm_rsag = {}
                 return
@@ -565,7 +390,7 @@ class DeftMeasurement:
     def measured_mu(self) -> Optional[float]:
         """The second link's all-reduce time over the first's, over all buckets measured alone (None: one link)."""
         e = self.engine
-        if e.second is None:
+        if e.rounds.second is None:
             return None
         first = sum(self.comm.values())
         return sum(self.comm_second.values()) / first if first > 0 else 1.0
@@ -595,20 +420,20 @@ class DeftMeasurement:
         e = self.engine
         try:
             if self.preserver is None:
-                e.deft = deft_schedule(*times, mu=e.mu)
+                e.rounds.deft = deft_schedule(*times, mu=e.rounds.mu)
                 return
             loss, drift, noise = self.convergence_stats()
-            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=e.mu)
-            e.deft = self.preserved.schedule
+            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=e.rounds.mu)
+            e.rounds.deft = self.preserved.schedule
             if not self.preserved.passed:
                 warnings.warn(f"dearopt: the DeFT schedule failed the Preserver's check after "
                               f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
                               f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
-                              f"last re-solve left it ({e.deft.updates_per_iteration:.2f} updates per step)",
+                              f"last re-solve left it ({e.rounds.deft.updates_per_iteration:.2f} updates per step)",
                               RuntimeWarning)
         except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
             raise UsageError(f"schedule='deft' cannot schedule these {len(e.buckets)} buckets (sent in "
-                             f"{len(e.units)} pieces, numbered from the input side): {exc}. A smaller "
+                             f"{len(e.rounds.units)} pieces, numbered from the input side): {exc}. A smaller "
                              f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
                              f"the fixed cost per collective does, this model computes too little per step for "
                              f"DeFT [rank {e.rank}, step {e.step_count}]") from None
@@ -617,37 +442,45 @@ class DeftMeasurement:
     def record_loss(self, loss) -> None:
         """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
         e = self.engine
-        if self.preserver is not None and e.deft is None and e.step_count < e.offset:
+        if self.preserver is not None and e.rounds.deft is None and e.step_count < e.rounds.offset:
             self.losses[e.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
 
 
-class DelayedExecutor(Executor):
-    """Carries out a :class:`DeftSchedule` over the buckets of a plan (see the module's docstring)."""
+class DelayedRounds:
+    """``deft``'s rounds (the moments protocol of :mod:`dearopt.rounds`): a group of gradients travels across
+    iterations as the :class:`DeftSchedule` says, through the engine's issuer (:meth:`Issuer.send`) and buckets;
+    each bucket of a group is applied when it is due (``apply="bucket"``: lazily, before its module's next
+    forward or when user code touches its parameters) or the whole group at the ``step()`` the schedule names."""
 
     Gradients = DelayedGradients
-    Updates = DelayedGroups
+    applied_steps = property(lambda self: self.updates.applied_steps, doc="The steps at which a group was applied.")
+    reuses_buckets = False  # the schedule's state is per bucket: a re-plan makes new ones
 
-    def __init__(self, *args, schedule: Optional[DeftSchedule] = None, profile=None,
-                 preserver: Optional[Preserver] = None, links: int = 1, apply: str = "bucket", **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, engine):
+        e = self.engine = engine
+        policy = e.options.policy  # the DeFT object and its knobs
+        schedule, profile, preserver, links, apply = (policy.given, policy.profile, policy.preserver, policy.links,
+                                                      policy.apply)
+        self.updates = GroupUpdates(self)  # applying the groups' buckets when they are due
+        self.replanning = False  # the measuring steps re-partition (nothing in flight): a re-plan is allowed
         self.apply_mode = apply  # one of schedules.deft.APPLY_MODES (the DeFT object checked it)
         if schedule is not None and links == 1 and any(it.second_old or it.second_new
                                                        for it in schedule.warmup + schedule.period):
             raise UsageError("the given DeFT schedule sends on a second link: pass dearopt.DeFT(links=2) (of old: "
                              "deft_links=2)")
         # DeFT's heterogeneous links: a second communicator over the same ranks, used concurrently with the first
-        self.second = self.backend.second_link() if links == 2 else None
+        self.second = e.backend.second_link() if links == 2 else None
         self.mu: Optional[float] = None if schedule is None else schedule.mu  # its time per bucket over the first's
-        if getattr(self.comm_hook, "auto", False):
-            self.comm_hook = None  # deft reduces in the parameters' own dtype (documented)
-        if self.comm_hook is not None:
+        if getattr(e.comm_hook, "auto", False):
+            e.comm_hook = None  # deft reduces in the parameters' own dtype (documented)
+        if e.comm_hook is not None:
             raise UsageError("schedule='deft' does not take a comm_hook yet")
         # the second half of a reduce-scatter + all-gather runs on a communicator of its own (one link, on a
         # backend whose host waits for an op, i.e. gloo: where all-reduce is slow)
         self._rsag = None
-        if links == 1 and schedule is None and self.world > 1 and getattr(self.backend, "host_waits", False):
+        if links == 1 and schedule is None and e.world > 1 and getattr(e.backend, "host_waits", False):
             from .collectives import ReduceScatterThenGather
-            self._rsag = ReduceScatterThenGather(self.backend, self.backend.fork())
+            self._rsag = ReduceScatterThenGather(e.backend, e.backend.fork())
         self.reduction = ALL_REDUCE  # how a unit is summed (RSAG once measured or profiled faster)
         # per (unit, group parity): the reduce-scatter's output (RSAG); two, since the next group may send a unit
         # while the one before still gathers it (its bucket applied only when the next forward reaches it)
@@ -657,7 +490,7 @@ class DelayedExecutor(Executor):
         self.deft: Optional[DeftSchedule] = schedule
         # A given schedule is followed as it is.  Otherwise the first MEASURED_STEPS steps are exact and measure
         # the job: its times (unless a profile gives them) and what the Preserver needs (unless it is off)
-        self.measurement = DeftMeasurement(self, None if schedule is not None else preserver, profile)
+        self.measurement = DeftMeasurement(e, None if schedule is not None else preserver, profile)
         self.offset = MEASURED_STEPS if schedule is None and (profile is None or preserver is not None) else 0
         self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
         self.forming: Optional[_Group] = None  # the group this backward starts
@@ -667,63 +500,63 @@ class DelayedExecutor(Executor):
         self._loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
 
     # --------------------------------------------------------------- plan
-    def _build_plan(self, trainable=None, reuse=()) -> set:
-        kept = super()._build_plan(trainable)  # new buckets always: the schedule's state is per bucket
+    def plan_bound(self) -> None:
+        """The plan's buckets are new (never reused: the schedule's state is per bucket): its units, and a solved
+        or restored schedule checked against them."""
+        e = self.engine
         # p.grad holds this rank's own gradient: changes must be refused
-        self.bound = dataclasses.replace(self.bound, final_after_backward=frozenset())
+        e.bound = dataclasses.replace(e.bound, final_after_backward=frozenset())
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
-        self.units = plan_units(self.plan)
-        self._units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in self.buckets]
+        self.units = plan_units(e.plan)
+        self._units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in e.buckets]
         self._shards = {}
         if self.deft is None and self.measurement.profile is not None and not self.offset:
             self.measurement.choose_profiled_reduction()
-            self.measurement.solve(deft_times(self.measurement.profile, self.plan, self.reduction))
+            self.measurement.solve(deft_times(self.measurement.profile, e.plan, self.reduction))
         if self.deft is not None and self.deft.buckets != len(self.units):
-            pieces = "" if len(self.units) == len(self.buckets) else f" in {len(self.units)} pieces"
+            pieces = "" if len(self.units) == len(e.buckets) else f" in {len(self.units)} pieces"
             raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
-                             f"{len(self.buckets)}{pieces} (buffer_size and partition_size decide them)")
+                             f"{len(e.buckets)}{pieces} (buffer_size and partition_size decide them)")
         if self._loaded is not None:
             self._restore(self._loaded)
-        return kept
 
     measured = property(lambda self: self.measurement.measured, doc="The times the schedule was solved from.")
     preserved = property(lambda self: self.measurement.preserved, doc="The Preserver's outcome, once solved.")
     repartitions = property(lambda self: self.measurement.repartitions, doc="The sizes re-partitioned to.")
 
     @property
-    def applied_steps(self) -> List[int]:
-        """The steps at which a group was applied (the update frequency)."""
-        return self.updates.applied_steps
-
-    @property
     def iteration(self) -> DeftIteration:
-        if self.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
+        e = self.engine
+        if e.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
             n = len(self.units)
-            alone = self.step_count == self.offset - 1 and self.measurement.times_alone  # timed in _end_backward
+            alone = e.step_count == self.offset - 1 and self.measurement.times_alone  # timed in _end_backward
             send = () if alone else tuple(range(n - 1, -1, -1))
             return DeftIteration(4, (), (), send, False, 0, 1)
-        return self.deft.iteration(self.step_count - self.offset)
+        return self.deft.iteration(e.step_count - self.offset)
 
     def _unit_nbytes(self, u: int) -> int:
+        e = self.engine
         b, k = self.units[u]
-        return self.buckets[b].spec.piece_nbytes(k)
+        return e.buckets[b].spec.piece_nbytes(k)
 
     def _unit_tensor(self, group: _Group, u: int) -> torch.Tensor:
         """Unit ``u``'s part of ``group``'s sum for its bucket (a view: reduced in place)."""
+        e = self.engine
         b, k = self.units[u]
-        start, end = self.buckets[b].spec.pieces[k]
+        start, end = e.buckets[b].spec.pieces[k]
         return group.storage[b][start:end]
 
     def _all_reduce(self, group: _Group, u: int, new: bool = False) -> None:
         """Start unit ``u``'s sum of ``group`` (the group formed in this backward: ``new``) through the issuer, on
         the link the schedule gives it (measuring steps: the first)."""
+        e = self.engine
         group.sent.add(u)
-        scheduled = self.step_count >= self.offset
+        scheduled = e.step_count >= self.offset
         on_second = self.second is not None and scheduled and self.iteration.link(u, new)
         b, k = self.units[u]
         rsag = self.reduction == RSAG and scheduled and not on_second
         kind = "second link" if on_second else self.reduction if scheduled else ALL_REDUCE
-        handle = self.issuer.send(self._unit_tensor(group, u), bucket=b, piece=k, step=self.step_count,
+        handle = e.issuer.send(self._unit_tensor(group, u), bucket=b, piece=k, step=e.step_count,
                                   link=self.second if on_second else self._rsag if rsag else None,
                                   shard=self._shard(u, group.serial % 2) if rsag else None,
                                   label=f"{kind} unit {u}", unit=u, group="new" if new else "old")
@@ -732,55 +565,58 @@ class DelayedExecutor(Executor):
 
     def _shard(self, u: int, parity: int = 0) -> torch.Tensor:
         """Unit ``u``'s reduce-scatter output for groups of this ``parity`` (allocated once per plan)."""
+        e = self.engine
         if (u, parity) not in self._shards:
             b, k = self.units[u]
-            start, end = self.buckets[b].spec.pieces[k]
-            self._shards[(u, parity)] = self.buckets[b].buffer.new_empty((end - start) // self.world)
+            start, end = e.buckets[b].spec.pieces[k]
+            self._shards[(u, parity)] = e.buckets[b].buffer.new_empty((end - start) // e.world)
         return self._shards[(u, parity)]
 
     # ----------------------------------------------------------- forward
     def _send_forward_stage(self) -> None:
         """Case 1: the old group's buckets the schedule sends while the forward computes, once per step (at the
         forward's start; or at backward's start where the plan was made only then, after a resume)."""
-        if self._forward_sent_at != self.step_count and self.iteration.forward:
-            self._forward_sent_at = self.step_count
+        e = self.engine
+        if self._forward_sent_at != e.step_count and self.iteration.forward:
+            self._forward_sent_at = e.step_count
             for u in self.iteration.forward:
                 self._all_reduce(self.group, u)
 
     # ----------------------------------------------------------- backward
-    def _begin_backward(self) -> None:
-        if self.state is TrainingState.REDUCING:
+    def begin_backward(self) -> None:
+        e = self.engine
+        if e.state is TrainingState.REDUCING:
             raise UsageError("backward() was called again before step(): under schedule='deft' every backward "
                              "is one step of the schedule")
-        self.pass_id += 1
+        e.pass_id += 1
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
-        self._stale = set(self.updates.due_buckets)
+        e._stale = set(self.updates.due_buckets)
         self.updates.apply_due()
-        torch.autograd.Variable._execution_engine.queue_callback(_EngineHook(self._end_backward))
-        self._hook_new_params()
-        if any(id(p) not in self.bound.where for p in self.planner.trainable()):
+        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
+        e._hook_new_params()
+        if any(id(p) not in e.bound.where for p in e.planner.trainable()):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
-        self.state = TrainingState.BACKWARD
-        self._backward_start = self.timeline.now()
+        e.state = TrainingState.BACKWARD
+        e._backward_start = e.timeline.now()
         # inside no_sync(), or before the last of backward_passes_per_step: the gradients accumulate in p.grad
         # and this step of the schedule begins with the backward that communicates (its forward stage's sends
         # started with the step's first forward and run on meanwhile)
-        self._accumulating = self.no_sync or self.accumulated + 1 < self.options.backward_passes_per_step
+        self._accumulating = e.no_sync or e.accumulated + 1 < e.options.backward_passes_per_step
         if self._accumulating:
             return
         if self.measurement.measuring(1):
             self.measurement.marks["backward"] = time.perf_counter()
-        for b in self.buckets:
+        for b in e.buckets:
             b.start_round()
         it = self.iteration
         self._send_forward_stage()
         if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
             self._wait(self.group)
             if not it.held and it.applies is None:  # a given schedule may say so; nothing is in flight yet
-                raise UsageError(f"the DeFT schedule forms a new group at step {self.step_count} while the group "
+                raise UsageError(f"the DeFT schedule forms a new group at step {e.step_count} while the group "
                                  f"in flight is not applied at that step: its gradients would be lost (a given "
-                                 f"deft_schedule= must apply each group before the next forms) [rank {self.rank}]")
+                                 f"deft_schedule= must apply each group before the next forms) [rank {e.rank}]")
             for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
                 self._all_reduce(self.group, u)
         self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
@@ -789,13 +625,14 @@ class DelayedExecutor(Executor):
             self.forming.serial = self._groups_formed
         self._new_cursor = 0
 
-    def _on_grad_ready(self, p) -> None:
-        located = self._located_in_backward(p)
-        self.issuer.poll_sends()
+    def grad_ready(self, p) -> None:
+        e = self.engine
+        located = e._located_in_backward(p)
+        e.issuer.poll_sends()
         if located is None:
             return
         bucket, j = located
-        if bucket.index in self._stale:
+        if bucket.index in e._stale:
             raise UsageError(
                 f"parameter {bucket.names[j]!r} received a gradient although its delayed update was not applied "
                 f"before it was used: it was read in forward before its own module ran. Use "
@@ -803,8 +640,8 @@ class DelayedExecutor(Executor):
         bucket.take_gradient(p, j)
         if self._accumulating:
             return
-        if bucket.stamp[j] != self.pass_id:
-            bucket.stamp[j] = self.pass_id
+        if bucket.stamp[j] != e.pass_id:
+            bucket.stamp[j] = e.pass_id
             bucket.ready += 1
         if bucket.complete:
             if self.measurement.measuring(1):
@@ -813,7 +650,8 @@ class DelayedExecutor(Executor):
 
     def _take(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s gradient of this step (with its used flags), plus what was held of it."""
-        bucket = self.buckets[b]
+        e = self.engine
+        bucket = e.buckets[b]
         bucket.clear_stale()
         self._write_flags(bucket)
         total = bucket.buffer.clone()
@@ -831,33 +669,35 @@ class DelayedExecutor(Executor):
 
     def _start_new(self, force: bool) -> None:
         """Send the new group's units the schedule sends in this backward, in its order, as they are ready."""
+        e = self.engine
         if self.forming is None:
             return
         order = self.iteration.backward_new
         while self._new_cursor < len(order):
             u = order[self._new_cursor]
             b = self.units[u][0]
-            if not (force or self.buckets[b].complete):
+            if not (force or e.buckets[b].complete):
                 return
             if b not in self.forming.storage:
                 self.forming.storage[b] = self._take(b)
             self._all_reduce(self.forming, u, new=True)
             self._new_cursor += 1
 
-    def _end_backward(self) -> None:
-        self.timeline.span("backward", "compute", self._backward_start)
+    def end_backward(self) -> None:
+        e = self.engine
+        e.timeline.span("backward", "compute", e._backward_start)
         if self._accumulating:
-            self.state = TrainingState.ACCUMULATED
-            self.accumulated += 1
+            e.state = TrainingState.ACCUMULATED
+            e.accumulated += 1
             return
-        self.accumulated = 0
-        self.state = TrainingState.REDUCING
-        for b in self.buckets:  # unused since zero_grad(): a zero gradient
+        e.accumulated = 0
+        e.state = TrainingState.REDUCING
+        for b in e.buckets:  # unused since zero_grad(): a zero gradient
             b.clear_stale()
         if self.forming is None:  # Case 2: this step's gradients are held, summed with what was held before
             if self.held is None:
-                self.held = _Group({b.index: torch.zeros_like(b.buffer) for b in self.buckets}, 0)
-            for b in self.buckets:
+                self.held = _Group({b.index: torch.zeros_like(b.buffer) for b in e.buckets}, 0)
+            for b in e.buckets:
                 self._write_flags(b)
                 self.held.storage[b.index].add_(b.buffer)
             self.held.covers += 1
@@ -873,42 +713,44 @@ class DelayedExecutor(Executor):
                 if self.second is not None:  # the same bytes on the second link (a scratch copy), alone
                     scratch = self._unit_tensor(self.forming, u).clone()
                     t0 = time.perf_counter()
-                    self.second.all_reduce(scratch, "sum", bucket=b, step=self.step_count).wait()
+                    self.second.all_reduce(scratch, "sum", bucket=b, step=e.step_count).wait()
                     self.measurement.comm_second[u] = time.perf_counter() - t0
                 if self._rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
                     scratch = self._unit_tensor(self.forming, u).clone()
                     t0 = time.perf_counter()
-                    self._rsag.start(scratch, self._shard(u), bucket=b, step=self.step_count).wait()
+                    self._rsag.start(scratch, self._shard(u), bucket=b, step=e.step_count).wait()
                     self.measurement.comm_rsag[u] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._all_reduce(self.forming, u)
                 self.forming.handles[-1].wait()
                 self.measurement.comm[u] = time.perf_counter() - t0
         self._start_new(force=True)
-        for b in range(len(self.buckets)):  # the new group's other buckets wait on this rank for a later stage
+        for b in range(len(e.buckets)):  # the new group's other buckets wait on this rank for a later stage
             if b not in self.forming.storage:
                 self.forming.storage[b] = self._take(b)
         self.held = None
 
     # --------------------------------------------------------------- step
     def _wait(self, group: Optional[_Group]) -> None:
+        e = self.engine
         if group is None:
             return
-        t0 = self.timeline.now()
+        t0 = e.timeline.now()
         for handle in group.handles:
             handle.wait()
-        if self.timeline.enabled:
-            self.issuer.poll_sends(group.handles)
-            self.timeline.span("wait for sends", "wait", t0, sends=len(group.handles))
+        if e.timeline.enabled:
+            e.issuer.poll_sends(group.handles)
+            e.timeline.span("wait for sends", "wait", t0, sends=len(group.handles))
         group.handles = []
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
+        e = self.engine
         if scaler_checked:
             raise UsageError("GradScaler is not supported under schedule='deft' yet: a group applied later covers "
                              "steps scaled differently")
-        self._require_gradients("step")
-        self.gradients.check_writes()
-        t0 = self.timeline.now()
+        e._require_gradients("step")
+        e.gradients.check_writes()
+        t0 = e.timeline.now()
         it = self.iteration
         # only the group applied now is waited for: the sends of the group this backward formed run on into the
         # next forward (the link stays busy; the next backward waits for them with the forward stage's sends)
@@ -924,89 +766,282 @@ class DelayedExecutor(Executor):
             self.group = None
         if self.forming is not None:  # (a group in flight and not applied was refused when this backward began)
             self.group, self.forming = self.forming, None
-        self.forwards = 0
-        self.step_count += 1
-        self.state = TrainingState.IDLE
-        if self.deft is None and self.step_count == self.offset:
+        e.forwards = 0
+        e.step_count += 1
+        e.state = TrainingState.IDLE
+        if self.deft is None and e.step_count == self.offset:
             self.measurement.solve_measured()
-        self.timeline.span("step", "update", t0)
+        e.timeline.span("step", "update", t0)
         if self.updates.due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
             self.updates.due_landing = True
-            self.guard.arm({id(p): b for b in self.updates.due_buckets for p in self.buckets[b].params})
-        elif self.on_step_landed is not None:
-            self.on_step_landed()
+            e.guard.arm({id(p): b for b in self.updates.due_buckets for p in e.buckets[b].params})
+        elif e.on_step_landed is not None:
+            e.on_step_landed()
 
     # ------------------------------------------- per-bucket application
     # -------------------------------------------------------- checkpoints
     def deft_state(self) -> dict:
         """The schedule, the step within it and this rank's group sums, for ``DistOptim.state_dict()``."""
-        if self.state is not TrainingState.IDLE:
-            raise UsageError("save the optimizer's state between step() and the next backward()")
-        if self.deft is None and self.offset and self.plan is not None:
-            raise UsageError(f"schedule='deft' is measuring the job in its first {self.offset} steps; save its "
-                             f"state after them")
-
-        def dump(group):
-            return None if group is None else {"storage": {b: t.clone() for b, t in group.storage.items()},
-                                               "covers": group.covers, "sent": sorted(group.sent),
-                                               "due": sorted(group.due)}
-
-        if self._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
-            return dict(self._loaded)
-        self.updates.apply_due()  # the parameters saved are current
-        self._wait(self.group)  # its sends may still be in flight (step() waits only for a group it applies)
-        return {"step": self.step_count, "apply": self.apply_mode, "schedule": self.deft, "offset": self.offset,
-                "measured": self.measurement.measured,
-                "preserved": self.measurement.preserved, "mu": self.mu, "reduction": self.reduction,
-                "group": dump(self.group), "held": dump(self.held), "applied_steps": list(self.updates.applied_steps)}
+        return save_groups(self)
 
     def load_deft_state(self, saved: dict) -> None:
         """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
-        if self.state is not TrainingState.IDLE:
-            raise UsageError("load the optimizer's state between step() and the next backward()")
-        if saved.get("apply", "group") == "bucket" and self.apply_mode == "group":
-            raise UsageError("this checkpoint was saved with deft_apply='bucket' (part of its group in flight is "
-                             "applied already): resume with deft_apply='bucket'")
-        self._wait(self.group)  # nothing of the replaced group may still be on the link
-        for groups in self.updates.due_buckets.values():
-            for group in groups:
-                self._wait(group)
-        self.updates.due_buckets.clear()  # the replaced run's pending updates: the checkpoint supersedes them
-        self.updates.due_landing = False
-        self.guard.disarm()
-        self.step_count = int(saved["step"])
-        self.deft = saved["schedule"]
-        self.offset, self.measurement.measured = saved.get("offset", 0), saved.get("measured")
-        self.measurement.preserved = saved.get("preserved")
-        self.mu = saved.get("mu")
-        self.reduction = saved.get("reduction", ALL_REDUCE)
-        if self.reduction == RSAG and self._rsag is None:
-            raise UsageError("this checkpoint's DeFT schedule sums by reduce-scatter + all-gather, which needs one "
-                             "link on gloo and no given deft_schedule=")
-        if self.second is None and self.deft is not None and self.deft.mu is not None:
-            raise UsageError("this checkpoint's DeFT schedule uses a second link: resume with deft_links=2")
-        self.updates.applied_steps = list(saved.get("applied_steps", []))
-        self._loaded = saved
-        if self.plan is not None:
-            self._restore(saved)
+        load_groups(self, saved)
 
-    def _restore(self, saved: dict) -> None:
-        def load(entry):
-            if entry is None:
-                return None
-            for b, t in entry["storage"].items():
-                if b >= len(self.buckets) or t.shape != self.buckets[b].buffer.shape:
-                    raise UsageError(f"the checkpoint's DeFT group does not fit this plan's bucket {b}: save and "
-                                     f"resume with the same model and buffer_size")
-            if any(not 0 <= u < len(self.units) for u in entry["sent"]):
-                raise UsageError(f"the checkpoint's DeFT group was sent in more pieces than this plan has "
-                                 f"({len(self.units)}): resume with the same buffer_size and partition_size")
-            group = _Group({b: t.clone().to(self.buckets[b].buffer.device) for b, t in entry["storage"].items()},
-                           entry["covers"])
-            group.sent = set(entry["sent"])
-            group.due = set(entry.get("due", ()))  # (applied already, under deft_apply="bucket")
-            group.serial = self._groups_formed  # the next group formed uses the other reduce-scatter outputs
-            return group
+    # ------------------------------------------------ the moments protocol
+    def forward_started(self) -> None:
+        """A training forward began: the measuring step's first mark, and Case 1's sends."""
+        e = self.engine
+        if e.plan is None:
+            return
+        if self.measurement.measuring(1) and e.forwards == 1:  # the step's first forward (more where it accumulates)
+            self.measurement.marks = {"start": time.perf_counter()}
+        self._send_forward_stage()
 
-        self.group, self.held = load(saved["group"]), load(saved["held"])
-        self._loaded = None
+    def module_reached(self, module) -> None:
+        """Before ``module`` runs: its due buckets applied; the measuring step's forward marks."""
+        e = self.engine
+        if self.updates.due_buckets:
+            bucket = e.bound.module_bucket.get(id(module))
+            if bucket is not None:
+                self.updates.apply_due(bucket)
+        if e.issuer is not None:
+            e.issuer.poll_sends()
+        if self.measurement.measuring(1) and module.training and "start" in self.measurement.marks:
+            now = time.perf_counter()
+            for p in module.parameters(recurse=False):
+                if id(p) in e.bound.where:
+                    self.measurement.marks.setdefault(("forward", e.bound.where[id(p)][0].index), now)
+
+    def touched(self, bucket: int) -> None:
+        """User code touched a parameter of ``bucket`` after step(): apply the due buckets up to it first."""
+        self.updates.apply_due(bucket)
+
+    def synchronize(self) -> None:
+        """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
+        nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
+        e = self.engine
+        if e.state is TrainingState.IDLE:
+            self.updates.apply_due()
+            self._wait(self.group)
+
+    def may_replan(self) -> None:
+        """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
+        if self.engine.plan is not None and not self.replanning:
+            raise UsageError("schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
+                             "and the other tuned knobs are not supported")
+
+    def close(self) -> None:
+        """Release the second link and the reduce-scatter + all-gather communicator."""
+        if self._rsag is not None:
+            self._rsag.close()
+        if self.second is not None:
+            self.second.close()
+
+
+class GroupUpdates:
+    """``deft``'s updates: each group's buckets applied when they are due (``apply="bucket"``: lazily, before their
+    module's next forward or when user code touches their parameters), or the whole group at the ``step()`` the
+    schedule names (``"group"``), one optimizer call per moment."""
+
+    def __init__(self, rounds):
+        self.rounds = rounds
+        self.engine = rounds.engine
+        # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
+        # last of the old group's and all of the new group's)
+        self.due_buckets: Dict[int, List[_Group]] = {}
+        self.due_landing = False  # the step whose due buckets are not all applied yet (its post hooks wait)
+        self.applied_steps: List[int] = []  # the steps at which a group was applied (the update frequency)
+
+    def hand_over(self, it: DeftIteration) -> None:
+        """``deft_apply="bucket"``: every bucket of the groups in flight all of whose pieces are sent by the end
+        of this iteration becomes due, to be applied (with this step's hyperparameters) before its parameters are
+        next used; a group the schedule applies now must have none left."""
+        r = self.rounds
+        e = self.engine
+        fresh = 0
+        for group in (r.group, r.forming):
+            if group is None:
+                continue
+            for b in range(len(e.buckets)):
+                if b not in group.due and all(u in group.sent for u in r._units_of[b]):
+                    group.due.add(b)
+                    self.due_buckets.setdefault(b, []).append(group)
+                    fresh += 1
+        if it.applies is not None:
+            if r.group is None or len(r.group.due) != len(e.buckets):
+                raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the "
+                                   "solver and the executor disagree")
+            self.applied_steps.append(e.step_count)
+            r.group = None
+        if fresh:
+            e.updater.begin_step(fresh)
+
+    def apply_due(self, upto: Optional[int] = None) -> None:
+        """Apply the due buckets numbered up to ``upto`` (all: ``None``), in one optimizer call, each after its
+        sends are complete."""
+        r = self.rounds
+        e = self.engine
+        chosen = sorted(b for b in self.due_buckets if upto is None or b <= upto)
+        if not chosen:
+            return
+        t0 = e.timeline.now()
+        with e.guard.suspended():
+            passes = max(len(self.due_buckets[b]) for b in chosen)
+            pending = {b: self.due_buckets.pop(b) for b in chosen}
+            for k in range(passes):  # the older group's sum first: one optimizer call per pass
+                members = [[] for _ in e.optimizer.param_groups]
+                saved: Dict[int, tuple] = {}
+                waited = []
+                now = [b for b in chosen if k < len(pending[b])]
+                for b in now:
+                    group = pending[b][k]
+                    for u in r._units_of[b]:
+                        handle = group.unit_handles.get(u)  # none for a unit reduced before a checkpoint
+                        if handle is not None:
+                            handle.wait()
+                            waited.append(handle)
+                    self.take_average(e.buckets[b], group, members, saved)
+                if e.timeline.enabled:
+                    e.issuer.poll_sends(waited)
+                try:
+                    e.updater.apply_members(members, updates=len(now))
+                finally:
+                    for p, grad in saved.values():
+                        p.grad = grad
+        e.timeline.span("update", "update", t0, buckets=chosen)
+        if e.guard.armed:
+            if self.due_buckets:
+                e.guard.arm({id(p): b for b in self.due_buckets for p in e.buckets[b].params})
+            else:
+                e.guard.disarm()
+        if not self.due_buckets and self.due_landing:
+            self.due_landing = False
+            if e.on_step_landed is not None:
+                e.on_step_landed()
+
+    def apply(self, group: _Group, measure: bool = False) -> None:
+        """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
+        ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
+        r = self.rounds
+        e = self.engine
+        if group is None or len(group.sent) != len(r.units):
+            raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
+                               "and the executor disagree")
+        members = [[] for _ in e.optimizer.param_groups]
+        saved = {}
+        for bucket in e.buckets:
+            if bucket.index not in group.due:  # (applied already: a checkpoint of deft_apply="bucket")
+                self.take_average(bucket, group, members, saved)
+        before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
+        e.updater.begin_step(1)
+        try:
+            e.updater.apply_members(members)
+        finally:
+            for p, grad in saved.values():
+                p.grad = grad
+        if measure:  # p.grad is this rank's own gradient again
+            r.measurement.dots[e.step_count] = sum(float(torch.sum(p.grad.double() * (p.detach() - old).double()))
+                                              for p, old in before if p.grad is not None)
+        self.applied_steps.append(e.step_count)
+
+    def take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
+        """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
+        (the old ``p.grad`` kept in ``saved``), each added to its param group's ``members``."""
+        e = self.engine
+        storage = group.storage[bucket.index]
+        storage[:bucket.spec.grad_numel].mul_(1.0 / (e.world * group.covers))
+        used = [count > 0 for count in storage[bucket.spec.flags_offset:
+                                               bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
+        if e.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
+            raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
+                                         f"{', '.join(bucket.names[:3])}) is not finite", rank=e.rank,
+                                         op="update", bucket=bucket.index, step=e.step_count)
+        for gi, params in enumerate(bucket.group_members):
+            for p in params:
+                j = bucket.position[id(p)]
+                if used[j]:
+                    saved[id(p)] = (p, p.grad)
+                    offset = bucket.spec.offsets[j]
+                    p.grad = storage[offset:offset + p.numel()].view_as(p)
+                    members[gi].append(p)
+
+
+def save_groups(rounds) -> dict:
+    """``deft``'s checkpoint: the schedule, the step within it and this rank's group sums."""
+    e = rounds.engine
+    if e.state is not TrainingState.IDLE:
+        raise UsageError("save the optimizer's state between step() and the next backward()")
+    if rounds.deft is None and rounds.offset and e.plan is not None:
+        raise UsageError(f"schedule='deft' is measuring the job in its first {rounds.offset} steps; save its "
+                         f"state after them")
+
+    def dump(group):
+        return None if group is None else {"storage": {b: t.clone() for b, t in group.storage.items()},
+                                           "covers": group.covers, "sent": sorted(group.sent),
+                                           "due": sorted(group.due)}
+
+    if rounds._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
+        return dict(rounds._loaded)
+    rounds.updates.apply_due()  # the parameters saved are current
+    rounds._wait(rounds.group)  # its sends may still be in flight (step() waits only for a group it applies)
+    return {"step": e.step_count, "apply": rounds.apply_mode, "schedule": rounds.deft, "offset": rounds.offset,
+            "measured": rounds.measurement.measured,
+            "preserved": rounds.measurement.preserved, "mu": rounds.mu, "reduction": rounds.reduction,
+            "group": dump(rounds.group), "held": dump(rounds.held),
+            "applied_steps": list(rounds.updates.applied_steps)}
+
+
+def load_groups(rounds, saved: dict) -> None:
+    """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
+    e = rounds.engine
+    if e.state is not TrainingState.IDLE:
+        raise UsageError("load the optimizer's state between step() and the next backward()")
+    if saved.get("apply", "group") == "bucket" and rounds.apply_mode == "group":
+        raise UsageError("this checkpoint was saved with deft_apply='bucket' (part of its group in flight is "
+                         "applied already): resume with deft_apply='bucket'")
+    rounds._wait(rounds.group)  # nothing of the replaced group may still be on the link
+    for groups in rounds.updates.due_buckets.values():
+        for group in groups:
+            rounds._wait(group)
+    rounds.updates.due_buckets.clear()  # the replaced run's pending updates: the checkpoint supersedes them
+    rounds.updates.due_landing = False
+    e.guard.disarm()
+    e.step_count = int(saved["step"])
+    rounds.deft = saved["schedule"]
+    rounds.offset, rounds.measurement.measured = saved.get("offset", 0), saved.get("measured")
+    rounds.measurement.preserved = saved.get("preserved")
+    rounds.mu = saved.get("mu")
+    rounds.reduction = saved.get("reduction", ALL_REDUCE)
+    if rounds.reduction == RSAG and rounds._rsag is None:
+        raise UsageError("this checkpoint's DeFT schedule sums by reduce-scatter + all-gather, which needs one "
+                         "link on gloo and no given deft_schedule=")
+    if rounds.second is None and rounds.deft is not None and rounds.deft.mu is not None:
+        raise UsageError("this checkpoint's DeFT schedule uses a second link: resume with deft_links=2")
+    rounds.updates.applied_steps = list(saved.get("applied_steps", []))
+    rounds._loaded = saved
+    if e.plan is not None:
+        _restore(rounds, saved)
+
+
+def _restore(rounds, saved: dict) -> None:
+    e = rounds.engine
+    def load(entry):
+        if entry is None:
+            return None
+        for b, t in entry["storage"].items():
+            if b >= len(e.buckets) or t.shape != e.buckets[b].buffer.shape:
+                raise UsageError(f"the checkpoint's DeFT group does not fit this plan's bucket {b}: save and "
+                                 f"resume with the same model and buffer_size")
+        if any(not 0 <= u < len(rounds.units) for u in entry["sent"]):
+            raise UsageError(f"the checkpoint's DeFT group was sent in more pieces than this plan has "
+                             f"({len(rounds.units)}): resume with the same buffer_size and partition_size")
+        group = _Group({b: t.clone().to(e.buckets[b].buffer.device) for b, t in entry["storage"].items()},
+                       entry["covers"])
+        group.sent = set(entry["sent"])
+        group.due = set(entry.get("due", ()))  # (applied already, under deft_apply="bucket")
+        group.serial = rounds._groups_formed  # the next group formed uses the other reduce-scatter outputs
+        return group
+
+    rounds.group, rounds.held = load(saved["group"]), load(saved["held"])
+    rounds._loaded = None

@@ -47,17 +47,16 @@ from .collectives import CollectiveBackend
 from .comm_hooks import CommHook
 from .errors import UsageError
 from .functions import broadcast_buffers_as_bytes
-from .gradients import AveragedGradients
 from .hooks import EngineHook, EngineHooks, Round, TrainingState
 from .issuer import Issuer, OpState
 from .options import Options
-from .plan import ALL_GATHER, BACKWARD_END, STEP, Point, When
+from .plan import ALL_GATHER, Point, When
 from .profiling import LinkMonitor, ReadyProfile
 from .sharding import ShardedUpdate
 from .tied import TiedEmbeddings
 from .timeline import Timeline
 from .updater import BucketUpdater
-from .updates import RoundUpdates
+from .rounds import ExactRounds
 
 __all__ = ["Executor", "TrainingState", "Round"]
 
@@ -73,12 +72,6 @@ step (torch's clip, ``GradScaler.unscale_``), so the gathers cannot overlap the 
 
 class Executor:
     """Carries out a :class:`~dearopt.plan.Plan` for one model and optimizer (see the module)."""
-
-    Gradients = AveragedGradients
-    """The part that holds the averaged gradients between ``backward()`` and ``step()``."""
-    Updates = RoundUpdates
-    """The part that carries a step's gradients from ``step()`` to their updates (the moments protocol:
-    ``forward_started``, ``module_reached``, ``touched``, ``synchronize``, ``may_replan``, ``close``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, backend: CollectiveBackend,
                  options: Options, buffer_size: int, partition_size: Optional[int] = None,
@@ -116,8 +109,12 @@ class Executor:
                                LinkMonitor() if options.link_check_every else None)
         self.bound: Optional[BoundPlan] = None  # the plan on the tensors (set by _build_plan)
         self.issuer: Optional[Issuer] = None
-        self.gradients = self.Gradients(self)
-        self.updates = self.Updates(self)
+        if options.policy.delays_updates:  # a step's gradients may be applied at a later step (deft)
+            from .delayed import DelayedRounds as Rounds
+        else:
+            Rounds = ExactRounds
+        self.rounds = Rounds(self)  # the moments protocol: what a step's gradients do, from backward to update
+        self.gradients = self.rounds.Gradients(self)
         # the life cycle
         self.state = TrainingState.IDLE
         self.round: Optional[Round] = None
@@ -181,7 +178,7 @@ class Executor:
         if self.options.broadcast_buffers and self.world > 1:
             broadcast_buffers_as_bytes(self.model, self.control, self.step_count)
         self.profile.begin_forward()
-        self.updates.forward_started()
+        self.rounds.forward_started()
 
     def _root_post_hook(self, module, args, output) -> None:
         """A training forward ended: where this step's backward will leave ``p.grad`` without the average, the
@@ -192,7 +189,7 @@ class Executor:
 
     def _module_pre_hook(self, module, args) -> None:
         self.hooks.recorder.saw(module)
-        self.updates.module_reached(module)
+        self.rounds.module_reached(module)
 
     # ------------------------------------------------------------- planning
     def _build_plan(self, trainable: Optional[List[torch.nn.Parameter]] = None,
@@ -206,7 +203,6 @@ class Executor:
         trainable = planner.trainable() if trainable is None else trainable
         if self.issuer is not None:  # a re-plan (nothing in flight): buffers kept for the old buckets go
             self.backend.release_workspace()
-        rows = self.issuer.rows_reductions if self.issuer is not None else None
 
         def make_issuer(plan, buckets):
             if self.sparse is not None:  # the residuals follow their parameters into the new buckets
@@ -214,11 +210,13 @@ class Executor:
                 self.sparse.bind(buckets, [[position.get(id(p), -1 - i) for i, p in enumerate(b.params)]
                                            for b in buckets])
             issuer = Issuer(plan, buckets, self.backend, planner.window, self.comm_hook, self.timeline,
-                            prepare=self._write_meta, control=self.control, rows_reductions=rows, sparse=self.sparse)
+                            prepare=self._write_meta, control=self.control, rows=planner.rows, sparse=self.sparse)
             issuer.launch_log = planner.launch_log
             return issuer
 
+        reuse = reuse if self.rounds.reuses_buckets else ()
         self.bound, self.issuer, kept = planner.bind(trainable, reuse, make_issuer)
+        self.rounds.plan_bound()
         return kept
 
     def plan_choices(self):
@@ -233,7 +231,7 @@ class Executor:
         self.synchronize()
         if self.state is TrainingState.REDUCING or (self.state is TrainingState.BACKWARD and not _inside_backward):
             raise UsageError("replan() must be called between step() and the next backward()")
-        self.updates.may_replan()
+        self.rounds.may_replan()
         self.planner.change(buffer_size=buffer_size, partition_size=partition_size, credit=credit,
                             allreduce=allreduce, blocks=None if blocks is None else bool(blocks))
         if self.bound is None:  # nothing recorded yet: the first plan will use the new knobs
@@ -291,102 +289,24 @@ class Executor:
         return True
 
     # ------------------------------------------------------------- backward
-    def _begin_backward(self) -> None:
-        if self.state is TrainingState.REDUCING:  # names the DistOptim that communicated (several on one model)
-            from .functions import second_backward_refusal
-
-            raise second_backward_refusal(self)
-        self.pass_id += 1
-        # Buckets still waiting for their update were not reached by this
-        # forward: apply them now (their parameters cannot have gradients
-        # unless they were read before their own module ran).
-        self._stale = {b.index for b in self.buckets if b.pending}
-        if self._stale:
-            self.synchronize()
-        self._backward_start = self.timeline.now()
-        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self._end_backward))
-        self._hook_new_params()
-        self.state = TrainingState.BACKWARD
-        self.planner.watch_link(self.step_count)
-        if self.planner.groups_key() != self.bound.inputs.groups:
-            # a parameter was unfrozen or frozen, or a group added: re-plan, and forget what was derived from the
-            # old set (the profile, Prophet's blocks, the measured choice); the same on every rank
-            self.planner.forget_derived(self.step_count, keep_rule=self.gradients.reads)
-            self.replan(_inside_backward=True)
-        elif self.planner.profile_changes_plan(self.plan):  # rank 0's profile changes it (the same on every rank)
-            self.replan(_inside_backward=True)
-        communicates = (not self.no_sync) and (self.accumulated + 1 >= self.options.backward_passes_per_step)
-        if communicates:
-            self.round = Round(self.step_count, self.forwards)
-            for b in self.buckets:
-                b.start_round()
-            self.issuer.start_round(self.step_count)
-            self.profile.begin_backward(self.step_count, len(self.plan.params))
-
-    def _show_predicted_sends(self) -> None:
-        """Under a schedule whose buckets come from the profile (Prophet's blocks), each bucket's reduction as the
-        link model predicted it, placed in the timeline from this backward's start (the measured ones are on
-        the communication lane)."""
-        policy = self.options.policy
-        measured = self.profile.result
-        times = policy.predicted_sends(self.plan, measured) if measured is not None and self.plan else None
-        for bucket, (start, end) in zip(self.plan.buckets if times else (), times or ()):
-            self.timeline.span_at(f"predicted {policy.reduction}", "predicted", self._backward_start + start * 1e6,
-                                  (end - start) * 1e6, bucket=bucket.index)
-
     def _located_in_backward(self, p):
         """A gradient hook's first part: the plan made (first backward), the pass begun; ``p``'s bucket and
         position, or None if ``p`` was not trainable when the plan was made."""
         if self.bound is None:
             self._build_plan()
         if self.state is not TrainingState.BACKWARD:
-            self._begin_backward()
+            self.rounds.begin_backward()
         return self.bound.where.get(id(p))
 
     def _on_grad_ready(self, p) -> None:
-        located = self._located_in_backward(p)
-        if located is None:
-            return
-        bucket, j = located
-        if bucket.index in self._stale:
-            raise UsageError(
-                f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
-                f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
-                f"or call optimizer.synchronize() before such a forward")
-        bucket.take_gradient(p, j)
-        if self.round is None or bucket.stamp[j] == self.pass_id:
-            return
-        bucket.stamp[j] = self.pass_id
-        bucket.ready += 1
-        if self.profile.recording:
-            self.profile.grad_ready(bucket.spec.params[j])
-            self.issuer.observe()
-        if bucket.complete or self.window.credit is not None:
-            # with a credit window, an op held back for credit may start at any gradient hook once
-            # earlier ops have finished, not only when the next bucket completes
-            self.issuer.pump(self.may_start)
+        self.rounds.grad_ready(p)
 
     def _end_backward(self) -> None:
-        self.timeline.span("backward", "compute", self._backward_start)
-        if self.timeline.enabled:
-            self._show_predicted_sends()
-        if self.round is None:
-            self.state = TrainingState.ACCUMULATED
-            self.accumulated += 1
-            return
-        self.accumulated = 0
-        self.state = TrainingState.REDUCING
-        for b in self.buckets:  # unused since zero_grad(): a zero gradient (or the bucket would send a stale one)
-            b.clear_stale()
-        if self.profile.recording:
-            self.profile.end_backward()
-            self.issuer.observe()
-        self._complete_due(BACKWARD_END)
-        self.gradients.combine(BACKWARD_END)
-        self.round.backward_done = True
-        self.issuer.pump(self.may_start)
-        if self.bound.grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
-            self.hooks.grad_guard.arm(self.bound.grad_views, self.bound.grad_params)
+        self.rounds.end_backward()
+
+    def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
+        """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
+        self.rounds.step(skip, scaler_checked)
 
     def _write_meta(self, bucket: BucketState) -> None:
         r = self.round
@@ -413,71 +333,16 @@ class Executor:
         self.issuer.force_and_complete(self.bound.due.get(point, ()), self.may_start, host=self.profile.recording)
 
     # ----------------------------------------------------------------- step
-    def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
-        """Complete the step's reductions, check, and apply (or schedule) the updates.
-
-        ``skip``: a GradScaler found non-finite gradients (the same on every
-        rank); ``scaler_checked``: a GradScaler checked the gradients, so the
-        ``nonfinite`` policy does not apply to this step.
-        """
-        self.hooks.grad_guard.disarm()
-        if self.options.debug and self.bound is not None:
-            self.checks.parameters(self.buckets, self.step_count)
-        self.require_gradients("step")
-        r, g, bound = self.round, self.gradients, self.bound
-        if r.gathered:  # p.grad held the average since user code read it: what it holds now is the gradient
-            g.take_user_gradients()
-        else:
-            g.check_writes()
-        g.gathered_steps = g.gathered_steps + 1 if r.gathered else 0
-        r.scaler_checked = scaler_checked
-        t0 = self.timeline.now()
-        self._complete_due(STEP)
-        g.combine(STEP)
-        r.stepped = True
-        regions = [op.piece.region(op.spec.result) for op in bound.checked_at_step]
-        judge = not scaler_checked and self.options.nonfinite != "ignore"
-        agreed = self.updates.share_meta(r.step, judge and g.local_nonfinite()) if self.sharding is not None else None
-        # the step tags and this rank's non-finite count in one read from the device
-        count = g.nonfinite_count() if judge and agreed is None else None
-        tagged = range(len(self.buckets)) if self.sharding is not None else bound.updates_at.get(STEP, ())
-        count = self.checks.check_tags_of([self.buckets[b] for b in tagged], r.step, extra=count)
-        if judge:
-            sharded = any(op.spec.result == "shard" for op in bound.checked_at_step)
-            skip = self.checks.nonfinite(regions, sharded, self.buckets, r.step, own=bound.own_gradient_buckets,
-                                         agreed=agreed, local=None if agreed is not None else bool(count))
-        if self.profile.recording:
-            self.profile.share(self.control, self.issuer.reduction_services(), r.step)
-        self.forwards = 0
-        self.step_count += 1
-        self.state = TrainingState.IDLE
-        if skip:  # the same decision on every rank: finish what was started, apply nothing
-            self.issuer.complete_started()
-            self.skipped_steps += 1
-            self.updates.finish_round()
-            return
-        for b in self.buckets:
-            b.pending = True
-        r.updates_left = len(self.buckets)
-        self.updater.begin_step(sum(1 for b in self.buckets if b.has_members))
-        if self.sharding is not None:
-            self.updates.update_shards()
-        self.updates.update([self.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
-        if self.round is not None:
-            self.issuer.pump(self.may_start)  # the ops that start at step()
-            self.hooks.guard.arm({id(p): b.index for b in self.buckets if b.pending for p in b.params})
-        self.timeline.span("step", "update", t0)
-
     def _gradients_requested(self, bucket: int) -> None:
         self.gradients.requested(bucket)
 
     def _make_current(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after step(): apply the pending updates up to it first."""
-        self.updates.touched(bucket)
+        self.rounds.touched(bucket)
 
     def synchronize(self) -> None:
         """Apply every pending update now (parameters become current)."""
-        self.updates.synchronize()
+        self.rounds.synchronize()
         self.timeline.flush()
 
     # ----------------------------------------------------------- gradients
@@ -504,6 +369,6 @@ class Executor:
         self.hooks.remove()
         self.tied.restore()
         self.timeline.flush()
-        self.updates.close()
+        self.rounds.close()
         if self.control is not self.backend:
             self.control.close()

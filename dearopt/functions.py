@@ -343,7 +343,7 @@ def no_sync(model: torch.nn.Module):
 
 
 def _distoptim_text(executor, number: Optional[int] = None, count: Optional[int] = None) -> str:
-    names = [executor._names.get(id(p), f"<shape {tuple(p.shape)}>")
+    names = [executor.planner.names.get(id(p), f"<shape {tuple(p.shape)}>")
              for group in executor.optimizer.param_groups for p in group["params"]]
     which = f"DistOptim {number} of {count} on this model" if number is not None and count > 1 else "this DistOptim"
     return f"{which} ({type(executor.optimizer).__name__} over {_names(names)})"

@@ -188,7 +188,7 @@ class AveragedGradients:
         under DDP.  Every rank runs the same code, so every rank issues the same collectives in the same order
         (a rank that alone reads ``p.grad`` here waits for the others' next forward)."""
         e = self.engine
-        e.grad_guard.disarm()
+        e.hooks.grad_guard.disarm()
         r = e.round
         if r is None or r.stepped or r.gathered or not r.backward_done:
             return

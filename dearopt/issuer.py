@@ -25,9 +25,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .buckets import BucketState
-from .collectives import CollectiveBackend, Handle, JointHandle
-from .comm_hooks import CommHook
-from .plan import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ROWS, CommOp, Plan, When
+from .collectives import CollectiveBackend, Handle
+from .comm_hooks import CommHook, Link, hooks_for
+from .plan import CommOp, Plan, When
 from .timeline import Timeline
 
 __all__ = ["CreditWindow", "OpState", "Issuer"]
@@ -36,7 +36,8 @@ __all__ = ["CreditWindow", "OpState", "Issuer"]
 class OpState:
     """A planned collective bound to its piece, with its handle for the current round."""
 
-    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at", "nonfinite")
+    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at", "nonfinite",
+                 "hook")
 
     def __init__(self, position: int, spec: CommOp, piece):
         self.position = position
@@ -44,7 +45,8 @@ class OpState:
         self.piece = piece
         self.handle: Optional[Handle] = None
         self.done = False
-        self.ctx = None  # the comm hook's context from encode
+        self.ctx = None  # the comm hook's context from start
+        self.hook: Optional[CommHook] = None  # what carries the piece (set by the issuer)
         self.started_at = 0.0
         self.finished_at: Optional[float] = None  # when it was first seen finished (profiling)
         # averaged ops: a one-element tensor, > 0 where the average holds inf/NaN (set in the averaging pass);
@@ -107,22 +109,22 @@ class Issuer:
     def __init__(self, plan: Plan, buckets: Sequence[BucketState], backend: CollectiveBackend,
                  window: CreditWindow, hook: Optional[CommHook], timeline: Timeline,
                  prepare: Callable[[BucketState], None], control: Optional[CollectiveBackend] = None,
-                 rows_reductions: Optional[dict] = None, sparse=None):
+                 rows: Optional[CommHook] = None, sparse: Optional[CommHook] = None):
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
         self.control = control if control is not None else backend  # small agreements, off the data queue
         self.world = backend.size
         self.window = window
-        self.hook = hook
-        self.sparse = sparse  # a dearopt.sparsify.SparseExchange: it carries every all-reduce
+        for op, carrier in zip(self.ops, hooks_for(plan, hook, rows, sparse)):
+            op.hook = carrier  # what carries the op's piece (comm_hooks.hooks_for)
         self.timeline = timeline
         self._prepare = prepare
         self.cursor = 0
         self.step = 0  # the step whose gradients the current round carries (names ops in errors)
         self.launch_log = collections.deque(maxlen=100_000)  # (step, kind, bucket, piece) in issue order
-        # how row-sparse buckets were reduced, over the run (kept across re-plans by the caller)
-        self.rows_reductions = rows_reductions if rows_reductions is not None else {"rows": 0, "dense": 0}
+        # how row-sparse buckets were reduced, over the run (the rows hook outlives the plan)
+        self.rows_reductions = rows.counts if rows is not None else {"rows": 0, "dense": 0}
         self.first_reduction_at: Optional[float] = None  # perf_counter of the round's first reduction
         self.last_reduction_done_at: Optional[float] = None
         self._inverse: dict = {}  # device -> 1/world as the one-element float32 tensor the fused pass takes
@@ -163,43 +165,14 @@ class Issuer:
             return True
         return False
 
-    def _hook_for(self, dtype: torch.dtype) -> Optional[CommHook]:
-        hook = self.hook
-        return None if hook is None or hook.passes_through(dtype) else hook
-
     def _start(self, op: OpState) -> None:
         spec, piece = op.spec, op.piece
-        hook = self._hook_for(piece.full.dtype)
-        where = dict(bucket=spec.bucket, step=self.step)
-        backend = self.backend
         if spec.reduces:
             self._prepare(piece.bucket)
             if self.first_reduction_at is None:
                 self.first_reduction_at = time.perf_counter()
-        if spec.kind == ROWS:
-            self._start_rows(op, where)
-        elif spec.kind == ALL_REDUCE and self.sparse is not None:
-            op.handle, op.ctx = self.sparse.start(piece.bucket, piece.full, backend, self.control, self.step, where)
-        elif spec.kind == ALL_GATHER and piece.gather_full is not None:  # parameters: as they are, never encoded
-            op.handle = backend.all_gather(piece.gather_full, piece.gather_shard, **where)
-        elif hook is None:
-            if spec.kind == REDUCE_SCATTER:
-                op.handle = backend.reduce_scatter(piece.shard, piece.full, **where)
-            elif spec.kind == ALL_GATHER:
-                op.handle = backend.all_gather(piece.full, piece.shard, **where)
-            else:
-                op.handle = backend.all_reduce(piece.full, "sum", **where)
-        else:
-            wire_full, wire_shard = piece.wire(hook.wire_dtype(piece.full.dtype))
-            if spec.kind == ALL_GATHER:
-                op.ctx = self._encode(piece.shard, piece.shard_grad, wire_shard)
-                op.handle = backend.all_gather(wire_full, wire_shard, **where)
-            else:
-                op.ctx = self._encode(piece.full, piece.full_grad, wire_full)
-                if spec.kind == REDUCE_SCATTER:
-                    op.handle = backend.reduce_scatter(wire_shard, wire_full, **where)
-                else:
-                    op.handle = backend.all_reduce(wire_full, "sum", **where)
+        op.handle, op.ctx = op.hook.start(op, Link(self.backend, self.control, dict(bucket=spec.bucket,
+                                                                                      step=self.step)))
         piece.bucket.mark_seen()  # an in-place collective counts as the engine's write
         op.started_at = time.perf_counter()
         self.window.add(op)
@@ -238,66 +211,6 @@ class Issuer:
                 left.append(handle)
         self.sends_in_flight = left
 
-    def _start_rows(self, op: OpState, where: dict) -> None:
-        """Reduce a row-sparse gradient as its nonzero rows: the counts first (every rank learns the largest; on
-        the control channel, so that it does not wait behind the data ops in flight), then every rank's row
-        indices and rows (and the bucket's flags and tags) all-gathered.  When the rows are not few (or a use
-        the engine cannot see made the gradient dense) every rank all-reduces densely."""
-        piece, backend, world = op.piece, self.backend, self.world
-        spec = piece.bucket.spec
-        width = spec.row_numel
-        grads = piece.full[:spec.grad_numel].view(-1, width)
-        rows = grads.any(dim=1).nonzero().flatten()
-        mine = torch.tensor([rows.numel()], dtype=torch.int64, device=self.control.device)
-        counts = torch.empty(world, dtype=torch.int64, device=self.control.device)
-        self.control.all_gather(counts, mine, **where).wait()
-        counts = counts.tolist()
-        most = max(counts)
-        if world * most * 2 > grads.shape[0]:
-            self.rows_reductions["dense"] += 1
-            op.ctx = None
-            op.handle = backend.all_reduce(piece.full, "sum", **where)
-            return
-        self.rows_reductions["rows"] += 1
-        most = max(most, 1)
-        tail = piece.full[spec.grad_numel:]
-        length = most * width + tail.numel()
-        index = torch.zeros(most, dtype=torch.int64, device=backend.device)
-        index[:rows.numel()] = rows.to(backend.device)
-        values = torch.zeros(length, dtype=piece.full.dtype, device=piece.full.device)
-        values[:rows.numel() * width] = grads.index_select(0, rows).reshape(-1)
-        values[most * width:] = tail
-        all_index = torch.empty(world * most, dtype=torch.int64, device=backend.device)
-        all_values = torch.empty(world * length, dtype=values.dtype, device=values.device)
-        op.handle = JointHandle(backend.all_gather(all_index, index, **where),
-                                 backend.all_gather(all_values, values, **where))
-        op.ctx = ("rows", counts, most, length, all_index, all_values)
-
-    def _complete_rows(self, op: OpState) -> None:
-        """Sum every rank's rows (and tails) into the bucket, in rank order."""
-        _, counts, most, length, all_index, all_values = op.ctx
-        piece = op.piece
-        spec = piece.bucket.spec
-        width = spec.row_numel
-        grads = piece.full[:spec.grad_numel].view(-1, width)
-        tail = piece.full[spec.grad_numel:]
-        grads.zero_()
-        tail.zero_()
-        all_index = all_index.to(grads.device)
-        for r, count in enumerate(counts):
-            base = r * length
-            if count:
-                grads.index_add_(0, all_index[r * most:r * most + count],
-                                 all_values[base:base + count * width].view(count, width))
-            tail.add_(all_values[base + most * width:base + length])
-
-    def _encode(self, region: torch.Tensor, grads: torch.Tensor, wire: torch.Tensor):
-        """Gradients through the hook; the flags and tags behind them are copied exactly."""
-        n = grads.numel()
-        ctx = self.hook.encode(grads, wire[:n])
-        wire[n:].copy_(region[n:])
-        return ctx
-
     # -------------------------------------------------------------- complete
     def complete(self, op: OpState, *, host: bool = False) -> None:
         """Wait for ``op`` (its data usable; ``host``: finished) and carry out its completion once."""
@@ -316,19 +229,7 @@ class Issuer:
         self.timeline.end(("comm", op.position))
         piece, spec = op.piece, op.spec
         result = piece.region(spec.result)
-        if spec.kind == ROWS:
-            if op.ctx is not None:
-                self._complete_rows(op)
-        elif spec.kind == ALL_REDUCE and self.sparse is not None:
-            self.sparse.complete(op.ctx, piece.full, piece.bucket.spec.grad_numel)
-        elif spec.kind == ALL_GATHER and piece.gather_full is not None:
-            pass  # the parameters are in place
-        elif self._hook_for(piece.full.dtype) is not None:
-            wire_full, wire_shard = piece.wire(self.hook.wire_dtype(piece.full.dtype))
-            wire, whole = (wire_shard, piece.shard) if spec.result == "shard" else (wire_full, piece.full)
-            n = result.numel()
-            self.hook.decode(wire[:n], result, op.ctx)
-            whole[n:].copy_(wire[n:])
+        op.hook.finish(op, op.ctx)
         if spec.average and self.world > 1:
             op.nonfinite = self._average(result)
         piece.bucket.mark_seen()

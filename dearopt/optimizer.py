@@ -26,7 +26,6 @@ from . import functions
 from .collectives import engine_boundary
 from .comm_hooks import resolve_comm_hook
 from .sparsify import Sparsify
-from .delayed import DelayedExecutor
 from .executor import Executor
 from .options import Options
 from .search import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS, PlanSearch
@@ -205,15 +204,8 @@ class DistOptim(torch.optim.Optimizer):
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
         partition = None if options.partition_size == "auto" else options.partition_size
         credit_bytes = None if options.credit == "auto" else options.credit
-        policy = options.policy
-        if policy.delays_updates:
-            self._executor = DelayedExecutor(optimizer, model, engine, options, buffer, partition, credit_bytes,
-                                             hook, on_step_landed=self._step_landed, schedule=policy.given,
-                                             profile=policy.profile, preserver=policy.preserver, links=policy.links,
-                                             apply=policy.apply)
-        else:
-            self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
-                                      on_step_landed=self._step_landed)
+        self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
+                                  on_step_landed=self._step_landed)
         self._search = PlanSearch(self._executor, tuner, tuning_steps)
         _WRAPPED.add(optimizer)
         functions.register_distoptim(model, self)  # for dearopt.no_sync(model)
@@ -277,7 +269,7 @@ class DistOptim(torch.optim.Optimizer):
         for hook in itertools.chain(list(_global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
             hook(self, (), {})
         if loss is not None and self.options.policy.delays_updates:
-            self._executor.measurement.record_loss(loss)
+            self._executor.rounds.measurement.record_loss(loss)
         self._search.notice_new_inputs()
         self._inner._opt_called = True  # an LR scheduler built on the wrapped optimizer: its step() counts as called
         if grad_scaler is not None:
@@ -363,7 +355,7 @@ class DistOptim(torch.optim.Optimizer):
 
     def _deft(self, name: str):
         """The delayed engine's ``name`` (``deft``), None under a schedule that applies each step at that step."""
-        return getattr(self._executor, name) if self.options.policy.delays_updates else None
+        return getattr(self._executor.rounds, name) if self.options.policy.delays_updates else None
 
     @property
     def settled(self) -> bool:
@@ -473,7 +465,7 @@ class DistOptim(torch.optim.Optimizer):
         else:
             saved = self._inner_state_dict(sharding.gather_state())
         if self.options.policy.delays_updates:  # schedule="deft": this rank's delayed group sums
-            saved["dearopt_deft"] = self._executor.deft_state()
+            saved["dearopt_deft"] = self._executor.rounds.deft_state()
         if self._executor.sparse is not None:  # comm_hook=Sparsify: this rank's residuals (error feedback)
             saved["dearopt_sparse"] = self._executor.sparse.state_dict()
         return saved
@@ -495,7 +487,7 @@ class DistOptim(torch.optim.Optimizer):
                 raise UsageError("this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
                                  "load it into a DistOptim with schedule='deft'")
             state_dict = dict(state_dict)
-            self._executor.load_deft_state(state_dict.pop("dearopt_deft"))
+            self._executor.rounds.load_deft_state(state_dict.pop("dearopt_deft"))
         if "dearopt_sparse" in state_dict:
             if self._executor.sparse is None:
                 raise UsageError("this state_dict holds a sparsifier's residuals (comm_hook=dearopt.Sparsify): load "

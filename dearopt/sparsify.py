@@ -54,6 +54,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .collectives import JointHandle
+from .comm_hooks import CommHook
 
 __all__ = ["Sparsify", "Fragment", "fragments", "assign_k", "allocate", "selection_cost", "dense_by_default",
            "SparseExchange"]
@@ -205,8 +206,11 @@ class _Layout:
             [Fragment(j, o, n) for j, o, n in sparse]
 
 
-class SparseExchange:
-    """The sparse reduction of every bucket, and the residuals (error feedback) it keeps on this rank."""
+class SparseExchange(CommHook):
+    """The sparse reduction of every bucket, and the residuals (error feedback) it keeps on this rank: the comm
+    hook that carries every all-reduce of the plan (fewer bytes, another collective: :meth:`start`)."""
+
+    name = "sparsify"
 
     def __init__(self, sparsify: Sparsify, rank: int, world: int):
         self.sparsify = sparsify
@@ -274,7 +278,17 @@ class SparseExchange:
         for key, n in (("values", values), ("indices", indices), ("received", received)):
             self.last_step_sent[key] += n
 
-    def start(self, bucket, full: torch.Tensor, backend, control, step: int, where: dict):
+    def start(self, op, link):
+        """Begin the reduction of ``op``'s bucket (its whole buffer): ``(handle, ctx)``; the handle's completion
+        and :meth:`finish` leave the sum over ranks in the buffer."""
+        piece = op.piece
+        return self._exchange(piece.bucket, piece.full, link.backend, link.control, link.where["step"], link.where)
+
+    def finish(self, op, ctx) -> None:
+        """Write the reduced sum into the bucket's buffer (zero where nothing was selected)."""
+        self.complete(ctx, op.piece.full, op.piece.bucket.spec.grad_numel)
+
+    def _exchange(self, bucket, full: torch.Tensor, backend, control, step: int, where: dict):
         """Begin bucket ``bucket``'s reduction of ``full`` (its whole buffer): returns ``(handle, ctx)``; the
         handle's completion and :meth:`complete` leave the sum over ranks in ``full``."""
         layout = self._layouts[bucket.index]

@@ -35,7 +35,10 @@ from typing import Dict, List, Set, Tuple
 import torch
 from torch import nn
 
-__all__ = ["TiedEmbeddings"]
+from .collectives import JointHandle
+from .comm_hooks import CommHook
+
+__all__ = ["TiedEmbeddings", "EmbeddingRows"]
 
 
 class TiedEmbeddings:
@@ -92,3 +95,67 @@ class TiedEmbeddings:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class EmbeddingRows(CommHook):
+    """The comm hook of row-sparse buckets (an ``nn.Embedding`` weight's gradient): it travels as the rows a batch
+    touched.  The counts first (every rank learns the largest; on the control channel, so that it does not wait
+    behind the data ops in flight), then every rank's row indices and rows (and the bucket's flags and tags)
+    all-gathered and summed in rank order.  When the rows are not few (or a use the engine cannot see made the
+    gradient dense) every rank all-reduces densely.  ``counts``: how the buckets were reduced over the run."""
+
+    name = "rows"
+
+    def __init__(self):
+        self.counts = {"rows": 0, "dense": 0}
+
+    def start(self, op, link):
+        """The counts, then the rows all-gathered (or a dense all-reduce): ``(handle, ctx)``."""
+        piece, backend, control, where = op.piece, link.backend, link.control, link.where
+        world = backend.size
+        spec = piece.bucket.spec
+        width = spec.row_numel
+        grads = piece.full[:spec.grad_numel].view(-1, width)
+        rows = grads.any(dim=1).nonzero().flatten()
+        mine = torch.tensor([rows.numel()], dtype=torch.int64, device=control.device)
+        counts = torch.empty(world, dtype=torch.int64, device=control.device)
+        control.all_gather(counts, mine, **where).wait()
+        counts = counts.tolist()
+        most = max(counts)
+        if world * most * 2 > grads.shape[0]:
+            self.counts["dense"] += 1
+            return backend.all_reduce(piece.full, "sum", **where), None
+        self.counts["rows"] += 1
+        most = max(most, 1)
+        tail = piece.full[spec.grad_numel:]
+        length = most * width + tail.numel()
+        index = torch.zeros(most, dtype=torch.int64, device=backend.device)
+        index[:rows.numel()] = rows.to(backend.device)
+        values = torch.zeros(length, dtype=piece.full.dtype, device=piece.full.device)
+        values[:rows.numel() * width] = grads.index_select(0, rows).reshape(-1)
+        values[most * width:] = tail
+        all_index = torch.empty(world * most, dtype=torch.int64, device=backend.device)
+        all_values = torch.empty(world * length, dtype=values.dtype, device=values.device)
+        handle = JointHandle(backend.all_gather(all_index, index, **where),
+                             backend.all_gather(all_values, values, **where))
+        return handle, (counts, most, length, all_index, all_values)
+
+    def finish(self, op, ctx) -> None:
+        """Sum every rank's rows (and tails) into the bucket, in rank order (nothing after a dense all-reduce)."""
+        if ctx is None:
+            return
+        counts, most, length, all_index, all_values = ctx
+        piece = op.piece
+        spec = piece.bucket.spec
+        width = spec.row_numel
+        grads = piece.full[:spec.grad_numel].view(-1, width)
+        tail = piece.full[spec.grad_numel:]
+        grads.zero_()
+        tail.zero_()
+        all_index = all_index.to(grads.device)
+        for r, count in enumerate(counts):
+            base = r * length
+            if count:
+                grads.index_add_(0, all_index[r * most:r * most + count],
+                                 all_values[base:base + count * width].view(count, width))
+            tail.add_(all_values[base + most * width:base + length])

@@ -482,7 +482,7 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
     model = make_model("mlp")
     opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size,
                             preserver=preserver, deft_links=links, backward_passes_per_step=micro)
-    executor = opt._executor
+    executor = opt._executor.rounds  # deft's part of the engine
     measured = executor.measurement.measured_times
     real = {}
 
@@ -506,7 +506,7 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
         opt.step(loss=loss)
     out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
            executor.measured, opt.applied_steps, opt.deft_repartitions, len(executor.units), opt.deft_preserved,
-           executor.mu, len(executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))],
+           executor.mu, len(opt._executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))],
            opt.deft_reduction, opt.deft_times, [list(b.params) for b in opt.plan.buckets], list(executor.units))
     opt.close()
     return out
@@ -599,9 +599,9 @@ def _timeline_run(path):
         train_step(opt, model, step, rank, world)
         it = schedule.iteration(step)
         if it.backward_new and not it.held:  # step() did not wait for the new group's sends: still listed
-            assert len(opt._executor.group.handles) == len(it.backward_new)
+            assert len(opt._executor.rounds.group.handles) == len(it.backward_new)
     opt.synchronize()  # waits for every send in flight
-    assert opt._executor.group is None or opt._executor.group.handles == []
+    assert opt._executor.rounds.group is None or opt._executor.rounds.group.handles == []
     opt.close()
 
 

@@ -462,20 +462,22 @@ def test_models_that_differ_across_ranks_are_a_plan_mismatch_at_construction(wor
 def _internal_failure(where, fault_dir, keeps_running):
     """Rank 1's engine raises an IndexError (a bug) at step 2: in a forward hook, or in step().  With
     `keeps_running` its code catches the error and the process lives on until rank 0 is done."""
-    from dearopt.executor import Executor
+    from dearopt.gradients import AveragedGradients
+    from dearopt.rounds import ExactRounds
 
     rank, world = dearopt.rank(), dearopt.size()
     stamp, done = os.path.join(fault_dir, "fault_time"), os.path.join(fault_dir, "rank0_done")
-    name = {"hook": "_reach_forward", "step": "_check_gradient_writes"}[where]
-    original = getattr(Executor, name)
+    # the engine's part that runs there: the rounds at a forward hook, the averaged gradients at step()
+    owner, name = {"hook": (ExactRounds, "reach_forward"), "step": (AveragedGradients, "check_writes")}[where]
+    original = getattr(owner, name)
 
     def buggy(self, *args, **kwargs):
-        if self.rank == 1 and self.step_count == 2:
+        if self.engine.rank == 1 and self.engine.step_count == 2:
             _mark_fault(stamp)
             raise IndexError("list index out of range (injected)")
         return original(self, *args, **kwargs)
 
-    setattr(Executor, name, buggy)
+    setattr(owner, name, buggy)
     model = make_model("mlp")
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64)
     try:

@@ -24,6 +24,7 @@ import gc
 import math
 import os
 import time
+import warnings
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -33,13 +34,13 @@ from dearopt.schedules.deft import Preserver
 from dearopt.sparsify import Sparsify
 
 VARIANTS = {
-    # name: (dearopt schedule, extra DistOptim keywords); the bucket size is --bucket-mb for all
+    # name: (dearopt schedule, extra knobs: the schedule object's and DistOptim's); the bucket size is --bucket-mb
     "dear+pc": ("dear", {"priority": True, "partition_size": 4 * 2**20, "credit": 16 * 2**20}),
-    "dear-nocheck": ("dear", {"check_agreement": False, "nonfinite": "ignore"}),
+    "dear-nocheck": ("dear", {"checks": "off", "nonfinite": "ignore"}),
     "dear-paper": ("dear", {"allreduce": 0.0}),
     "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
-    "deft-2links": ("deft", {"deft_links": 2}),
-    "deft-group": ("deft", {"deft_apply": "group"}),
+    "deft-2links": ("deft", {"links": 2}),
+    "deft-group": ("deft", {"apply": "group"}),
     "deft-paper": ("deft", {"preserver": Preserver(statistic="loss")}),
     "dear+deft1": ("dear", {"comm_hook": Sparsify(0.01)}),
     "dear+deft10": ("dear", {"comm_hook": Sparsify(0.10)}),
@@ -124,8 +125,13 @@ class _Runner:
             self.forward_module = model
             self.is_dearopt = True
             base, extra = variant(schedule)
-            knobs = {"buffer_size": int(cfg["bucket_mb"] * 2**20), "timeline": timeline_path, **extra}
-            self.opt = dearopt.DistOptim(inner, model, schedule=base, **knobs)
+            policy = dearopt.schedules.get_schedule(base)
+            own = {k: v for k, v in extra.items() if k in policy.knob_names()}  # the schedule object's knobs
+            knobs = {"buffer_size": int(cfg["bucket_mb"] * 2**20), "timeline": timeline_path,
+                     **{k: v for k, v in extra.items() if k not in own}}
+            with warnings.catch_warnings():  # tuning_steps (dear-tuned): 3 steps per trial of the default tuner
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.opt = dearopt.DistOptim(inner, model, schedule=policy.with_knobs(**own), **knobs)
             if timeline_path:
                 self.timeline = self.opt.timeline  # forward/iteration spans from the benchmark side
         self.iteration = 0
@@ -450,7 +456,7 @@ def run_rank(cfg: dict) -> dict:
                         "pieces": deft.buckets, "updates_per_step": deft.updates_per_iteration,
                         "period": len(deft.period), "repartitions": runner.opt.deft_repartitions,
                         "reduction": runner.opt.deft_reduction, "times": runner.opt.deft_times,
-                        "apply": runner.opt._executor.apply_mode,
+                        "apply": runner.opt._executor.rounds.apply_mode,
                         "preserver": None if kept is None else {"ratio": kept.ratio, "factor": kept.capacity_factor,
                                                                 "resolves": kept.resolves, "passed": kept.passed,
                                                                 "tried": [list(t) for t in kept.tried],

@@ -48,7 +48,12 @@ def variant_options(variant: str) -> dict:
     schedule, _, how = variant.partition("-")
     if how not in _SUFFIXES:
         raise ValueError(f"unknown variant {variant!r}: a schedule, optionally -{'/-'.join(k for k in _SUFFIXES if k)}")
-    return dict(_SUFFIXES[how], schedule=schedule)
+    from dearopt.schedules import get_schedule
+
+    options = dict(_SUFFIXES[how])
+    policy = get_schedule(schedule)
+    own = {k: options.pop(k) for k in list(options) if k in policy.knob_names()}  # the schedule object's knobs
+    return dict(options, schedule=policy.with_knobs(**own))
 
 
 def _mib(nbytes: float) -> float:

@@ -59,7 +59,7 @@ class Schedule(abc.ABC):
     """Whether updates are applied during the next forward (the model's forward hooks must run)."""
     delays_updates: ClassVar[bool] = False
     """Whether a step's gradients may be applied at a later step (DeFT): carried out by
-    :class:`dearopt.delayed.DelayedExecutor` instead of the exact executor."""
+    :class:`dearopt.delayed.DelayedRounds` instead of the exact rounds."""
     needs_profile: ClassVar[bool] = False
     """Whether the plan is made from rank 0's profile of steps 1-3 (gradient ready times, the link's bandwidth)."""
     shards_update: ClassVar[bool] = False

@@ -2,7 +2,7 @@
 
 Pure functions from a profile (per bucket: forward time ``F``, backward time
 ``B``, communication time ``C``) to a periodic schedule of delayed, merged
-updates, and the ``"deft"`` policy; :class:`dearopt.delayed.DelayedExecutor`
+updates, and the ``"deft"`` policy; :class:`dearopt.delayed.DelayedRounds`
 carries the schedule out, checked by the :class:`Preserver` where it is solved
 from measurements, over one link or two (section III.C: ``mu``).
 

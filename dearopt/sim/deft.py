@@ -5,7 +5,7 @@ iterations' forward and backward stages, as its
 :class:`~dearopt.schedules.deft.DeftSchedule` says, and applied at the
 ``step()`` that completes it.  The iterations of one period differ, so the
 prediction is their mean in the steady state.  The walk follows
-:class:`dearopt.delayed.DelayedExecutor`:
+:class:`dearopt.delayed.DelayedRounds`:
 
 * forward: at its start the old group's units of the forward stage are sent
   (the link carries one collective at a time, in the order started);
