@@ -78,9 +78,9 @@ class CommHook:
                 return backend.all_gather(piece.full, piece.shard, **where), None
             return backend.all_reduce(piece.full, "sum", **where), None
         wire_full, wire_shard = piece.wire(self.wire_dtype(piece.full.dtype))
-        if kind == ALL_GATHER:
-            return backend.all_gather(wire_full, wire_shard, **where), self._encode(piece.shard, piece.shard_grad,
-                                                                                    wire_shard)
+        if kind == ALL_GATHER:  # (encoded before the gather starts)
+            ctx = self._encode(piece.shard, piece.shard_grad, wire_shard)
+            return backend.all_gather(wire_full, wire_shard, **where), ctx
         ctx = self._encode(piece.full, piece.full_grad, wire_full)
         if kind == REDUCE_SCATTER:
             return backend.reduce_scatter(wire_shard, wire_full, **where), ctx

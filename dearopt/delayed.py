@@ -518,7 +518,7 @@ class DelayedRounds:
             raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
                              f"{len(e.buckets)}{pieces} (buffer_size and partition_size decide them)")
         if self._loaded is not None:
-            self._restore(self._loaded)
+            _restore(self, self._loaded)
 
     measured = property(lambda self: self.measurement.measured, doc="The times the schedule was solved from.")
     preserved = property(lambda self: self.measurement.preserved, doc="The Preserver's outcome, once solved.")
