@@ -53,11 +53,13 @@ continues an epoch where the checkpoint was, at any world size.  See
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import threading
+import warnings
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -214,6 +216,15 @@ def _process_group():
 
             _group = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)))
         return _group[1]
+
+
+@contextlib.contextmanager
+def _single(group):
+    """Without a process group DCP warns that it assumes one process: that is what the caller asked for."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _rank_world() -> Tuple[int, int]:
@@ -428,9 +439,11 @@ def save(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
     group = _process_group()
     common = dict(checkpoint_id=path, planner=SavePlanner(), process_group=group, no_dist=group is None)
     if not async_:
-        m["dcp"].save(state, **common)
+        with _single(group):
+            m["dcp"].save(state, **common)
         return None
-    future = m["dcp"].async_save(state, async_stager=_Staged(), **common)
+    with _single(group):
+        future = m["dcp"].async_save(state, async_stager=_Staged(), **common)
     _pending = AsyncSave(future, path)
     return _pending
 
@@ -453,7 +466,8 @@ def _read_objects(path: str, keys: Sequence[str], group) -> Dict[str, Any]:
     out = {key: None for key in keys}
     if out:
         _, LoadPlanner = _planners()
-        m["dcp"].load(out, checkpoint_id=path, planner=LoadPlanner(), process_group=group, no_dist=group is None)
+        with _single(group):
+            m["dcp"].load(out, checkpoint_id=path, planner=LoadPlanner(), process_group=group, no_dist=group is None)
     return out
 
 
@@ -571,7 +585,9 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
     for key in objects:
         targets[key] = None
     _, LoadPlanner = _planners()
-    m["dcp"].load(targets, checkpoint_id=path, planner=LoadPlanner(), process_group=group, no_dist=group is None)
+    with _single(group):
+        m["dcp"].load(targets, checkpoint_id=path, planner=LoadPlanner(), process_group=group,
+                      no_dist=group is None)
 
     deft = targets.get(deft_key)
     sparse = targets.get(sparse_key)
