@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from .errors import CheckpointMismatchError, CollectiveTimeoutError, UsageError
 
-__all__ = ["save", "load", "read", "torch_state_dicts", "step_path", "latest", "wait", "AsyncSave",
+__all__ = ["save", "load", "describe", "read", "torch_state_dicts", "step_path", "latest", "wait", "AsyncSave",
            "ElasticSampler", "FORMAT"]
 
 FORMAT = "dearopt-dcp-1"
@@ -243,9 +243,23 @@ def _timeout() -> float:
 
 
 def _distoptim(optimizer):
+    """The :class:`dearopt.DistOptim` behind ``optimizer`` (itself, or ``hvd.DistributedOptimizer``'s engine)."""
     from .optimizer import DistOptim
 
-    return optimizer if isinstance(optimizer, DistOptim) else None
+    if isinstance(optimizer, DistOptim):
+        return optimizer
+    engine = getattr(optimizer, "_engine", None)
+    return engine if isinstance(engine, DistOptim) else None
+
+
+def _reshare(optimizer) -> None:
+    """After a load replaced the wrapped optimizer's groups and state: a face over it shares them again."""
+    wrapped = _distoptim(optimizer)
+    if wrapped is not None and wrapped is not optimizer:
+        optimizer.param_groups = wrapped.param_groups
+        optimizer.state = wrapped.state
+        if hasattr(optimizer, "_synchronized"):
+            optimizer._synchronized = False
 
 
 def _inner(optimizer) -> torch.optim.Optimizer:
@@ -488,6 +502,18 @@ def _check(meta: dict, names: Dict[int, str], optimizer) -> None:
                                           f"{tuple(meta['params'][name])} in the checkpoint")
 
 
+def describe(path: str) -> dict:
+    """What a checkpoint of :func:`save` was saved from, read by this process alone (no collective):
+    ``world`` (ranks), ``schedule``, ``shard_optimizer``, ``optimizer`` (class name), ``params`` (names and
+    shapes), ``format``."""
+    path = os.fspath(path)
+    _metadata(path)
+    meta = _read_objects(path, [_META], None)[_META]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointMismatchError(f"{path} is not a dearopt.checkpoint checkpoint")
+    return dict(meta)
+
+
 def _deft_in_flight(saved: Optional[dict]) -> bool:
     return bool(saved) and (saved.get("group") is not None or saved.get("held") is not None)
 
@@ -637,7 +663,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
                 torch_state["dearopt_deft"] = deft
             if sparse is not None and wrapped._executor.sparse is not None:
                 torch_state["dearopt_sparse"] = sparse
-        optimizer.load_state_dict(torch_state)
+        (wrapped if wrapped is not None else optimizer).load_state_dict(torch_state)
     else:
         inner.load_state_dict({"state": {}, "param_groups": torch_groups})
         wrapped._share_inner()
@@ -654,6 +680,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
                 inner.state[s.tensor] = entry
         if sparse is not None and wrapped._executor.sparse is not None:
             wrapped._executor.sparse.load_state_dict(sparse)
+    _reshare(optimizer)
     out = {key[len(_EXTRA):]: targets[key] for key in targets if key.startswith(_EXTRA)}
     for name, target in (extra or {}).items():
         if name not in out:
