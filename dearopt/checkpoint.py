@@ -333,6 +333,21 @@ def _optimizer_entries(optimizer, names: Dict[int, str], copy: bool) -> Dict[str
     return out
 
 
+def _model_entries(model: torch.nn.Module) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """``model.state_dict()`` with each tensor once: entries that are the same tensor as an earlier one (tied
+    weights: a decoder sharing the word embedding) become aliases of its name, as ``torch.save`` writes one
+    storage once."""
+    entries, aliases, seen = {}, {}, {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        entries[name] = tensor
+    return entries, aliases
+
+
 def _meta(model, optimizer, names, world) -> dict:
     wrapped = _distoptim(optimizer)
     params = {names[id(p)]: tuple(p.shape) for g in _inner(optimizer).param_groups for p in g["params"]}
@@ -356,11 +371,12 @@ def _state_dict(model, optimizer, extra, copy: bool) -> Dict[str, Any]:
         out[f"dearopt.rank{rank}.deft"] = wrapped._executor.deft_state()
     if wrapped is not None and wrapped._executor.sparse is not None:
         out[f"dearopt.rank{rank}.sparse"] = wrapped._executor.sparse.state_dict()
-    for name, tensor in model.state_dict().items():
+    entries, aliases = _model_entries(model)
+    for name, tensor in entries.items():
         out[_MODEL + name] = tensor.detach().to("cpu", copy=True) if copy else tensor.detach()
     out.update(_optimizer_entries(optimizer, names, copy))
     out[_GROUPS] = _groups(_inner(optimizer), names)
-    out[_META] = _meta(model, optimizer, names, world)
+    out[_META] = dict(_meta(model, optimizer, names, world), aliases=aliases)
     for key, value in (extra or {}).items():
         if not isinstance(key, str):
             raise TypeError(f"extra= takes a dict with str keys, got {key!r}")
@@ -576,10 +592,15 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
 
     # the tensors to read
     targets: Dict[str, Any] = {}
-    model_state = model.state_dict()
-    for name, tensor in model_state.items():
+    saved_aliases = meta.get("aliases", {})
+    entries, aliases = _model_entries(model)
+    for name, tensor in entries.items():
         if _MODEL + name in stored:
             targets[_MODEL + name] = tensor.detach()
+        elif name in saved_aliases:
+            raise CheckpointMismatchError(f"model entry {name!r} was saved as the same tensor as "
+                                          f"{saved_aliases[name]!r} (tied weights); this model holds them apart: "
+                                          f"tie them as the saved model did")
         elif strict:
             raise CheckpointMismatchError(f"model entry {name!r} is not in the checkpoint (strict=True); "
                                           f"strict=False leaves it as it is")
@@ -715,6 +736,8 @@ def torch_state_dicts(flat: Mapping[str, Any]) -> Tuple[Dict[str, torch.Tensor],
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointMismatchError(f"not a dearopt.checkpoint checkpoint (no {_META!r} of format {FORMAT!r})")
     model_state = {k[len(_MODEL):]: v for k, v in flat.items() if k.startswith(_MODEL)}
+    for name, first in meta.get("aliases", {}).items():
+        model_state[name] = model_state[first]
     groups = flat[_GROUPS]
     order = [n for g in groups for n in g["params"]]
     index = {n: i for i, n in enumerate(order)}

@@ -256,3 +256,33 @@ def _single_process(model, opt, start, stop):
         x, y = global_batch(step, "mlp")
         loss_fn("mlp", model(x), y).backward()
         opt.step()
+
+
+def test_tied_weights_are_written_once_and_one_process_saves_without_a_process_group(tmp_path):
+    from models import Tied, global_batch, loss_fn
+
+    def train(model, opt, start, stop):
+        for step in range(start, stop):
+            opt.zero_grad()
+            x, y = global_batch(step, "tied")
+            loss_fn("tied", model(x), y).backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, opt, 0, 2)
+    ckpt.save(tmp_path / "tied", model, opt, extra={"step": 2})
+    train(model, opt, 2, 4)
+    keys = ckpt.read(tmp_path / "tied")
+    assert "model.embed.weight" in keys and "model.decoder.weight" not in keys  # one tensor, written once
+    assert ckpt.describe(tmp_path / "tied")["world"] == 1
+    torch.manual_seed(1)
+    resumed = Tied()
+    resumed_opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    assert ckpt.load(tmp_path / "tied", resumed, resumed_opt)["step"] == 2
+    assert resumed.decoder.weight is resumed.embed.weight
+    train(resumed, resumed_opt, 2, 4)
+    assert_params_match(_params(resumed), _params(model))
+    model_state, _ = ckpt.torch_state_dicts(keys)
+    assert model_state["decoder.weight"] is model_state["embed.weight"]
