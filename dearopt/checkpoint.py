@@ -55,6 +55,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import re
@@ -65,7 +66,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointMismatchError, CollectiveTimeoutError, UsageError
+from .errors import BackendUnavailableError, CheckpointMismatchError, CollectiveTimeoutError, UsageError
 
 __all__ = ["save", "load", "describe", "read", "torch_state_dicts", "step_path", "latest", "wait", "AsyncSave",
            "ElasticSampler", "FORMAT"]
@@ -200,21 +201,14 @@ def _process_group():
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.group.WORLD
-    if dist.get_world_size() == 1:
-        return world if torch.device("cpu") in getattr(world, "_device_types", [torch.device("cpu")]) else None
     with _group_lock:
         if _group is None or _group[0] is not world:
             if not dist.is_gloo_available():
-                raise CheckpointMismatchError(
+                raise BackendUnavailableError(
                     "dearopt.checkpoint needs torch.distributed's gloo backend (DCP coordinates the ranks over a "
                     "CPU process group) and this torch build has none; save optimizer.state_dict() on rank 0 "
                     "instead")
-            from . import runtime
-
-            timeout = runtime.get_timeout() if runtime.is_initialized() else 300.0
-            import datetime
-
-            _group = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)))
+            _group = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_timeout())))
         return _group[1]
 
 
@@ -558,7 +552,8 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
     Args:
         extra: objects to restore from the saved ``extra`` of the same names (through their
             ``load_state_dict``).
-        strict: passed to ``model.load_state_dict``'s check: every model key must be in the checkpoint.
+        strict: as ``model.load_state_dict``'s: the model's entries and the checkpoint's must be the same names
+            (False: entries missing from the checkpoint are left as they are, others in it are ignored).
 
     Returns every saved ``extra`` value by name (the state dicts of the objects restored).
 
@@ -604,6 +599,11 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
         elif strict:
             raise CheckpointMismatchError(f"model entry {name!r} is not in the checkpoint (strict=True); "
                                           f"strict=False leaves it as it is")
+    unexpected = sorted(k[len(_MODEL):] for k in stored if k.startswith(_MODEL)
+                        and k[len(_MODEL):] not in entries and k[len(_MODEL):] not in aliases)
+    if strict and unexpected:
+        raise CheckpointMismatchError(f"the checkpoint's model holds entries this model does not have: "
+                                      f"{unexpected[:5]} (strict=True); strict=False ignores them")
     scalars: Dict[str, Tuple[str, str]] = {}
     flats: Dict[str, Tuple[str, str]] = {}
     for key, md in stored.items():
