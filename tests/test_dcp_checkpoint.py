@@ -114,11 +114,12 @@ def _load_at_3(root):
     _train(opt, model, step, 6)
     out["sharded->unsharded"] = _params(model)
     opt.close()
-    # sharded at 2 -> sharded at 3 (another plan); saved again at 3 ranks after step 5
+    # sharded at 2 -> sharded at 3 (another plan); saved again (async) at 3 ranks after step 5
     model, opt, step = resume("a_sharded", "adamw", warm=True, buffer_size=100, shard_optimizer=True)
     _train(opt, model, step, 5)
-    ckpt.save(os.path.join(root, "b_sharded"), model, opt, extra={"step": 5})
-    _train(opt, model, 5, 6)
+    pending = ckpt.save(os.path.join(root, "b_sharded"), model, opt, extra={"step": 5}, async_=True)
+    _train(opt, model, 5, 6)  # the copy of this rank's shard is written while training goes on
+    pending.result(timeout=60)
     out["sharded->sharded"] = _params(model)
     opt.close()
     # dear at 2 -> wfbp at 3

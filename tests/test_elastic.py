@@ -14,6 +14,7 @@ import torch
 import dearopt.checkpoint as ckpt
 from harness import free_port, launcher_free_env
 from models import loss_fn, make_model
+from test_distoptim import assert_params_match
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -136,3 +137,52 @@ def test_elastic_sampler_continues_the_epoch_at_another_world_size():
     assert sorted(seen + rest) == data
     at2[0].set_epoch(1)
     assert len(at2[0]) == 15 and sorted(at2[0].processed_indices) == []
+
+
+def test_torch_state_commits_restores_and_syncs_in_one_process(tmp_path, monkeypatch):
+    import dearopt.horovod as hvd
+
+    monkeypatch.delenv(hvd.elastic.CHECKPOINT_DIR_ENV, raising=False)
+
+    def job():
+        model = make_model("mlp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sampler = hvd.elastic.ElasticSampler(list(range(10)), seed=1)
+        return model, opt, sampler
+
+    def train(model, opt):
+        x, y = elastic_train.dataset().tensors
+        opt.zero_grad()
+        loss_fn("mlp", model(x[:4]), y[:4]).backward()
+        opt.step()
+
+    for directory in (None, str(tmp_path)):
+        model, opt, sampler = job()
+        state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, checkpoint_dir=directory,
+                                       epoch=0)
+        for commit in range(3):
+            train(model, opt)
+            state.epoch += 1
+            sampler.record_batch(commit, 2)
+            state.commit()
+        committed = [p.detach().clone() for p in model.parameters()], dict(sampler.state_dict())
+        train(model, opt)
+        state.epoch = 10
+        sampler.record_batch(3, 2)
+        state.restore()  # back to the last commit
+        assert state.epoch == 3 and sampler.state_dict() == committed[1]
+        assert_params_match([p.detach() for p in model.parameters()], committed[0])
+    # a new process's state (a restarted job) syncs to the latest commit on disk; two commits are kept
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000003"]
+    model, opt, sampler = job()
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, checkpoint_dir=str(tmp_path),
+                                   epoch=0)
+    state.sync()
+    assert state.epoch == 3 and sampler.state_dict() == committed[1]
+    assert_params_match([p.detach() for p in model.parameters()], committed[0])
+    # the momentum came back too: one more step equals four steps of one process that never stopped
+    train(model, opt)
+    reference_model, reference_opt, _ = job()
+    for _ in range(4):
+        train(reference_model, reference_opt)
+    assert_params_match([p.detach() for p in model.parameters()], [p.detach() for p in reference_model.parameters()])
