@@ -585,7 +585,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
     if meta.get("sparse"):
         objects += [sparse_key] if same_world and sparse_key in stored else []
 
-    # the tensors to read
+    # the tensors to read: the model's (in place) and the optimizer's (in this rank's layout)
     targets: Dict[str, Any] = {}
     saved_aliases = meta.get("aliases", {})
     entries, aliases = _model_entries(model)
@@ -629,17 +629,13 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
             pieces = [(s.begin, torch.empty(s.numel, dtype=md.properties.dtype, device=p.device))
                       for s in sharding.segments() if s.param is p]
             targets[key] = _Chunks(p.numel(), pieces)
-    for key in objects:
-        targets[key] = None
-    _, LoadPlanner = _planners()
-    with _single(group):
-        m["dcp"].load(targets, checkpoint_id=path, planner=LoadPlanner(), process_group=group,
-                      no_dist=group is None)
-
-    deft = targets.get(deft_key)
-    sparse = targets.get(sparse_key)
+    # the values that are not tensors first: everything that could refuse the load is checked before a tensor
+    # of the model or the optimizer is written
+    values = _read_objects(path, objects, group)
+    deft = values.get(deft_key)
+    sparse = values.get(sparse_key)
     if meta.get("deft") and not same_world:
-        # read each saved rank's in-flight state? only whether any is in flight matters: ask rank 0's of the save
+        # whether any saved rank had a group in flight
         probe = [f"dearopt.rank{r}.deft" for r in range(meta["world"]) if f"dearopt.rank{r}.deft" in stored]
         saved = _read_objects(path, probe, group)
         if any(_deft_in_flight(v) for v in saved.values()):
@@ -663,13 +659,19 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
             raise CheckpointMismatchError("this checkpoint holds comm_hook=dearopt.Sparsify residuals (error "
                                           "feedback): load it into a DistOptim with the same comm_hook")
 
-    # the model: loaded in place; the optimizer: torch's layout, or straight into the segments
-    groups = targets[_GROUPS]
+    groups = values[_GROUPS]
     inner = _inner(optimizer)
     if len(groups) != len(inner.param_groups) or any(
             g["params"] != [names[id(p)] for p in mine["params"]] for g, mine in zip(groups, inner.param_groups)):
         raise CheckpointMismatchError("the checkpoint's param groups hold other parameters (or another order) than "
                                       "this optimizer's; build the optimizer with the same groups")
+    _, LoadPlanner = _planners()
+    with _single(group):
+        m["dcp"].load(targets, checkpoint_id=path, planner=LoadPlanner(), process_group=group,
+                      no_dist=group is None)
+    targets.update(values)
+
+    # the model was loaded in place; the optimizer: torch's layout, or straight into the segments
     index = {name: i for i, name in enumerate(n for g in groups for n in g["params"])}
     torch_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
     per_param: Dict[str, Dict[str, Any]] = {}

@@ -142,6 +142,8 @@ def _load_at_3(root):
             out[f"deft->{schedule}"] = None
         except dearopt.DearoptError as exc:
             out[f"deft->{schedule}"] = (type(exc).__name__, str(exc))
+        out[f"deft->{schedule} untouched"] = all(torch.equal(a, b) for a, b in zip(_params(model),
+                                                                                   _params(_model())))
         opt.close()
     return out
 
@@ -198,6 +200,7 @@ def test_checkpoints_move_between_world_sizes_plans_and_schedules(saved_at_2):
         for schedule in ("deft", "wfbp"):
             kind, message = o.value[f"deft->{schedule}"]
             assert kind == "CheckpointMismatchError" and "schedule='deft'" in message and "in flight" in message
+            assert o.value[f"deft->{schedule} untouched"]  # refused before anything was written
     for o in at2:
         assert_params_match(o.value["3->2 sharded"], adamw8)
         assert_params_match(o.value["3->2 wfbp"], adamw8)
