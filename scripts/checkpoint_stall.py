@@ -113,7 +113,8 @@ def _rank(args) -> dict:
                 row = {"stall": stall}
                 if pending is not None:
                     during = []
-                    while not pending.done() and len(during) < 20:
+                    # the ranks agree on each step (a rank whose write is done still steps with the others)
+                    while _slowest(0.0 if pending.done() else 1.0) > 0 and len(during) < 20:
                         during.append(step())
                     pending.result(timeout=600)
                     row["written_after"] = _slowest(time.perf_counter() - t0)
