@@ -132,12 +132,15 @@ class ObjectState(State):
         return {name: getattr(self, name) for name in self._saved_state}
 
     def save(self) -> None:
+        """Keep a copy of the attributes."""
         self._saved_state = copy.deepcopy(self._values())
 
     def restore(self) -> None:
+        """Set the attributes back to the last commit."""
         self._set_attrs()
 
     def sync(self) -> None:
+        """Take rank 0's committed attributes on every rank."""
         if self._saved_state and runtime.is_initialized() and runtime.size() > 1:
             from ..functions import broadcast_object
 
@@ -165,6 +168,9 @@ class TorchState(ObjectState):
         return {"attributes": self._values(), "commits": self._commits, **self._stateful}
 
     def save(self) -> None:
+        """Write the model, the optimizer, the samplers and the attributes as commit number ``n`` (the next) to
+        ``checkpoint_dir/step_<n>`` through :func:`dearopt.checkpoint.save` (every rank its part; the
+        :data:`KEEP` newest commits are kept), or, without a directory, copy them in memory."""
         if self.model is None or self.optimizer is None:
             raise UsageError("hvd.elastic.TorchState needs model= and optimizer= to commit")
         self._commits += 1
@@ -179,6 +185,7 @@ class TorchState(ObjectState):
         _prune(self._dir, self._commits)
 
     def restore(self) -> None:
+        """Go back to the last commit: the latest on disk, or the copy in memory."""
         if self._dir is not None:
             found = _checkpoint.latest(self._dir)
             if found is not None:
