@@ -64,11 +64,15 @@ def _build(args, sharded: bool):
 
 
 def _rank(args) -> dict:
+    import faulthandler
+    import signal
+
     import torch
     import dearopt
     import dearopt.checkpoint as ckpt
 
     rank = dearopt.rank()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <rank>: every thread's stack on stderr
     out = {}
     for config in args.configs.split(","):
         model, opt, ids = _build(args, config == "sharded")
