@@ -14,8 +14,8 @@ not, or a plain ``torch.optim.Optimizer`` (a single process needs no
 **What is written.**  One DCP checkpoint (a directory) whose keys do not
 depend on the world size, the bucket plan or the schedule:
 
-* ``model.<name>``: ``model.state_dict()``; the ranks hold the same tensors
-  and DCP has each written once, by one of them.
+* ``model.<name>``: ``model.state_dict()``; the ranks hold the same tensors,
+  and each is handed to DCP by one rank (dealt by bytes), which writes it.
 * ``optim.flat.<param>.<key>``: every optimizer state entry shaped as its
   parameter (``exp_avg``, ``momentum_buffer``...), as one flat tensor of the
   parameter's ``numel()`` elements.  Under ``shard_optimizer=True`` each rank
@@ -292,12 +292,12 @@ def _groups(inner: torch.optim.Optimizer, names: Dict[int, str]) -> List[dict]:
             for g in inner.param_groups]
 
 
-def _optimizer_entries(optimizer, names: Dict[int, str], copy: bool) -> Dict[str, Any]:
-    """The optimizer's state as DCP values: flat elementwise entries (this rank's chunks under the sharded update)
-    and the others.  ``copy``: detached clones on the CPU (for an async save), else the live tensors."""
+def _optimizer_entries(optimizer, names: Dict[int, str]) -> Dict[str, Any]:
+    """The optimizer's state as DCP values, the live tensors: flat elementwise entries (this rank's chunks under
+    the sharded update) and the others."""
 
     def keep(t):
-        return t.detach().to("cpu", copy=True) if copy else t.detach()
+        return t.detach()
 
     out: Dict[str, Any] = {}
     inner = _inner(optimizer)
@@ -366,9 +366,13 @@ def _state_dict(model, optimizer, extra, copy: bool) -> Dict[str, Any]:
     if wrapped is not None and wrapped._executor.sparse is not None:
         out[f"dearopt.rank{rank}.sparse"] = wrapped._executor.sparse.state_dict()
     entries, aliases = _model_entries(model)
-    for name, tensor in entries.items():
-        out[_MODEL + name] = tensor.detach().to("cpu", copy=True) if copy else tensor.detach()
-    out.update(_optimizer_entries(optimizer, names, copy))
+    replicated = {_MODEL + name: tensor.detach() for name, tensor in entries.items()}
+    optim = _optimizer_entries(optimizer, names)
+    if _sharding(optimizer) is None:  # the whole state on every rank, the same
+        replicated.update({k: v for k, v in optim.items() if isinstance(v, torch.Tensor)})
+    owners = _owners({k: v.numel() * v.element_size() for k, v in replicated.items()}, world)
+    out.update({k: v for k, v in replicated.items() if owners[k] == rank})
+    out.update({k: v for k, v in optim.items() if k not in replicated})
     out[_GROUPS] = _groups(_inner(optimizer), names)
     out[_META] = dict(_meta(model, optimizer, names, world), aliases=aliases)
     for key, value in (extra or {}).items():
@@ -377,13 +381,30 @@ def _state_dict(model, optimizer, extra, copy: bool) -> Dict[str, Any]:
         if hasattr(value, "state_dict") and callable(value.state_dict):
             value = value.state_dict()
         out[_EXTRA + key] = value
-    if copy:
+    if copy:  # an async save: what this rank writes, copied to host memory
         import copy as copying
 
         for key, value in out.items():
-            if not isinstance(value, (torch.Tensor, _Chunks)):
+            if isinstance(value, torch.Tensor):
+                out[key] = value.to("cpu", copy=True)
+            elif isinstance(value, _Chunks):
+                out[key] = _Chunks(value.numel, {o: t.to("cpu", copy=True) for o, t in value.items()})
+            else:
                 out[key] = copying.deepcopy(value)
     return out
+
+
+def _owners(sizes: Dict[str, int], world: int) -> Dict[str, int]:
+    """Which rank writes each tensor every rank holds: the largest first, each to the rank with the fewest bytes so
+    far (the same answer on every rank: the tensors and their sizes are the same).  Each rank then hands DCP
+    (and, for an async save, copies) only its share."""
+    load = [0] * world
+    owners = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[key] = rank
+        load[rank] += sizes[key]
+    return owners
 
 
 # ----------------------------------------------------------------------------------------------- save

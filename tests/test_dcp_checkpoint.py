@@ -76,7 +76,9 @@ def _save_at_2(root):
                      "copied": _ptrs(optim) - _ptrs(live),
                      "shard elementwise": _bytes(dict(enumerate(opt.state.values())), elementwise=True),
                      "whole elementwise": _bytes(opt.state_dict()["state"], elementwise=True),
-                     "elements": sum(p.numel() for p in model.parameters())}
+                     "elements": sum(p.numel() for p in model.parameters()),
+                     "model handed": _bytes({k: v for k, v in handed.items() if k.startswith("model.")}),
+                     "model": _bytes(model.state_dict())}
     opt.close()
 
     model = make_model("mlp")
@@ -216,6 +218,9 @@ def test_checkpoints_move_between_world_sizes_plans_and_schedules(saved_at_2):
         # exp_avg and exp_avg_sq: a 1/2 share of each parameter, plus a ragged bucket's rounding (as test_sharding)
         assert memory["shard elementwise"] <= 2 * 4 * (memory["elements"] // 2 + 6 * 8)
     assert sum(o.value["memory"]["shard elementwise"] for o in saved) == saved[0].value["memory"]["whole elementwise"]
+    # the model, the same on every rank, is handed to DCP once: each tensor by one rank (dealt by bytes)
+    assert sum(o.value["memory"]["model handed"] for o in saved) == saved[0].value["memory"]["model"]
+    assert all(0 < o.value["memory"]["model handed"] < saved[0].value["memory"]["model"] for o in saved)
 
 
 @pytest.mark.timeout(120)
