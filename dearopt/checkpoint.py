@@ -21,8 +21,9 @@ depend on the world size, the bucket plan or the schedule:
   parameter's ``numel()`` elements.  Under ``shard_optimizer=True`` each rank
   hands DCP only its segments of it, each with its offset (DCP's
   ``ChunkStorageMetadata``): nothing is gathered and no rank holds more than
-  its shard.  A loader asks DCP for the ranges it owns in its own plan and
-  DCP reads the overlapping pieces.
+  its shard.  Unsharded, every rank holds the whole state: each tensor is
+  handed to DCP by one rank, as the model's.  A loader asks DCP for the
+  ranges it owns in its own plan and DCP reads the overlapping pieces.
 * ``optim.state.<param>.<key>``: the other entries (``step``; an entry of
   another shape, under an unsharded run).
 * ``optim.param_groups``: the hyperparameters, parameters named by their
