@@ -247,6 +247,17 @@ def test_a_checkpoint_loads_into_one_plain_torch_process(saved_at_2, tmp_path):
     _single_process(model, opt, 3, 6)
     assert_params_match(_params(model), _want("sgd", 6))
     # an unfinished checkpoint (no .metadata) is refused by name, and latest() passes over it
+    # another model is refused by name, before anything is written
+    other = torch.nn.Sequential(torch.nn.Linear(6, 3))
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    before = _params(other)
+    with pytest.raises(dearopt.CheckpointMismatchError, match="only in the checkpoint"):
+        ckpt.load(os.path.join(root, "a_plain"), other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(_params(other), before))
+    wider = make_model("mlp")
+    wider.fc3 = torch.nn.Linear(8, 4)
+    with pytest.raises(dearopt.CheckpointMismatchError, match="'fc3.weight' has shape"):
+        ckpt.load(os.path.join(root, "a_plain"), wider, torch.optim.SGD(wider.parameters(), lr=0.1))
     jobs = str(tmp_path / "job")
     for step in (3, 5, 7):
         os.makedirs(ckpt.step_path(jobs, step))
