@@ -534,6 +534,40 @@ def _check(meta: dict, names: Dict[int, str], optimizer) -> None:
                                           f"{tuple(meta['params'][name])} in the checkpoint")
 
 
+def _optimizer_targets(stored, by_name, scalars, flats, sharding) -> Dict[str, Any]:
+    """Where DCP reads the optimizer's tensors into: whole parameters' flat state (``sharding`` None), or this
+    rank's segments of it; the tensor scalars (``step``) whole."""
+    m = _dcp()
+    targets: Dict[str, Any] = {}
+    for key, (name, _) in scalars.items():
+        md = stored[key]
+        if isinstance(md, m["TensorStorageMetadata"]):
+            targets[key] = torch.empty(md.size, dtype=md.properties.dtype, device=by_name[name].device)
+    for key, (name, _) in flats.items():
+        md, p = stored[key], by_name[name]
+        if sharding is None:
+            targets[key] = torch.empty(p.numel(), dtype=md.properties.dtype, device=p.device)
+        else:
+            pieces = [(s.begin, torch.empty(s.numel, dtype=md.properties.dtype, device=p.device))
+                      for s in sharding.segments() if s.param is p]
+            targets[key] = _Chunks(p.numel(), pieces)
+    return targets
+
+
+def _fill_segments(inner, sharding, by_name, scalars, flats, values) -> None:
+    """Give each of this rank's segments its state: its ranges of the flat entries, a copy of the scalars."""
+    for s in sharding.segments():
+        inner.state.pop(s.tensor, None)
+    name_of = {id(p): n for n, p in by_name.items()}
+    for s in sharding.segments():
+        name = name_of[id(s.param)]
+        entry = {k: (values[key].clone() if isinstance(values[key], torch.Tensor) else values[key])
+                 for key, (n, k) in scalars.items() if n == name}
+        entry.update({k: values[key].at(s.begin) for key, (n, k) in flats.items() if n == name})
+        if entry:
+            inner.state[s.tensor] = entry
+
+
 def describe(path: str) -> dict:
     """What a checkpoint of :func:`save` was saved from, read by this process alone (no collective):
     ``world`` (ranks), ``schedule``, ``shard_optimizer``, ``optimizer`` (class name), ``params`` (names and
@@ -637,20 +671,11 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
                         table[key] = (name, rest[len(name) + 1:])
                         break
     sharding = _sharding(optimizer)
-    for key, (name, entry) in scalars.items():
-        md = stored[key]
-        if isinstance(md, m["TensorStorageMetadata"]):
-            targets[key] = torch.empty(md.size, dtype=md.properties.dtype, device=by_name[name].device)
-        else:
-            objects.append(key)
-    for key, (name, entry) in flats.items():
-        md, p = stored[key], by_name[name]
-        if sharding is None:
-            targets[key] = torch.empty(p.numel(), dtype=md.properties.dtype, device=p.device)
-        else:
-            pieces = [(s.begin, torch.empty(s.numel, dtype=md.properties.dtype, device=p.device))
-                      for s in sharding.segments() if s.param is p]
-            targets[key] = _Chunks(p.numel(), pieces)
+    # shard_optimizer=True before the first step(): the segments do not exist yet; their state is read when they do
+    deferred = sharding is None and wrapped is not None and wrapped._executor.sharding is not None
+    objects += [key for key in scalars if not isinstance(stored[key], m["TensorStorageMetadata"])]
+    if not deferred:
+        targets.update(_optimizer_targets(stored, by_name, scalars, flats, sharding))
     # the values that are not tensors first: everything that could refuse the load is checked before a tensor
     # of the model or the optimizer is written
     values = _read_objects(path, objects, group)
@@ -696,10 +721,10 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
     # the model was loaded in place; the optimizer: torch's layout, or straight into the segments
     index = {name: i for i, name in enumerate(n for g in groups for n in g["params"])}
     torch_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
-    per_param: Dict[str, Dict[str, Any]] = {}
-    for key, (name, entry) in scalars.items():
-        per_param.setdefault(name, {})[entry] = targets[key]
-    if sharding is None:
+    if sharding is None and not deferred:
+        per_param: Dict[str, Dict[str, Any]] = {}
+        for key, (name, entry) in scalars.items():
+            per_param.setdefault(name, {})[entry] = targets[key]
         for key, (name, entry) in flats.items():
             per_param.setdefault(name, {})[entry] = targets[key].view(by_name[name].shape)
         torch_state = {"state": {index[n]: e for n, e in per_param.items()}, "param_groups": torch_groups}
@@ -710,21 +735,23 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
                 torch_state["dearopt_sparse"] = sparse
         (wrapped if wrapped is not None else optimizer).load_state_dict(torch_state)
     else:
-        inner.load_state_dict({"state": {}, "param_groups": torch_groups})
+        inner.load_state_dict({"state": {}, "param_groups": torch_groups})  # the hyperparameters; no state
         wrapped._share_inner()
-        for s in sharding.segments():
-            inner.state.pop(s.tensor, None)
-        name_of = {id(p): n for n, p in by_name.items()}
-        for s in sharding.segments():
-            name = name_of[id(s.param)]
-            entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in per_param.get(name, {}).items()}
-            for key, (flat_name, key_name) in flats.items():
-                if flat_name == name:
-                    entry[key_name] = targets[key].at(s.begin)
-            if entry:
-                inner.state[s.tensor] = entry
         if sparse is not None and wrapped._executor.sparse is not None:
             wrapped._executor.sparse.load_state_dict(sparse)
+        scalar_values = {key: targets[key] for key in scalars if key in targets}
+        if not deferred:
+            _fill_segments(inner, sharding, by_name, scalars, flats, {**targets, **scalar_values})
+        else:
+            def read_segments():  # at the first step(), on every rank, once the segments exist
+                segments = wrapped._executor.sharding
+                tensors = _optimizer_targets(stored, by_name, scalars, flats, segments)
+                with _single(group):
+                    m["dcp"].load(tensors, checkpoint_id=path, planner=_planners()[1](), process_group=group,
+                                  no_dist=group is None)
+                _fill_segments(inner, segments, by_name, scalars, flats, {**tensors, **scalar_values})
+
+            wrapped._executor.sharding.on_sharded = read_segments
     _reshare(optimizer)
     out = {key[len(_EXTRA):]: targets[key] for key in targets if key.startswith(_EXTRA)}
     for name, target in (extra or {}).items():

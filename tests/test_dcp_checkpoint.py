@@ -152,13 +152,16 @@ def _load_at_3(root):
 
 def _load_at_2(root):
     out = {}
-    # sharded at 3 -> sharded at 2 (the sharded state exists: ranges read across the saved ranks' chunks)
+    # sharded at 3 -> sharded at 2, loaded before the first step: the optimizer state is read at that step, once
+    # this rank's segments exist, and only their ranges (across the saved ranks' chunks)
     model = _model()
     opt = dearopt.DistOptim(make_optimizer("adamw", model), model, buffer_size=64, shard_optimizer=True)
-    _train(opt, model, 0, 1)
     step = ckpt.load(os.path.join(root, "b_sharded"), model, opt)["step"]
+    out["state before the first step"] = _bytes(dict(enumerate(opt.state.values())))
     _train(opt, model, step, 8)
     out["3->2 sharded"] = _params(model)
+    out["state after"] = _bytes(dict(enumerate(opt.state.values())), elementwise=True)
+    out["elements"] = sum(p.numel() for p in model.parameters())
     opt.close()
     # sharded at 3 -> wfbp at 2
     model = _model()
@@ -205,6 +208,8 @@ def test_checkpoints_move_between_world_sizes_plans_and_schedules(saved_at_2):
             assert o.value[f"deft->{schedule} untouched"]  # refused before anything was written
     for o in at2:
         assert_params_match(o.value["3->2 sharded"], adamw8)
+        assert o.value["state before the first step"] == 0  # nothing read before the segments existed
+        assert o.value["state after"] <= 2 * 4 * (o.value["elements"] // 2 + 6 * 8)  # one rank's shard
         assert_params_match(o.value["3->2 wfbp"], adamw8)
         for got, want in zip(o.value["deft resumed"], saved[0].value["deft_uninterrupted"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
