@@ -602,8 +602,9 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
     """Load a checkpoint of :func:`save` into ``model`` and ``optimizer``, at any world size, plan or schedule,
     sharded or not; every rank calls it (before the first step, or between ``step()`` and the next backward).
 
-    Under ``shard_optimizer=True`` once the state is sharded (after the first ``step()``) each rank reads only the
-    ranges of the optimizer state it owns; before it, the whole state is read and cut at the first ``step()``.
+    Under ``shard_optimizer=True`` each rank reads only the ranges of the optimizer state it owns; before the first
+    ``step()`` (the segments follow from the plan) the model and hyperparameters are loaded now and the optimizer
+    state at that ``step()``, on every rank.
 
     Args:
         extra: objects to restore from the saved ``extra`` of the same names (through their
