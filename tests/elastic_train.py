@@ -1,7 +1,8 @@
 """A training script for torchrun's elastic agent (tests/test_elastic.py): resumes from the latest checkpoint of
 ``$DEAROPT_ELASTIC_DIR`` at whatever world size it is restarted with.
 
-``python elastic_train.py dearopt|horovod``: the dearopt API (``dearopt.checkpoint``) or Horovod's elastic API
+``python elastic_train.py dearopt|horovod``: the dearopt API (``dearopt.checkpoint``, ``shard_optimizer=True``: the
+restarted process reads its shard of the optimizer state at its first step) or Horovod's elastic API
 (``dearopt.horovod.elastic``, the script as Horovod's with the import changed).  With ``ELASTIC_CRASH_AT=k`` in
 its environment, the first attempt of this node kills its own agent and exits before step ``k`` (a node lost).
 Each rank logs ``restart world rank step sample...`` per step to ``$DEAROPT_ELASTIC_DIR/log_<restart>_<rank>``;
@@ -51,7 +52,8 @@ def with_dearopt(root):
     rank, world = dearopt.rank(), dearopt.size()
     data = dataset()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, buffer_size=64)
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, buffer_size=64,
+                            shard_optimizer=True)
     sampler = ckpt.ElasticSampler(data, shuffle=True, seed=0)
     step = 0
     found = ckpt.latest(root)
