@@ -20,9 +20,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import elastic_train  # noqa: E402
 
-# Short rendezvous timeouts: a dead node's keep-alive expires after 1 s x 2, the round closes 3 s after the
-# minimum (one node) is there; joining may take 30 s at most.
-RDZV_CONF = "last_call_timeout=3,join_timeout=30,keep_alive_interval=1,keep_alive_max_attempt=2"
+# Short rendezvous timeouts: a dead node's keep-alive expires after 1 s x 2, the round closes 5 s after the
+# minimum (one node) is there (the second agent, started 0.5 s after the first, must join the first round within
+# that on a loaded machine); joining may take 30 s at most.
+RDZV_CONF = "last_call_timeout=5,join_timeout=30,keep_alive_interval=1,keep_alive_max_attempt=2"
 CRASH_AT = 3
 
 
