@@ -141,7 +141,7 @@ def _rank(args) -> dict:
                           if isinstance(v, torch.Tensor))
         out[config] = {"rows": rows, "step": statistics.median(steps), "state_bytes_rank": state_bytes}
         opt.close()
-        del model, opt
+        model = opt = None  # freed (a closure above names them)
         gc.collect()
     return out
 

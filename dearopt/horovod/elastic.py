@@ -38,8 +38,6 @@ import os
 import shutil
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
-
 from .. import checkpoint as _checkpoint
 from .. import runtime
 from ..errors import UsageError
