@@ -465,7 +465,8 @@ def save(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
     directory ``path``; every rank calls it, between ``step()`` and the next backward.
 
     Each rank writes only what it owns: under ``shard_optimizer=True`` its segments of the optimizer state (no
-    gather); tensors every rank holds (the model) are written by one of them.
+    gather); tensors every rank holds (the model, an unsharded optimizer state) are dealt between the ranks, each
+    written by one of them, so they must be the same on every rank (data parallel training keeps them so).
 
     Args:
         extra: more to keep, by name: picklable values, or objects with ``state_dict()`` (a sampler, an LR
