@@ -31,6 +31,7 @@ from .runtime import get_backend, get_timeout, init, is_initialized, local_rank,
 
 __version__ = "0.1.0"
 from . import schedules
+from . import checkpoint
 from .comm_hooks import CommHook, bf16_compress, fp16_compress
 from .optimizer import DistOptim
 from .options import Options

@@ -171,6 +171,7 @@ class ShardedUpdate:
         self.rank, self.world = rank, world
         self._buckets: Dict[int, _ShardedBucket] = {}
         self._pending_sharded: Optional[dict] = None  # a per-rank checkpoint loaded before the buckets existed
+        self.on_sharded = None  # called once the segments exist (dearopt.checkpoint: a load before the first step)
         self._fingerprint: Optional[int] = None
 
     @property
@@ -194,6 +195,9 @@ class ShardedUpdate:
         if self._pending_sharded is not None:
             pending, self._pending_sharded = self._pending_sharded, None
             self.load_sharded_state(pending)
+        if self.on_sharded is not None:
+            hook, self.on_sharded = self.on_sharded, None
+            hook()
 
     def apply(self, bucket: BucketState, include: Sequence[bool], updater) -> None:
         """Run the wrapped optimizer over this rank's segments of ``bucket`` (at ``step()``)."""
