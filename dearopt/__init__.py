@@ -52,5 +52,5 @@ __all__ = [
     "init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size", "schedules", "CommHook",
     "bf16_compress", "fp16_compress", "DistOptim", "Options", "Plan", "build_plan", "parse_size", "Preserver",
     "register_elementwise", "Sparsify", "BayesianTuner", "ChoiceTuner", "Knob", "TuningController",
-    "Schedule", "DeAR", "WFBP", "RSAG", "ByteScheduler", "Prophet", "ProphetAllReduce", "DeFT",
+    "Schedule", "DeAR", "WFBP", "RSAG", "ByteScheduler", "Prophet", "ProphetAllReduce", "DeFT", "checkpoint",
 ]

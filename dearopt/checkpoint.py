@@ -350,7 +350,7 @@ def _meta(model, optimizer, names, world) -> dict:
             "schedule": wrapped.options.schedule if wrapped is not None else None,
             "shard_optimizer": bool(wrapped is not None and wrapped.options.shard_optimizer),
             "optimizer": type(_inner(optimizer)).__name__,
-            "deft": bool(wrapped is not None and hasattr(wrapped._executor, "deft_state")),
+            "deft": bool(wrapped is not None and wrapped.options.policy.delays_updates),
             "sparse": bool(wrapped is not None and wrapped._executor.sparse is not None)}
 
 
@@ -362,8 +362,8 @@ def _state_dict(model, optimizer, extra, copy: bool) -> Dict[str, Any]:
     rank, world = _rank_world()
     names = _names(model, optimizer)
     out: Dict[str, Any] = {}
-    if wrapped is not None and hasattr(wrapped._executor, "deft_state"):  # first: it applies what is due
-        out[f"dearopt.rank{rank}.deft"] = wrapped._executor.deft_state()
+    if wrapped is not None and wrapped.options.policy.delays_updates:  # first: it applies what is due
+        out[f"dearopt.rank{rank}.deft"] = wrapped._executor.rounds.deft_state()
     if wrapped is not None and wrapped._executor.sparse is not None:
         out[f"dearopt.rank{rank}.sparse"] = wrapped._executor.sparse.state_dict()
     entries, aliases = _model_entries(model)
@@ -693,7 +693,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
                 f"flight (delayed groups not yet applied); they are sums over those ranks' batches and cannot move "
                 f"to {world} ranks. Save where no group is in flight, or resume at {meta['world']} ranks")
     if meta.get("deft") and same_world and _deft_in_flight(deft) and not (
-            wrapped is not None and hasattr(wrapped._executor, "load_deft_state")):
+            wrapped is not None and wrapped.options.policy.delays_updates):
         raise CheckpointMismatchError("this checkpoint holds schedule='deft' gradient sums in flight (delayed "
                                       "groups not yet applied): load it into a DistOptim with schedule='deft'")
     if meta.get("sparse"):
@@ -731,7 +731,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
             per_param.setdefault(name, {})[entry] = targets[key].view(by_name[name].shape)
         torch_state = {"state": {index[n]: e for n, e in per_param.items()}, "param_groups": torch_groups}
         if wrapped is not None:
-            if deft is not None and hasattr(wrapped._executor, "load_deft_state"):
+            if deft is not None and wrapped.options.policy.delays_updates:
                 torch_state["dearopt_deft"] = deft
             if sparse is not None and wrapped._executor.sparse is not None:
                 torch_state["dearopt_sparse"] = sparse

@@ -2,7 +2,8 @@
 
 Public: every name not starting with ``_`` that a package below exports (its ``__all__`` where it has one), and for a
 class defined in dearopt, every public method and property defined in that class's own body.  Modules are skipped
-(their public names are checked where they are exported); so is ``dearopt.horovod.elastic``, which is being written.
+(their public names are checked where they are exported, or listed here: ``dearopt.checkpoint`` and
+``dearopt.horovod.elastic``).
 """
 
 import importlib
@@ -10,7 +11,8 @@ import inspect
 
 import pytest
 
-PACKAGES = ["dearopt", "dearopt.horovod", "dearopt.sim", "dearopt.lightning"]
+PACKAGES = ["dearopt", "dearopt.horovod", "dearopt.sim", "dearopt.lightning", "dearopt.checkpoint",
+            "dearopt.horovod.elastic"]
 
 
 def _public_names(module):
