@@ -73,8 +73,9 @@ def find_cuda() -> Tuple[Optional[Dict[str, str]], str]:
         if not any(_has_cuda_headers(h) for h in homes):
             # nvcc may be a wrapper script: ask it where its toolkit is
             try:
-                out = subprocess.run([on_path, "--dryrun", "-x", "cu", os.devnull], capture_output=True,
-                                     text=True, timeout=30)
+                out = subprocess.run(
+                    [on_path, "--dryrun", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=30
+                )
                 match = re.search(r"TOP=(\S+)", out.stdout + out.stderr)
                 if match:
                     homes.append(os.path.normpath(match.group(1)))
@@ -86,8 +87,12 @@ def find_cuda() -> Tuple[Optional[Dict[str, str]], str]:
     for home in homes:
         if not _has_cuda_headers(home):
             continue
-        for libdir in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
-                       os.path.join("targets", "sbsa-linux", "lib")):
+        for libdir in (
+            "lib64",
+            "lib",
+            os.path.join("targets", "x86_64-linux", "lib"),
+            os.path.join("targets", "sbsa-linux", "lib"),
+        ):
             lib = os.path.join(home, libdir)
             if os.path.isfile(os.path.join(lib, "libcudart_static.a")):
                 return {"home": home, "nvcc": nvcc, "include": os.path.join(home, "include"), "lib": lib}, ""
@@ -151,9 +156,13 @@ def _make_cmdclass(forced: bool):
             except Exception as exc:  # CompileError, LinkError, OSError, ...
                 if forced:
                     raise
-                print(f"dearopt: NCCL extension skipped: its build failed ({type(exc).__name__}: "
-                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); "
-                      f"set {ENV}=1 to make this an error", file=sys.stderr, flush=True)
+                print(
+                    f"dearopt: NCCL extension skipped: its build failed ({type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); "
+                    f"set {ENV}=1 to make this an error",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
             print(f"dearopt: built {ext.name} in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
 
@@ -183,8 +192,10 @@ def configure() -> Tuple[List, Dict]:
     rpaths = [nccl["rpath_origin"]] if nccl["rpath_origin"] else []
     rpaths.append(os.path.realpath(nccl["lib"]))
     link_args = [os.path.join(cuda["lib"], "libcudart_static.a")]
-    link_args += [f"-L{nccl['lib']}", "-l:libnccl.so.2" if os.path.isfile(os.path.join(nccl["lib"], "libnccl.so.2"))
-                  else "-lnccl"]
+    link_args += [
+        f"-L{nccl['lib']}",
+        "-l:libnccl.so.2" if os.path.isfile(os.path.join(nccl["lib"], "libnccl.so.2")) else "-lnccl",
+    ]
     link_args += [f"-Wl,-rpath,{path}" for path in rpaths]
     link_args += ["-lpthread", "-ldl", "-lrt"]
     ext = Extension(

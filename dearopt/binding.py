@@ -109,7 +109,8 @@ class Planner:
         if profile.remeasured:
             profile.remeasured = False
             if self.link_monitor is not None and self.link_monitor.observe(
-                    step, profile.result.bandwidth, profile.latest.bandwidth):
+                step, profile.result.bandwidth, profile.latest.bandwidth
+            ):
                 profile.result, profile.fresh = profile.latest, True
 
     def forget_derived(self, step: int, keep_rule: bool) -> None:
@@ -136,8 +137,9 @@ class Planner:
     def groups_key(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> tuple:
         """The trainable set by parameter group (ids): the part of the inputs user code changes."""
         planned = {id(p) for p in (self.trainable() if trainable is None else trainable)}
-        return tuple(tuple(id(p) for p in group["params"] if id(p) in planned)
-                     for group in self.engine.optimizer.param_groups)
+        return tuple(
+            tuple(id(p) for p in group["params"] if id(p) in planned) for group in self.engine.optimizer.param_groups
+        )
 
     def inputs(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> PlanInputs:
         """The inputs a plan made now would be derived from."""
@@ -168,25 +170,44 @@ class Planner:
             for module, _, twin in uses:
                 twins_by_module.setdefault(id(module), []).append(twin)
         ordered = self._agree_on_order(
-            parameters_in_forward_order(e.model, self.module_order, planned, twins_by_module), planned)
+            parameters_in_forward_order(e.model, self.module_order, planned, twins_by_module), planned
+        )
         specs = self._specs(ordered)
         measured = e.profile.result
         if measured is not None and len(measured.ready) != len(specs):  # made for another trainable set
             measured = None
         ready, bandwidth, latency = (measured.ready, measured.bandwidth, measured.latency) if measured else (None,) * 3
         k = self.knobs
-        groups = profile_blocks(specs, buffer_size=k.buffer_size, ready_times=ready, bandwidth=bandwidth,
-                                latency=latency) if k.blocks else None
-        plan = build_plan(specs, k.buffer_size, e.world, e.options.policy, groups=groups, phases=self.phases(),
-                          gathers_at_step=k.blocks, partition_size=k.partition_size, priority=e.options.priority,
-                          ready_times=ready, bandwidth=bandwidth, latency=latency, credit=k.credit,
-                          comm_hook=_hook_name(e), first_bucket_size=e.options.first_bucket_size,
-                          allreduce=k.allreduce, sharded_update=e.sharding is not None)
+        groups = (
+            profile_blocks(specs, buffer_size=k.buffer_size, ready_times=ready, bandwidth=bandwidth, latency=latency)
+            if k.blocks
+            else None
+        )
+        plan = build_plan(
+            specs,
+            k.buffer_size,
+            e.world,
+            e.options.policy,
+            groups=groups,
+            phases=self.phases(),
+            gathers_at_step=k.blocks,
+            partition_size=k.partition_size,
+            priority=e.options.priority,
+            ready_times=ready,
+            bandwidth=bandwidth,
+            latency=latency,
+            credit=k.credit,
+            comm_hook=_hook_name(e),
+            first_bucket_size=e.options.first_bucket_size,
+            allreduce=k.allreduce,
+            sharded_update=e.sharding is not None,
+        )
         e.checks.plan_agreement(plan, e.step_count)
         return plan, ordered, specs
 
-    def bind(self, trainable: List[torch.nn.Parameter], reuse: Sequence[BucketState], make_issuer
-             ) -> Tuple[BoundPlan, Issuer, set]:
+    def bind(
+        self, trainable: List[torch.nn.Parameter], reuse: Sequence[BucketState], make_issuer
+    ) -> Tuple[BoundPlan, Issuer, set]:
         """Plan for ``trainable`` and lay the plan onto the tensors.  A bucket of ``reuse`` (the old plan's) that
         the new plan lays out alike (same spec, parameters and groups) is kept as it is; returns the bound plan,
         its issuer (``make_issuer(plan, buckets)``) and the ids of the buckets kept."""
@@ -209,8 +230,9 @@ class Planner:
                 for j, p in enumerate(params):
                     where[id(p)] = (state, j)
             else:
-                state = BucketState(spec, params, [specs[i].name for i in spec.params], list(groups), n_groups,
-                                    e.world, e.rank)
+                state = BucketState(
+                    spec, params, [specs[i].name for i in spec.params], list(groups), n_groups, e.world, e.rank
+                )
                 for j, p in enumerate(params):
                     state.adopt(p, j)
                     state.sparse[j] = id(p) in e.hooks.sparse_ids
@@ -244,12 +266,20 @@ class Planner:
                 name = f"{self.names.get(id(owner), 'tied weight')} (tied use)"
                 specs.append(ParamSpec(name, p.numel(), dtype, size, twin_of=position[id(owner)]))
             else:
-                specs.append(ParamSpec(self.names.get(id(p), f"param{i}"), p.numel(), dtype, size,
-                                       row_numel=e.tied.row_numel.get(id(p), 0)))
+                specs.append(
+                    ParamSpec(
+                        self.names.get(id(p), f"param{i}"),
+                        p.numel(),
+                        dtype,
+                        size,
+                        row_numel=e.tied.row_numel.get(id(p), 0),
+                    )
+                )
         return specs
 
-    def _agree_on_order(self, ordered: List[torch.nn.Parameter],
-                        trainable: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+    def _agree_on_order(
+        self, ordered: List[torch.nn.Parameter], trainable: List[torch.nn.Parameter]
+    ) -> List[torch.nn.Parameter]:
         """Rank 0's forward order for everyone: a rank whose first forward skipped a module (a rank-dependent
         branch) saw another order, and the plan must be the same on every rank."""
         e = self.engine
@@ -262,8 +292,11 @@ class Planner:
         if len(set(counts.tolist())) > 1:
             raise PlanMismatchError(
                 f"ranks have different numbers of trainable parameters ({counts.tolist()} by rank): the models or "
-                f"the optimizers' parameters differ between ranks", rank=e.rank, op="plan check",
-                step=e.step_count)
+                f"the optimizers' parameters differ between ranks",
+                rank=e.rank,
+                op="plan check",
+                step=e.step_count,
+            )
         index = {id(p): i for i, p in enumerate(trainable)}
         order = torch.tensor([index[id(p)] for p in ordered], dtype=torch.int64, device=device)
         e.control.broadcast(order, 0, step=e.step_count).wait()
@@ -282,12 +315,22 @@ class Planner:
             return True
         result = e.profile.result
         policy = e.options.policy
-        groups = policy.bucket_groups(plan.params, buffer_size=self.knobs.buffer_size, ready_times=result.ready,
-                                      bandwidth=result.bandwidth, latency=result.latency)
+        groups = policy.bucket_groups(
+            plan.params,
+            buffer_size=self.knobs.buffer_size,
+            ready_times=result.ready,
+            bandwidth=result.bandwidth,
+            latency=result.latency,
+        )
         if groups is not None:  # the schedule forms its buckets from the profile (Prophet's blocks)
             return [list(b.params) for b in plan.buckets] != groups
-        chosen = allreduce_buckets(plan.buckets, self.knobs.allreduce, result.ready, result.bandwidth,
-                                   result.latency, self.phases()) if policy.mixes_allreduce else frozenset()
+        chosen = (
+            allreduce_buckets(
+                plan.buckets, self.knobs.allreduce, result.ready, result.bandwidth, result.latency, self.phases()
+            )
+            if policy.mixes_allreduce
+            else frozenset()
+        )
         return tuple(sorted(chosen)) != tuple(plan.allreduce)
 
     def choices(self, plan: Optional[Plan], reads_gradients: bool) -> List[Tuple[Dict[str, object], Tuple]]:
@@ -300,8 +343,14 @@ class Planner:
         profile or where nothing is to choose (one rank, another schedule, a fixed fraction)."""
         e = self.engine
         measured = e.profile.result
-        if (e.options.allreduce != "auto" or e.world == 1 or plan is None or measured is None
-                or reads_gradients or not e.options.policy.mixes_allreduce):
+        if (
+            e.options.allreduce != "auto"
+            or e.world == 1
+            or plan is None
+            or measured is None
+            or reads_gradients
+            or not e.options.policy.mixes_allreduce
+        ):
             return []
         ready, bandwidth, latency = measured.ready, measured.bandwidth, measured.latency
         choices, seen = [], set()
@@ -311,8 +360,9 @@ class Planner:
                 seen.add(chosen)
                 choices.append(({"allreduce": rule}, tuple(sorted(chosen))))
         sized = [list(b.params) for b in plan.buckets] if not self.knobs.blocks else None
-        blocks = profile_blocks(plan.params, buffer_size=self.knobs.buffer_size, ready_times=ready,
-                                bandwidth=bandwidth, latency=latency)
+        blocks = profile_blocks(
+            plan.params, buffer_size=self.knobs.buffer_size, ready_times=ready, bandwidth=bandwidth, latency=latency
+        )
         if blocks is not None and blocks != sized:
             choices.append(({"allreduce": 0.0, "blocks": True}, tuple(tuple(g) for g in blocks)))
         return choices if len(choices) > 1 else []
@@ -326,8 +376,9 @@ def _hook_name(engine) -> str:
     return engine.comm_hook.name if engine.comm_hook is not None else "none"
 
 
-def _index(plan: Plan, inputs: PlanInputs, buckets: Tuple[BucketState, ...], where, module_bucket, issuer: Issuer,
-           combines) -> BoundPlan:
+def _index(
+    plan: Plan, inputs: PlanInputs, buckets: Tuple[BucketState, ...], where, module_bucket, issuer: Issuer, combines
+) -> BoundPlan:
     """What the engine looks up per moment: ops due there, updates applied there, averaged regions."""
     due: Dict[Point, List[OpState]] = {}
     updates_at: Dict[Point, List[int]] = {}
@@ -362,10 +413,23 @@ def _index(plan: Plan, inputs: PlanInputs, buckets: Tuple[BucketState, ...], whe
             for p, view in zip(b.params, b.views):
                 grad_params[id(p)] = grad_views[id(view)] = b.index
     return BoundPlan(
-        plan=plan, inputs=inputs, buckets=buckets, where=where, module_bucket=module_bucket, due=due,
-        updates_at=updates_at, early_ops=early, averaged=averaged,
-        averaged_whole=[(op.piece.full_grad, False) for (b, _), op in sorted(last_early.items())
-                        if buckets[b].spec.twin_of is None],
-        checked_at_step=checked_at_step, late_checked=frozenset({b.index for b in buckets} - checked_buckets),
+        plan=plan,
+        inputs=inputs,
+        buckets=buckets,
+        where=where,
+        module_bucket=module_bucket,
+        due=due,
+        updates_at=updates_at,
+        early_ops=early,
+        averaged=averaged,
+        averaged_whole=[
+            (op.piece.full_grad, False) for (b, _), op in sorted(last_early.items()) if buckets[b].spec.twin_of is None
+        ],
+        checked_at_step=checked_at_step,
+        late_checked=frozenset({b.index for b in buckets} - checked_buckets),
         own_gradient_buckets=sorted({op.spec.bucket for op in last_early.values() if op.spec.result == "shard"}),
-        final_after_backward=frozenset(final), grad_views=grad_views, grad_params=grad_params, combines=combines)
+        final_after_backward=frozenset(final),
+        grad_views=grad_views,
+        grad_params=grad_params,
+        combines=combines,
+    )

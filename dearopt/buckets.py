@@ -21,8 +21,9 @@ __all__ = ["BucketState", "PieceState"]
 class PieceState:
     """One partition ``[start, end)`` of a bucket's buffer and this rank's shard of it."""
 
-    def __init__(self, bucket: "BucketState", index: int, start: int, end: int, shard: torch.Tensor, world: int,
-                 rank: int):
+    def __init__(
+        self, bucket: "BucketState", index: int, start: int, end: int, shard: torch.Tensor, world: int, rank: int
+    ):
         self.bucket = bucket
         self.index = index
         self.full = bucket.buffer[start:end]
@@ -32,7 +33,7 @@ class PieceState:
         first_element = start + rank * n  # the buffer element this rank's shard starts at
         self.shard_grad = shard[: max(0, min(n, grad_numel - first_element))]
         self.full_grad = self.full[: max(0, min(end, grad_numel) - start)]
-        self.own_in_full = self.full[rank * n: rank * n + self.shard_grad.numel()]  # where the shard came from
+        self.own_in_full = self.full[rank * n : rank * n + self.shard_grad.numel()]  # where the shard came from
         self.wire_full: Optional[torch.Tensor] = None  # the same piece in a comm hook's wire dtype
         self.wire_shard: Optional[torch.Tensor] = None
         # sharded update (dearopt.sharding): the all-gather carries the piece's parameters, not its gradients
@@ -54,24 +55,32 @@ class PieceState:
 class BucketState:
     """The buffer, views and per-parameter bookkeeping of one planned bucket."""
 
-    def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], names: List[str], group_of: List[int],
-                 n_groups: int, world: int, rank: int):
+    def __init__(
+        self,
+        spec: Bucket,
+        params: List[torch.nn.Parameter],
+        names: List[str],
+        group_of: List[int],
+        n_groups: int,
+        world: int,
+        rank: int,
+    ):
         self.spec = spec
         self.index = spec.index
         self.group_of, self.n_groups = tuple(group_of), n_groups  # the optimizer's groups it was made for
         self.params = params
         self.names = names
         self.buffer = torch.zeros(spec.padded_numel, dtype=params[0].dtype, device=params[0].device)
-        self.views = [self.buffer[o:o + p.numel()].view_as(p) for o, p in zip(spec.offsets, params)]
+        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(spec.offsets, params)]
         self.ptrs = [v.data_ptr() for v in self.views]
-        self.flags = self.buffer[spec.flags_offset:spec.flags_offset + len(params)]
-        self.tags = self.buffer[spec.tags_offset:spec.tags_offset + world]
+        self.flags = self.buffer[spec.flags_offset : spec.flags_offset + len(params)]
+        self.tags = self.buffer[spec.tags_offset : spec.tags_offset + world]
         self.shard = torch.empty(spec.padded_numel // world, dtype=self.buffer.dtype, device=self.buffer.device)
         self.pieces: List[PieceState] = []
         offset = 0
         for k, (start, end) in enumerate(spec.pieces or ((0, spec.padded_numel),)):
             n = (end - start) // world
-            self.pieces.append(PieceState(self, k, start, end, self.shard[offset:offset + n], world, rank))
+            self.pieces.append(PieceState(self, k, start, end, self.shard[offset : offset + n], world, rank))
             offset += n
         self.group_members = [[p for p, g in zip(params, group_of) if g == gi] for gi in range(n_groups)]
         self.position = {id(p): j for j, p in enumerate(params)}

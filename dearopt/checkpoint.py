@@ -69,8 +69,19 @@ import torch.distributed as dist
 
 from .errors import BackendUnavailableError, CheckpointMismatchError, CollectiveTimeoutError, UsageError
 
-__all__ = ["save", "load", "describe", "read", "torch_state_dicts", "step_path", "latest", "wait", "AsyncSave",
-           "ElasticSampler", "FORMAT"]
+__all__ = [
+    "save",
+    "load",
+    "describe",
+    "read",
+    "torch_state_dicts",
+    "step_path",
+    "latest",
+    "wait",
+    "AsyncSave",
+    "ElasticSampler",
+    "FORMAT",
+]
 
 FORMAT = "dearopt-dcp-1"
 """The layout written by :func:`save` (in ``dearopt.meta``)."""
@@ -105,16 +116,28 @@ def _dcp():
     """torch.distributed.checkpoint's pieces (imported when a checkpoint is made or read)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    return dict(dcp=dcp, DefaultLoadPlanner=DefaultLoadPlanner, DefaultSavePlanner=DefaultSavePlanner,
-                ChunkStorageMetadata=ChunkStorageMetadata, MetadataIndex=MetadataIndex,
-                TensorProperties=TensorProperties, TensorStorageMetadata=TensorStorageMetadata,
-                TensorWriteData=TensorWriteData, WriteItem=WriteItem, WriteItemType=WriteItemType,
-                create_read_items_for_chunk_list=create_read_items_for_chunk_list)
+    return dict(
+        dcp=dcp,
+        DefaultLoadPlanner=DefaultLoadPlanner,
+        DefaultSavePlanner=DefaultSavePlanner,
+        ChunkStorageMetadata=ChunkStorageMetadata,
+        MetadataIndex=MetadataIndex,
+        TensorProperties=TensorProperties,
+        TensorStorageMetadata=TensorStorageMetadata,
+        TensorWriteData=TensorWriteData,
+        WriteItem=WriteItem,
+        WriteItemType=WriteItemType,
+        create_read_items_for_chunk_list=create_read_items_for_chunk_list,
+    )
 
 
 def _planners():
@@ -140,11 +163,17 @@ def _planners():
             for fqn, value in chunks.items():
                 for offset, tensor in value.pieces:
                     chunk = m["ChunkStorageMetadata"](offsets=torch.Size([offset]), sizes=torch.Size([tensor.numel()]))
-                    items.append(m["WriteItem"](
-                        index=m["MetadataIndex"](fqn, torch.Size([offset])), type=m["WriteItemType"].SHARD,
-                        tensor_data=m["TensorWriteData"](chunk=chunk,
-                                                         properties=m["TensorProperties"].create_from_tensor(tensor),
-                                                         size=torch.Size([value.numel]))))
+                    items.append(
+                        m["WriteItem"](
+                            index=m["MetadataIndex"](fqn, torch.Size([offset])),
+                            type=m["WriteItemType"].SHARD,
+                            tensor_data=m["TensorWriteData"](
+                                chunk=chunk,
+                                properties=m["TensorProperties"].create_from_tensor(tensor),
+                                size=torch.Size([value.numel]),
+                            ),
+                        )
+                    )
             self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
             return self.plan
 
@@ -170,10 +199,13 @@ def _planners():
             for fqn, value in chunks.items():
                 stored = self.metadata.state_dict_metadata.get(fqn)
                 if not isinstance(stored, m["TensorStorageMetadata"]) or tuple(stored.size) != (value.numel,):
-                    raise CheckpointMismatchError(f"{fqn}: the checkpoint holds {stored!r}, not a flat tensor of "
-                                                  f"{value.numel} elements")
-                local = [m["ChunkStorageMetadata"](offsets=torch.Size([o]), sizes=torch.Size([t.numel()]))
-                         for o, t in value.pieces]
+                    raise CheckpointMismatchError(
+                        f"{fqn}: the checkpoint holds {stored!r}, not a flat tensor of {value.numel} elements"
+                    )
+                local = [
+                    m["ChunkStorageMetadata"](offsets=torch.Size([o]), sizes=torch.Size([t.numel()]))
+                    for o, t in value.pieces
+                ]
                 items += m["create_read_items_for_chunk_list"](fqn, stored, local)
             return dataclasses.replace(plan, items=list(plan.items) + items)
 
@@ -208,7 +240,8 @@ def _process_group():
                 raise BackendUnavailableError(
                     "dearopt.checkpoint needs torch.distributed's gloo backend (DCP coordinates the ranks over a "
                     "CPU process group) and this torch build has none; save optimizer.state_dict() on rank 0 "
-                    "instead")
+                    "instead"
+                )
             _group = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_timeout())))
         return _group[1]
 
@@ -270,8 +303,10 @@ def _names(model: torch.nn.Module, optimizer) -> Dict[int, str]:
     for gi, group in enumerate(_inner(optimizer).param_groups):
         for p in group["params"]:
             if id(p) not in names:
-                raise UsageError(f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not a "
-                                 f"parameter of the model passed: pass the model those parameters belong to")
+                raise UsageError(
+                    f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not a "
+                    f"parameter of the model passed: pass the model those parameters belong to"
+                )
     return names
 
 
@@ -289,8 +324,10 @@ def _is_elementwise(value: Any, param: torch.Tensor) -> bool:
 
 
 def _groups(inner: torch.optim.Optimizer, names: Dict[int, str]) -> List[dict]:
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-            for g in inner.param_groups]
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in inner.param_groups
+    ]
 
 
 def _optimizer_entries(optimizer, names: Dict[int, str]) -> Dict[str, Any]:
@@ -346,12 +383,16 @@ def _model_entries(model: torch.nn.Module) -> Tuple[Dict[str, torch.Tensor], Dic
 def _meta(model, optimizer, names, world) -> dict:
     wrapped = _distoptim(optimizer)
     params = {names[id(p)]: tuple(p.shape) for g in _inner(optimizer).param_groups for p in g["params"]}
-    return {"format": FORMAT, "world": world, "params": params,
-            "schedule": wrapped.options.schedule if wrapped is not None else None,
-            "shard_optimizer": bool(wrapped is not None and wrapped.options.shard_optimizer),
-            "optimizer": type(_inner(optimizer)).__name__,
-            "deft": bool(wrapped is not None and wrapped.options.policy.delays_updates),
-            "sparse": bool(wrapped is not None and wrapped._executor.sparse is not None)}
+    return {
+        "format": FORMAT,
+        "world": world,
+        "params": params,
+        "schedule": wrapped.options.schedule if wrapped is not None else None,
+        "shard_optimizer": bool(wrapped is not None and wrapped.options.shard_optimizer),
+        "optimizer": type(_inner(optimizer)).__name__,
+        "deft": bool(wrapped is not None and wrapped.options.policy.delays_updates),
+        "sparse": bool(wrapped is not None and wrapped._executor.sparse is not None),
+    }
 
 
 def _state_dict(model, optimizer, extra, copy: bool) -> Dict[str, Any]:
@@ -410,6 +451,7 @@ def _owners(sizes: Dict[str, int], world: int) -> Dict[str, int]:
 
 # ----------------------------------------------------------------------------------------------- save
 
+
 class AsyncSave:
     """An :func:`save` with ``async_=True`` under way: the training loop's copy is taken, the writing goes on in a
     thread.  :meth:`result` waits for it (with a timeout) and raises what the write raised."""
@@ -429,8 +471,11 @@ class AsyncSave:
         try:
             return self._future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
-            raise CollectiveTimeoutError(f"the async checkpoint to {self.path} was not written within {timeout:g} s; "
-                                         f"a rank may have died or the disk stalled", op="checkpoint") from None
+            raise CollectiveTimeoutError(
+                f"the async checkpoint to {self.path} was not written within {timeout:g} s; "
+                f"a rank may have died or the disk stalled",
+                op="checkpoint",
+            ) from None
 
 
 _pending: Optional[AsyncSave] = None
@@ -459,8 +504,9 @@ class _Staged:
         pass
 
 
-def save(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mapping[str, Any]] = None,
-         async_: bool = False):
+def save(
+    path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mapping[str, Any]] = None, async_: bool = False
+):
     """Save ``model`` and ``optimizer`` (a :class:`dearopt.DistOptim` or a torch optimizer) to the DCP checkpoint
     directory ``path``; every rank calls it, between ``step()`` and the next backward.
 
@@ -502,8 +548,10 @@ def _metadata(path: str):
     from torch.distributed.checkpoint import FileSystemReader
 
     if not os.path.exists(os.path.join(path, ".metadata")):
-        raise CheckpointMismatchError(f"{path} is not a finished DCP checkpoint (no .metadata in it); a save "
-                                      f"interrupted before its end leaves none: load an earlier one (latest())")
+        raise CheckpointMismatchError(
+            f"{path} is not a finished DCP checkpoint (no .metadata in it); a save "
+            f"interrupted before its end leaves none: load an earlier one (latest())"
+        )
     return FileSystemReader(path).read_metadata()
 
 
@@ -520,19 +568,23 @@ def _read_objects(path: str, keys: Sequence[str], group) -> Dict[str, Any]:
 
 def _check(meta: dict, names: Dict[int, str], optimizer) -> None:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointMismatchError(f"not a dearopt.checkpoint checkpoint (format {meta and meta.get('format')!r}, "
-                                      f"expected {FORMAT!r})")
+        raise CheckpointMismatchError(
+            f"not a dearopt.checkpoint checkpoint (format {meta and meta.get('format')!r}, expected {FORMAT!r})"
+        )
     inner = _inner(optimizer)
     mine = {names[id(p)]: tuple(p.shape) for g in inner.param_groups for p in g["params"]}
     if set(mine) != set(meta["params"]):
         missing, unknown = sorted(set(meta["params"]) - set(mine)), sorted(set(mine) - set(meta["params"]))
-        raise CheckpointMismatchError(f"the checkpoint's optimizer holds other parameters than this one: only in the "
-                                      f"checkpoint {missing[:5]}, only here {unknown[:5]}; build the same model "
-                                      f"and param groups")
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer holds other parameters than this one: only in the "
+            f"checkpoint {missing[:5]}, only here {unknown[:5]}; build the same model "
+            f"and param groups"
+        )
     for name, shape in mine.items():
         if tuple(meta["params"][name]) != shape:
-            raise CheckpointMismatchError(f"parameter {name!r} has shape {shape} here and "
-                                          f"{tuple(meta['params'][name])} in the checkpoint")
+            raise CheckpointMismatchError(
+                f"parameter {name!r} has shape {shape} here and {tuple(meta['params'][name])} in the checkpoint"
+            )
 
 
 def _optimizer_targets(stored, by_name, scalars, flats, sharding) -> Dict[str, Any]:
@@ -549,8 +601,11 @@ def _optimizer_targets(stored, by_name, scalars, flats, sharding) -> Dict[str, A
         if sharding is None:
             targets[key] = torch.empty(p.numel(), dtype=md.properties.dtype, device=p.device)
         else:
-            pieces = [(s.begin, torch.empty(s.numel, dtype=md.properties.dtype, device=p.device))
-                      for s in sharding.segments() if s.param is p]
+            pieces = [
+                (s.begin, torch.empty(s.numel, dtype=md.properties.dtype, device=p.device))
+                for s in sharding.segments()
+                if s.param is p
+            ]
             targets[key] = _Chunks(p.numel(), pieces)
     return targets
 
@@ -562,8 +617,11 @@ def _fill_segments(inner, sharding, by_name, scalars, flats, values) -> None:
     name_of = {id(p): n for n, p in by_name.items()}
     for s in sharding.segments():
         name = name_of[id(s.param)]
-        entry = {k: (values[key].clone() if isinstance(values[key], torch.Tensor) else values[key])
-                 for key, (n, k) in scalars.items() if n == name}
+        entry = {
+            k: (values[key].clone() if isinstance(values[key], torch.Tensor) else values[key])
+            for key, (n, k) in scalars.items()
+            if n == name
+        }
         entry.update({k: values[key].at(s.begin) for key, (n, k) in flats.items() if n == name})
         if entry:
             inner.state[s.tensor] = entry
@@ -598,8 +656,9 @@ def _sparse_nonzero(saved: Optional[dict]) -> bool:
     return walk(saved)
 
 
-def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mapping[str, Any]] = None,
-         strict: bool = True) -> Dict[str, Any]:
+def load(
+    path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mapping[str, Any]] = None, strict: bool = True
+) -> Dict[str, Any]:
     """Load a checkpoint of :func:`save` into ``model`` and ``optimizer``, at any world size, plan or schedule,
     sharded or not; every rank calls it (before the first step, or between ``step()`` and the next backward).
 
@@ -651,26 +710,34 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
         if _MODEL + name in stored:
             targets[_MODEL + name] = tensor.detach()
         elif name in saved_aliases:
-            raise CheckpointMismatchError(f"model entry {name!r} was saved as the same tensor as "
-                                          f"{saved_aliases[name]!r} (tied weights); this model holds them apart: "
-                                          f"tie them as the saved model did")
+            raise CheckpointMismatchError(
+                f"model entry {name!r} was saved as the same tensor as "
+                f"{saved_aliases[name]!r} (tied weights); this model holds them apart: "
+                f"tie them as the saved model did"
+            )
         elif strict:
-            raise CheckpointMismatchError(f"model entry {name!r} is not in the checkpoint (strict=True); "
-                                          f"strict=False leaves it as it is")
-    unexpected = sorted(k[len(_MODEL):] for k in stored if k.startswith(_MODEL)
-                        and k[len(_MODEL):] not in entries and k[len(_MODEL):] not in aliases)
+            raise CheckpointMismatchError(
+                f"model entry {name!r} is not in the checkpoint (strict=True); strict=False leaves it as it is"
+            )
+    unexpected = sorted(
+        k[len(_MODEL) :]
+        for k in stored
+        if k.startswith(_MODEL) and k[len(_MODEL) :] not in entries and k[len(_MODEL) :] not in aliases
+    )
     if strict and unexpected:
-        raise CheckpointMismatchError(f"the checkpoint's model holds entries this model does not have: "
-                                      f"{unexpected[:5]} (strict=True); strict=False ignores them")
+        raise CheckpointMismatchError(
+            f"the checkpoint's model holds entries this model does not have: "
+            f"{unexpected[:5]} (strict=True); strict=False ignores them"
+        )
     scalars: Dict[str, Tuple[str, str]] = {}
     flats: Dict[str, Tuple[str, str]] = {}
     for key, md in stored.items():
         for prefix, table in ((_FLAT, flats), (_STATE, scalars)):
             if key.startswith(prefix):
-                rest = key[len(prefix):]
+                rest = key[len(prefix) :]
                 for name in by_name:
                     if rest.startswith(name + "."):
-                        table[key] = (name, rest[len(name) + 1:])
+                        table[key] = (name, rest[len(name) + 1 :])
                         break
     sharding = _sharding(optimizer)
     # shard_optimizer=True before the first step(): the segments do not exist yet; their state is read when they do
@@ -691,11 +758,18 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
             raise CheckpointMismatchError(
                 f"this checkpoint was saved under schedule='deft' at {meta['world']} ranks with gradient sums in "
                 f"flight (delayed groups not yet applied); they are sums over those ranks' batches and cannot move "
-                f"to {world} ranks. Save where no group is in flight, or resume at {meta['world']} ranks")
-    if meta.get("deft") and same_world and _deft_in_flight(deft) and not (
-            wrapped is not None and wrapped.options.policy.delays_updates):
-        raise CheckpointMismatchError("this checkpoint holds schedule='deft' gradient sums in flight (delayed "
-                                      "groups not yet applied): load it into a DistOptim with schedule='deft'")
+                f"to {world} ranks. Save where no group is in flight, or resume at {meta['world']} ranks"
+            )
+    if (
+        meta.get("deft")
+        and same_world
+        and _deft_in_flight(deft)
+        and not (wrapped is not None and wrapped.options.policy.delays_updates)
+    ):
+        raise CheckpointMismatchError(
+            "this checkpoint holds schedule='deft' gradient sums in flight (delayed "
+            "groups not yet applied): load it into a DistOptim with schedule='deft'"
+        )
     if meta.get("sparse"):
         if not same_world:
             probe = [f"dearopt.rank{r}.sparse" for r in range(meta["world"]) if f"dearopt.rank{r}.sparse" in stored]
@@ -703,21 +777,26 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
             if any(_sparse_nonzero(v) for v in saved.values()):
                 raise CheckpointMismatchError(
                     f"this checkpoint holds comm_hook=dearopt.Sparsify residuals (per-rank error feedback) of "
-                    f"{meta['world']} ranks; they cannot move to {world} ranks: resume at {meta['world']} ranks")
+                    f"{meta['world']} ranks; they cannot move to {world} ranks: resume at {meta['world']} ranks"
+                )
         elif _sparse_nonzero(sparse) and (wrapped is None or wrapped._executor.sparse is None):
-            raise CheckpointMismatchError("this checkpoint holds comm_hook=dearopt.Sparsify residuals (error "
-                                          "feedback): load it into a DistOptim with the same comm_hook")
+            raise CheckpointMismatchError(
+                "this checkpoint holds comm_hook=dearopt.Sparsify residuals (error "
+                "feedback): load it into a DistOptim with the same comm_hook"
+            )
 
     groups = values[_GROUPS]
     inner = _inner(optimizer)
     if len(groups) != len(inner.param_groups) or any(
-            g["params"] != [names[id(p)] for p in mine["params"]] for g, mine in zip(groups, inner.param_groups)):
-        raise CheckpointMismatchError("the checkpoint's param groups hold other parameters (or another order) than "
-                                      "this optimizer's; build the optimizer with the same groups")
+        g["params"] != [names[id(p)] for p in mine["params"]] for g, mine in zip(groups, inner.param_groups)
+    ):
+        raise CheckpointMismatchError(
+            "the checkpoint's param groups hold other parameters (or another order) than "
+            "this optimizer's; build the optimizer with the same groups"
+        )
     _, LoadPlanner = _planners()
     with _single(group):
-        m["dcp"].load(targets, checkpoint_id=path, planner=LoadPlanner(), process_group=group,
-                      no_dist=group is None)
+        m["dcp"].load(targets, checkpoint_id=path, planner=LoadPlanner(), process_group=group, no_dist=group is None)
     targets.update(values)
 
     # the model was loaded in place; the optimizer: torch's layout, or straight into the segments
@@ -745,21 +824,26 @@ def load(path: str, model: torch.nn.Module, optimizer, *, extra: Optional[Mappin
         if not deferred:
             _fill_segments(inner, sharding, by_name, scalars, flats, {**targets, **scalar_values})
         else:
+
             def read_segments():  # at the first step(), on every rank, once the segments exist
                 segments = wrapped._executor.sharding
                 tensors = _optimizer_targets(stored, by_name, scalars, flats, segments)
                 with _single(group):
-                    m["dcp"].load(tensors, checkpoint_id=path, planner=_planners()[1](), process_group=group,
-                                  no_dist=group is None)
+                    m["dcp"].load(
+                        tensors,
+                        checkpoint_id=path,
+                        planner=_planners()[1](),
+                        process_group=group,
+                        no_dist=group is None,
+                    )
                 _fill_segments(inner, segments, by_name, scalars, flats, {**tensors, **scalar_values})
 
             wrapped._executor.sharding.on_sharded = read_segments
     _reshare(optimizer)
-    out = {key[len(_EXTRA):]: targets[key] for key in targets if key.startswith(_EXTRA)}
+    out = {key[len(_EXTRA) :]: targets[key] for key in targets if key.startswith(_EXTRA)}
     for name, target in (extra or {}).items():
         if name not in out:
-            raise CheckpointMismatchError(f"extra {name!r} is not in the checkpoint (it holds "
-                                          f"{sorted(out)})")
+            raise CheckpointMismatchError(f"extra {name!r} is not in the checkpoint (it holds {sorted(out)})")
         target.load_state_dict(out[name])
     return out
 
@@ -776,8 +860,9 @@ def read(path: str) -> Dict[str, Any]:
 
     _metadata(os.fspath(path))
     out: Dict[str, Any] = {}
-    _load_state_dict(out, storage_reader=FileSystemReader(os.fspath(path)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        out, storage_reader=FileSystemReader(os.fspath(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return out
 
 
@@ -788,7 +873,7 @@ def torch_state_dicts(flat: Mapping[str, Any]) -> Tuple[Dict[str, torch.Tensor],
     meta = flat.get(_META)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointMismatchError(f"not a dearopt.checkpoint checkpoint (no {_META!r} of format {FORMAT!r})")
-    model_state = {k[len(_MODEL):]: v for k, v in flat.items() if k.startswith(_MODEL)}
+    model_state = {k[len(_MODEL) :]: v for k, v in flat.items() if k.startswith(_MODEL)}
     for name, first in meta.get("aliases", {}).items():
         model_state[name] = model_state[first]
     groups = flat[_GROUPS]
@@ -798,16 +883,18 @@ def torch_state_dicts(flat: Mapping[str, Any]) -> Tuple[Dict[str, torch.Tensor],
     for key, value in flat.items():
         for prefix in (_FLAT, _STATE):
             if key.startswith(prefix):
-                rest = key[len(prefix):]
+                rest = key[len(prefix) :]
                 name = max((n for n in order if rest.startswith(n + ".")), key=len, default=None)
                 if name is None:
                     raise CheckpointMismatchError(f"{key}: names no parameter of the checkpoint's param groups")
-                entry = rest[len(name) + 1:]
+                entry = rest[len(name) + 1 :]
                 if prefix == _FLAT:
                     value = value.view(meta["params"][name])
                 state.setdefault(index[name], {})[entry] = value
-    return model_state, {"state": state, "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                                          for g in groups]}
+    return model_state, {
+        "state": state,
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+    }
 
 
 # -------------------------------------------------------------------------------------- a job's checkpoints
@@ -852,8 +939,9 @@ class ElasticSampler(torch.utils.data.Sampler):
         rank, world: this rank and the number of ranks (default: dearopt's, or 0 and 1 before ``init()``).
     """
 
-    def __init__(self, dataset, shuffle: bool = True, seed: int = 0, rank: Optional[int] = None,
-                 world: Optional[int] = None):
+    def __init__(
+        self, dataset, shuffle: bool = True, seed: int = 0, rank: Optional[int] = None, world: Optional[int] = None
+    ):
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed
@@ -883,9 +971,9 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.total_size = self.num_samples * self.num_replicas
         padded = list(remaining)
         while remaining and len(padded) < self.total_size:
-            padded += remaining[:self.total_size - len(padded)]
+            padded += remaining[: self.total_size - len(padded)]
         self._padded = padded
-        self.indices = padded[self.rank:self.total_size:self.num_replicas]
+        self.indices = padded[self.rank : self.total_size : self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: nothing processed, a new permutation."""
@@ -896,7 +984,7 @@ class ElasticSampler(torch.utils.data.Sampler):
     def get_indices(self, batch_idx: int, batch_size: int) -> List[int]:
         """This rank's samples of batch ``batch_idx`` (of ``batch_size`` per rank) since the last reset."""
         start = batch_idx * batch_size
-        return self.indices[start:min(start + batch_size, len(self.indices))]
+        return self.indices[start : min(start + batch_size, len(self.indices))]
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Mark batch ``batch_idx`` (``batch_size`` per rank, counted since the last reset) as processed: every

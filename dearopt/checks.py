@@ -58,15 +58,16 @@ class Checks:
                 host = torch.tensor(bucket.used, dtype=bucket.flags.dtype, pin_memory=on_gpu)
                 bucket.flags.copy_(host, non_blocking=on_gpu)
             bucket.tags.zero_()
-            bucket.tags[self.rank:self.rank + 1].fill_(tag)  # a fill: `tags[rank] = tag` copies from the host
+            bucket.tags[self.rank : self.rank + 1].fill_(tag)  # a fill: `tags[rank] = tag` copies from the host
             bucket.meta_written = True
             bucket.mark_seen()
 
     def check_tags(self, bucket: BucketState, step: int) -> None:
         self.check_tags_of([bucket], step)
 
-    def check_tags_of(self, buckets: Sequence[BucketState], step: int,
-                      extra: Optional[torch.Tensor] = None) -> Optional[float]:
+    def check_tags_of(
+        self, buckets: Sequence[BucketState], step: int, extra: Optional[torch.Tensor] = None
+    ) -> Optional[float]:
         """Check the step tags of ``buckets`` with one read from the device (a GPU's host waits for it once per
         step, not once per bucket); ``extra`` (a scalar on the same device) rides along and is returned."""
         check = self.options.check_agreement and self.world > 1 and len(buckets) > 0
@@ -75,7 +76,7 @@ class Checks:
         parts = [b.tags.float() for b in buckets] + ([extra.reshape(1).float()] if extra is not None else [])
         values = torch.cat(parts).tolist()
         for i, bucket in enumerate(buckets):
-            self._agree(bucket, [int(round(t)) for t in values[i * self.world:(i + 1) * self.world]], step)
+            self._agree(bucket, [int(round(t)) for t in values[i * self.world : (i + 1) * self.world]], step)
         return None if extra is None else values[-1]
 
     def _agree(self, bucket: BucketState, tags: List[int], step: int) -> None:
@@ -85,7 +86,11 @@ class Checks:
         raise StepMismatchError(
             f"ranks sent gradients of different steps in one collective ({seen}); a rank skipped or repeated "
             f"forward/backward/step. No update of this step was applied",
-            rank=self.rank, op="step agreement", bucket=bucket.index, step=step)
+            rank=self.rank,
+            op="step agreement",
+            bucket=bucket.index,
+            step=step,
+        )
 
     @staticmethod
     def used(bucket: BucketState) -> List[bool]:
@@ -102,9 +107,16 @@ class Checks:
         return [count > 0 for count in bucket.flags.float().round().tolist()]
 
     # ------------------------------------------------------------- non-finite
-    def nonfinite(self, regions: Sequence[torch.Tensor], sharded: bool, buckets: Sequence[BucketState],
-                  step: int, own: Sequence[int] = (), agreed: Optional[bool] = None,
-                  local: Optional[bool] = None) -> bool:
+    def nonfinite(
+        self,
+        regions: Sequence[torch.Tensor],
+        sharded: bool,
+        buckets: Sequence[BucketState],
+        step: int,
+        own: Sequence[int] = (),
+        agreed: Optional[bool] = None,
+        local: Optional[bool] = None,
+    ) -> bool:
         """Check the averaged gradients (this rank's shards if ``sharded``): True means skip the step.
 
         ``own``: the buckets whose buffers still hold this rank's own gradients
@@ -128,8 +140,12 @@ class Checks:
             return False
         if policy == "skip":
             return True
-        raise NonFiniteGradientError(self._describe_nonfinite(buckets, step, own) + "; pass nonfinite='skip' to "
-                                     "skip such steps", rank=self.rank, op="step", step=step)
+        raise NonFiniteGradientError(
+            self._describe_nonfinite(buckets, step, own) + "; pass nonfinite='skip' to skip such steps",
+            rank=self.rank,
+            op="step",
+            step=step,
+        )
 
     @staticmethod
     def nonfinite_count(regions: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -153,17 +169,22 @@ class Checks:
         if not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum())):
             raise NonFiniteGradientError(
                 self._describe_nonfinite(buckets, step) + " (this schedule checks bucket by bucket, so "
-                "buckets updated at an earlier moment of this step were already updated)", rank=self.rank, op="update",
-                bucket=bucket.index, step=step)
+                "buckets updated at an earlier moment of this step were already updated)",
+                rank=self.rank,
+                op="update",
+                bucket=bucket.index,
+                step=step,
+            )
 
     def _describe_nonfinite(self, buckets: Sequence[BucketState], step: int, own: Sequence[int] = ()) -> str:
         """Name the first non-finite parameter: in a bucket that holds the average (the same on every rank;
         where it came from is unknown), else in the ``own`` buckets, with the ranks it came from."""
+
         def first_bad(chosen):
             position = 0
             for bucket in chosen:
                 for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
-                    if not bool(torch.isfinite(bucket.buffer[offset:offset + p.numel()]).all()):
+                    if not bool(torch.isfinite(bucket.buffer[offset : offset + p.numel()]).all()):
                         return position, name
                     position += 1
             return -1, None
@@ -182,8 +203,7 @@ class Checks:
         if not bad:
             return "the averaged gradient is not finite although every rank's own gradients are finite (overflow)"
         first = min(bad)
-        return (f"non-finite gradients came from rank(s) {sorted(bad)}; first parameter: {bad[first]!r} on rank "
-                f"{first}")
+        return f"non-finite gradients came from rank(s) {sorted(bad)}; first parameter: {bad[first]!r} on rank {first}"
 
     # --------------------------------------------------------- plan, params
     def plan_agreement(self, plan: Plan, step: int) -> None:
@@ -199,18 +219,27 @@ class Checks:
                 f"ranks built different communication plans (ranks {differ} differ from rank 0): the models, "
                 f"their trainable parameters, the optimizer's parameters or the options (schedule, buffer_size, "
                 f"comm hook) differ between ranks. This rank's plan:\n{plan.describe()}",
-                rank=self.rank, op="plan check", step=step)
+                rank=self.rank,
+                op="plan check",
+                step=step,
+            )
 
     def parameters(self, buckets: Sequence[BucketState], step: int) -> None:
         """Debug mode: every rank must hold the same parameters (checksums compared)."""
-        sums = torch.tensor([float(sum(p.detach().double().sum() for p in b.params)) for b in buckets],
-                            dtype=torch.float64, device=self.device)
+        sums = torch.tensor(
+            [float(sum(p.detach().double().sum() for p in b.params)) for b in buckets],
+            dtype=torch.float64,
+            device=self.device,
+        )
         everyone = torch.empty(len(buckets) * self.world, dtype=torch.float64, device=self.device)
         self.control.all_gather(everyone, sums, step=step).wait()
         table = everyone.view(self.world, -1)
         differ = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
         if differ:
-            raise StepMismatchError(f"debug check: the parameters of ranks {differ} differ from rank 0's "
-                                    f"(checksums per bucket {table.tolist()})", rank=self.rank,
-                                    op="parameter checksum", step=step)
-
+            raise StepMismatchError(
+                f"debug check: the parameters of ranks {differ} differ from rank 0's "
+                f"(checksums per bucket {table.tolist()})",
+                rank=self.rank,
+                op="parameter checksum",
+                step=step,
+            )

@@ -53,8 +53,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .errors import (CollectiveError, CollectiveTimeoutError, DearoptError, PeerFailedError, PeerLostError,
-                     internal_error)
+from .errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    DearoptError,
+    PeerFailedError,
+    PeerLostError,
+    internal_error,
+)
 from .plan import padded_numel
 
 __all__ = [
@@ -148,8 +154,14 @@ def posted_failure(members: Optional[Tuple[int, ...]] = None) -> Optional[Tuple[
 
 def peer_failed_error(posted: Tuple[int, str], *, rank: int, op: str, **where) -> PeerFailedError:
     failed, text = posted
-    return PeerFailedError(f"rank {failed} failed, so {op} cannot complete: {text}", failed_rank=failed,
-                           failure=text, rank=rank, op=op, **where)
+    return PeerFailedError(
+        f"rank {failed} failed, so {op} cannot complete: {text}",
+        failed_rank=failed,
+        failure=text,
+        rank=rank,
+        op=op,
+        **where,
+    )
 
 
 def engine_failure(exc: BaseException, owner=None, where: str = "engine") -> BaseException:
@@ -271,8 +283,12 @@ class CollectiveBackend(abc.ABC):
         if self._closed:
             where = dict(where)
             op_name = where.pop("op", op_name)
-            raise CollectiveError(f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
-                                  rank=self.rank, op=op_name, **where)
+            raise CollectiveError(
+                f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
+                rank=self.rank,
+                op=op_name,
+                **where,
+            )
 
     def members(self) -> Optional[Tuple[int, ...]]:
         """The global ranks of this backend's communicator (None: the whole job)."""
@@ -316,8 +332,9 @@ class CollectiveBackend(abc.ABC):
         """Raise ``ValueError``/``TypeError`` unless ``full`` and ``shard`` are flat, contiguous, of one dtype, and
         ``full`` has exactly ``size`` times ``shard``'s elements (what reduce-scatter and all-gather need)."""
         if full.dim() != 1 or shard.dim() != 1:
-            raise ValueError(f"{op}: tensors must be flat (1-D); got shapes {tuple(full.shape)} and "
-                             f"{tuple(shard.shape)}")
+            raise ValueError(
+                f"{op}: tensors must be flat (1-D); got shapes {tuple(full.shape)} and {tuple(shard.shape)}"
+            )
         if full.numel() != shard.numel() * self.size:
             raise ValueError(
                 f"{op}: the full tensor has {full.numel()} elements but the shard has {shard.numel()} "
@@ -456,8 +473,9 @@ class _TorchHandle(Handle):
                 self._backend.check_peers(self.op, self._where)
                 poll = time.monotonic() + FAULT_POLL_SECONDS
             if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(f"{self.op} did not finish in time", rank=self._backend.rank,
-                                             op=self.op, **self._where)
+                raise CollectiveTimeoutError(
+                    f"{self.op} did not finish in time", rank=self._backend.rank, op=self.op, **self._where
+                )
             time.sleep(0.0002)
         self._finished = True
 
@@ -518,8 +536,12 @@ class _ChainedHandle(Handle):
     def _second(self, timeout: Optional[float]) -> Handle:
         seconds = self._backend.timeout if timeout is None else float(timeout)
         if not self.started.wait(seconds):
-            raise CollectiveTimeoutError(f"{self.op}: the reduce-scatter did not complete in time",
-                                         rank=self._backend.rank, op=self.op, **self._where)
+            raise CollectiveTimeoutError(
+                f"{self.op}: the reduce-scatter did not complete in time",
+                rank=self._backend.rank,
+                op=self.op,
+                **self._where,
+            )
         if self.error is not None:
             raise self.error
         return self.second
@@ -572,8 +594,9 @@ class TorchDistBackend(CollectiveBackend):
         self._in_flight: Dict[int, tuple] = {}  # id(handle) -> (handle, receive buffer bytes), oldest first
         self._use_all_to_all = self.pg_backend == "gloo"
         self.host_waits = self.pg_backend == "gloo"
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl"
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
+        )
 
     def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:
         where = dict(where)

@@ -33,8 +33,18 @@ import torch
 
 from .plan import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ROWS
 
-__all__ = ["CommHook", "CastHook", "ReduceInFloat32", "fp16_compress", "bf16_compress", "resolve_comm_hook",
-           "LOW_PRECISION", "Link", "GatherParameters", "hooks_for"]
+__all__ = [
+    "CommHook",
+    "CastHook",
+    "ReduceInFloat32",
+    "fp16_compress",
+    "bf16_compress",
+    "resolve_comm_hook",
+    "LOW_PRECISION",
+    "Link",
+    "GatherParameters",
+    "hooks_for",
+]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -61,8 +71,7 @@ class CommHook:
         """Whether a bucket of ``dtype`` travels untouched (no wire buffer): the default encode and decode into
         the same dtype."""
         cls = type(self)
-        return (cls.encode is CommHook.encode and cls.decode is CommHook.decode
-                and self.wire_dtype(dtype) == dtype)
+        return cls.encode is CommHook.encode and cls.decode is CommHook.decode and self.wire_dtype(dtype) == dtype
 
     # ------------------------------------------------- what carries a piece
     def start(self, op, link: "Link") -> Tuple[Any, Any]:
@@ -147,8 +156,9 @@ PLAIN = CommHook()
 """Every gradient as it is: the op's own collective on the piece."""
 
 
-def hooks_for(plan, hook: Optional[CommHook], rows: Optional[CommHook] = None,
-              sparse: Optional[CommHook] = None) -> List[CommHook]:
+def hooks_for(
+    plan, hook: Optional[CommHook], rows: Optional[CommHook] = None, sparse: Optional[CommHook] = None
+) -> List[CommHook]:
     """Which hook carries each op of ``plan``: embedding rows' ops the ``rows`` hook, every all-reduce a
     sparsifier's exchange where there is one, the sharded update's all-gathers the parameters as they are, every
     other op the user's ``hook`` (or none: :data:`PLAIN`)."""
@@ -211,8 +221,12 @@ def bf16_compress() -> CastHook:
     return CastHook(torch.bfloat16)
 
 
-_BY_NAME = {"fp16": fp16_compress, "bf16": bf16_compress, "fp32": ReduceInFloat32,
-            "auto": lambda: ReduceInFloat32(auto=True)}
+_BY_NAME = {
+    "fp16": fp16_compress,
+    "bf16": bf16_compress,
+    "fp32": ReduceInFloat32,
+    "auto": lambda: ReduceInFloat32(auto=True),
+}
 
 
 def resolve_comm_hook(hook) -> "CommHook | None":
@@ -225,10 +239,13 @@ def resolve_comm_hook(hook) -> "CommHook | None":
         return None
     if isinstance(hook, str):
         if hook not in _BY_NAME:
-            raise ValueError(f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32' or a dearopt.CommHook, got "
-                             f"{hook!r}")
+            raise ValueError(
+                f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32' or a dearopt.CommHook, got {hook!r}"
+            )
         return _BY_NAME[hook]()
     if not isinstance(hook, (CommHook, Sparsify)):
-        raise TypeError(f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32', a dearopt.CommHook or a "
-                        f"dearopt.Sparsify, got {type(hook).__name__}")
+        raise TypeError(
+            f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32', a dearopt.CommHook or a "
+            f"dearopt.Sparsify, got {type(hook).__name__}"
+        )
     return hook

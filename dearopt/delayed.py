@@ -98,8 +98,7 @@ from .gradients import AveragedGradients
 from .profiling import fit_link
 from .schedules.deft import DeftIteration, DeftSchedule, Preserved, Preserver, check_partition, deft_schedule
 
-__all__ = ["DelayedRounds", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE",
-           "RSAG"]
+__all__ = ["DelayedRounds", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE", "RSAG"]
 
 ALL_REDUCE = "all_reduce"
 RSAG = "reduce_scatter+all_gather"
@@ -123,7 +122,6 @@ GROWTH = 4
 """A re-partition makes at most about this many times as many pieces as the plan had."""
 
 
-
 def plan_units(plan) -> List[Tuple[int, int]]:
     """DeFT's items: ``(bucket, piece)`` of ``plan`` in forward order.  A bucket is one item unless
     ``partition_size`` splits it (the paper's partition: a parameter too large for the smallest knapsack is
@@ -131,8 +129,9 @@ def plan_units(plan) -> List[Tuple[int, int]]:
     return [(b.index, k) for b in plan.buckets for k in range(len(b.pieces))]
 
 
-def unit_times(forward_b: Sequence[float], ready_b: Sequence[float], end: float,
-               units: Sequence[Tuple[int, int]]) -> Tuple[List[float], List[float]]:
+def unit_times(
+    forward_b: Sequence[float], ready_b: Sequence[float], end: float, units: Sequence[Tuple[int, int]]
+) -> Tuple[List[float], List[float]]:
     """Per unit: forward seconds (a bucket's to its first piece) and backward seconds (the time from the
     output-side unit before it becoming ready to it becoming ready; the compute after the last, ``end`` minus
     the latest ready time, to unit 0), from per-bucket forward seconds and ready times after backward starts.
@@ -155,8 +154,10 @@ def deft_times(profile, plan, reduction: str = ALL_REDUCE):
     """Per unit of ``plan`` (:func:`plan_units`): (forward, backward, communication) seconds from a
     :class:`dearopt.sim.Profile`; communication by ``reduction`` (:data:`ALL_REDUCE` or :data:`RSAG`)."""
     if [p.numel for p in profile.params] != [p.numel for p in plan.params]:
-        raise UsageError("the profile's parameters are not the plan's: record it with the same model and "
-                         "optimizer, and embedding_rows=False (deft reduces a tied weight as one gradient)")
+        raise UsageError(
+            "the profile's parameters are not the plan's: record it with the same model and "
+            "optimizer, and embedding_rows=False (deft reduces a tied weight as one gradient)"
+        )
     bucket_of = {p: b.index for b in plan.buckets for p in b.params}
     n = len(plan.buckets)
     forward = [0.0] * n
@@ -169,8 +170,10 @@ def deft_times(profile, plan, reduction: str = ALL_REDUCE):
     units = plan_units(plan)
     forward, backward = unit_times(forward, ready, profile.t_bp, units)
     kinds = ("all_reduce",) if reduction == ALL_REDUCE else ("reduce_scatter", "all_gather")
-    comm = [sum(profile.comm[kind].time(plan.buckets[b].piece_nbytes(k), plan.world_size) for kind in kinds)
-            for b, k in units]
+    comm = [
+        sum(profile.comm[kind].time(plan.buckets[b].piece_nbytes(k), plan.world_size) for kind in kinds)
+        for b, k in units
+    ]
     return forward, backward, comm
 
 
@@ -209,11 +212,13 @@ class DelayedGradients(AveragedGradients):
             replaced = b.replaced_gradients()
             if replaced or b.written_by_others():
                 what = replaced[:3] or b.names[:3]
-                raise UsageError(f"the gradients of {what} were changed between backward() and step(); under "
-                                 f"schedule='deft' they were already taken into a delayed group, so the change "
-                                 f"would be lost (to clip, call optimizer.clip_grad_norm_(...) or "
-                                 f"clip_grad_value_(...): they clip the group the step applies) "
-                                 f"[rank {e.rank}, step {e.step_count}]")
+                raise UsageError(
+                    f"the gradients of {what} were changed between backward() and step(); under "
+                    f"schedule='deft' they were already taken into a delayed group, so the change "
+                    f"would be lost (to clip, call optimizer.clip_grad_norm_(...) or "
+                    f"clip_grad_value_(...): they clip the group the step applies) "
+                    f"[rank {e.rank}, step {e.step_count}]"
+                )
 
     def _applied_now(self) -> tuple:
         """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
@@ -221,10 +226,12 @@ class DelayedGradients(AveragedGradients):
         e = self.engine
         e.require_gradients("clip the gradients")
         if e.rounds.apply_mode == "bucket" and e.step_count >= e.rounds.offset:
-            raise UsageError("under deft_apply='bucket' a group's buckets are applied at different steps, so no "
-                             "step applies one whole average to clip: pass deft_apply='group' (now "
-                             "dearopt.DeFT(apply='group')) to clip with "
-                             "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)")
+            raise UsageError(
+                "under deft_apply='bucket' a group's buckets are applied at different steps, so no "
+                "step applies one whole average to clip: pass deft_apply='group' (now "
+                "dearopt.DeFT(apply='group')) to clip with "
+                "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)"
+            )
         it = e.rounds.iteration
         group = e.rounds.forming if it.applies == 0 else e.rounds.group if it.applies is not None else None
         if group is None:
@@ -234,7 +241,7 @@ class DelayedGradients(AveragedGradients):
 
     def _sum_regions(self, group: _Group) -> List[torch.Tensor]:
         e = self.engine
-        return [group.storage[b.index][:b.spec.grad_numel] for b in e.buckets]
+        return [group.storage[b.index][: b.spec.grad_numel] for b in e.buckets]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the average this step applies (the group's, over every step it covers) by its global norm, as
@@ -264,16 +271,15 @@ class DelayedGradients(AveragedGradients):
 
     # ------------------------------------------------------ refused tools
     def finish_averaging(self):
-        raise UsageError("under schedule='deft' a step's gradients are averaged as part of a group applied at a "
-                         "later step, over the steps it covers: unscaling them (optimizer.unscale_, GradScaler) "
-                         "and reduce_gradients() are not supported; optimizer.clip_grad_norm_/clip_grad_value_ "
-                         "clip the group a step applies")
+        raise UsageError(
+            "under schedule='deft' a step's gradients are averaged as part of a group applied at a "
+            "later step, over the steps it covers: unscaling them (optimizer.unscale_, GradScaler) "
+            "and reduce_gradients() are not supported; optimizer.clip_grad_norm_/clip_grad_value_ "
+            "clip the group a step applies"
+        )
 
     def reduce(self) -> None:
         self.finish_averaging()
-
-
-
 
 
 class DeftMeasurement:
@@ -309,7 +315,6 @@ class DeftMeasurement:
         e = self.engine
         return e.rounds.offset > 0 and e.step_count == self.measure_from + step and e.plan is not None
 
-
     def measured_times(self) -> tuple:
         """Per unit: forward and backward seconds from step 1's marks (per bucket), all-reduce seconds from
         step 2."""
@@ -335,8 +340,11 @@ class DeftMeasurement:
     def measured_reduction(self) -> str:
         """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
         e = self.engine
-        if e.rounds._rsag is not None and len(self.comm_rsag) == len(self.comm) and \
-                sum(self.comm_rsag.values()) < sum(self.comm.values()):
+        if (
+            e.rounds._rsag is not None
+            and len(self.comm_rsag) == len(self.comm)
+            and sum(self.comm_rsag.values()) < sum(self.comm.values())
+        ):
             return RSAG
         return ALL_REDUCE
 
@@ -353,7 +361,9 @@ class DeftMeasurement:
         if self.times_alone:  # rank 0's numbers for everyone
             measured, e.rounds.mu, e.rounds.reduction = broadcast_object(
                 (self.measured_times(), self.measured_mu(), self.measured_reduction()) if e.rank == 0 else None,
-                0, backend=e.control)
+                0,
+                backend=e.control,
+            )
         if self.profile is not None:
             self.choose_profiled_reduction()
             measured = deft_times(self.profile, e.plan, e.rounds.reduction)
@@ -376,8 +386,9 @@ class DeftMeasurement:
                 knobs = e.planner.knobs
                 e.rounds.replanning = True
                 try:
-                    e.replan(buffer_size=min(knobs.buffer_size, size),
-                                partition_size=min(knobs.partition_size or size, size))
+                    e.replan(
+                        buffer_size=min(knobs.buffer_size, size), partition_size=min(knobs.partition_size or size, size)
+                    )
                 finally:
                     e.rounds.replanning = False
                 self.measure_from, e.rounds.offset = e.step_count, e.step_count + MEASURED_STEPS
@@ -385,7 +396,6 @@ class DeftMeasurement:
                 self.comm_rsag = {}
                 return
         self.solve(self.measured)
-
 
     def measured_mu(self) -> Optional[float]:
         """The second link's all-reduce time over the first's, over all buckets measured alone (None: one link)."""
@@ -407,13 +417,15 @@ class DeftMeasurement:
         total = total.cpu()
         n = e.world
         dot = total[:, 0] / n  # the averaged gradient . the update, per step
-        var = (total[:, 1] - n * dot ** 2).clamp(min=0) / (n - 1) if n > 1 else torch.zeros_like(dot)
+        var = (total[:, 1] - n * dot**2).clamp(min=0) / (n - 1) if n > 1 else torch.zeros_like(dot)
         loss = float(total[:, 2].mean()) / n
         if not math.isfinite(loss):
-            raise UsageError(f"schedule='deft' checks its solved schedule's convergence (the Preserver) from the "
-                             f"training loss of its first {len(steps)} steps, and not every rank reported one: "
-                             f"pass it as optimizer.step(loss=loss) on every rank, or preserver=None to use the "
-                             f"solver's schedule unchecked [rank {e.rank}, step {e.step_count}]")
+            raise UsageError(
+                f"schedule='deft' checks its solved schedule's convergence (the Preserver) from the "
+                f"training loss of its first {len(steps)} steps, and not every rank reported one: "
+                f"pass it as optimizer.step(loss=loss) on every rank, or preserver=None to use the "
+                f"solver's schedule unchecked [rank {e.rank}, step {e.step_count}]"
+            )
         return loss, -float(dot.mean()), math.sqrt(float(var.mean()) / n)
 
     def solve(self, times) -> None:
@@ -426,18 +438,21 @@ class DeftMeasurement:
             self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=e.rounds.mu)
             e.rounds.deft = self.preserved.schedule
             if not self.preserved.passed:
-                warnings.warn(f"dearopt: the DeFT schedule failed the Preserver's check after "
-                              f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
-                              f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
-                              f"last re-solve left it ({e.rounds.deft.updates_per_iteration:.2f} updates per step)",
-                              RuntimeWarning)
+                warnings.warn(
+                    f"dearopt: the DeFT schedule failed the Preserver's check after "
+                    f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
+                    f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
+                    f"last re-solve left it ({e.rounds.deft.updates_per_iteration:.2f} updates per step)",
+                    RuntimeWarning,
+                )
         except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
-            raise UsageError(f"schedule='deft' cannot schedule these {len(e.buckets)} buckets (sent in "
-                             f"{len(e.rounds.units)} pieces, numbered from the input side): {exc}. A smaller "
-                             f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
-                             f"the fixed cost per collective does, this model computes too little per step for "
-                             f"DeFT [rank {e.rank}, step {e.step_count}]") from None
-
+            raise UsageError(
+                f"schedule='deft' cannot schedule these {len(e.buckets)} buckets (sent in "
+                f"{len(e.rounds.units)} pieces, numbered from the input side): {exc}. A smaller "
+                f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
+                f"the fixed cost per collective does, this model computes too little per step for "
+                f"DeFT [rank {e.rank}, step {e.step_count}]"
+            ) from None
 
     def record_loss(self, loss) -> None:
         """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
@@ -459,15 +474,24 @@ class DelayedRounds:
     def __init__(self, engine):
         e = self.engine = engine
         policy = e.options.policy  # the DeFT object and its knobs
-        schedule, profile, preserver, links, apply = (policy.given, policy.profile, policy.preserver, policy.links,
-                                                      policy.apply)
+        schedule, profile, preserver, links, apply = (
+            policy.given,
+            policy.profile,
+            policy.preserver,
+            policy.links,
+            policy.apply,
+        )
         self.updates = GroupUpdates(self)  # applying the groups' buckets when they are due
         self.replanning = False  # the measuring steps re-partition (nothing in flight): a re-plan is allowed
         self.apply_mode = apply  # one of schedules.deft.APPLY_MODES (the DeFT object checked it)
-        if schedule is not None and links == 1 and any(it.second_old or it.second_new
-                                                       for it in schedule.warmup + schedule.period):
-            raise UsageError("the given DeFT schedule sends on a second link: pass dearopt.DeFT(links=2) (of old: "
-                             "deft_links=2)")
+        if (
+            schedule is not None
+            and links == 1
+            and any(it.second_old or it.second_new for it in schedule.warmup + schedule.period)
+        ):
+            raise UsageError(
+                "the given DeFT schedule sends on a second link: pass dearopt.DeFT(links=2) (of old: deft_links=2)"
+            )
         # DeFT's heterogeneous links: a second communicator over the same ranks, used concurrently with the first
         self.second = e.backend.second_link() if links == 2 else None
         self.mu: Optional[float] = None if schedule is None else schedule.mu  # its time per bucket over the first's
@@ -480,6 +504,7 @@ class DelayedRounds:
         self._rsag = None
         if links == 1 and schedule is None and e.world > 1 and getattr(e.backend, "host_waits", False):
             from .collectives import ReduceScatterThenGather
+
             self._rsag = ReduceScatterThenGather(e.backend, e.backend.fork())
         self.reduction = ALL_REDUCE  # how a unit is summed (RSAG once measured or profiled faster)
         # per (unit, group parity): the reduce-scatter's output (RSAG); two, since the next group may send a unit
@@ -515,8 +540,10 @@ class DelayedRounds:
             self.measurement.solve(deft_times(self.measurement.profile, e.plan, self.reduction))
         if self.deft is not None and self.deft.buckets != len(self.units):
             pieces = "" if len(self.units) == len(e.buckets) else f" in {len(self.units)} pieces"
-            raise UsageError(f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
-                             f"{len(e.buckets)}{pieces} (buffer_size and partition_size decide them)")
+            raise UsageError(
+                f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
+                f"{len(e.buckets)}{pieces} (buffer_size and partition_size decide them)"
+            )
         if self._loaded is not None:
             _restore(self, self._loaded)
 
@@ -556,10 +583,17 @@ class DelayedRounds:
         b, k = self.units[u]
         rsag = self.reduction == RSAG and scheduled and not on_second
         kind = "second link" if on_second else self.reduction if scheduled else ALL_REDUCE
-        handle = e.issuer.send(self._unit_tensor(group, u), bucket=b, piece=k, step=e.step_count,
-                                  link=self.second if on_second else self._rsag if rsag else None,
-                                  shard=self._shard(u, group.serial % 2) if rsag else None,
-                                  label=f"{kind} unit {u}", unit=u, group="new" if new else "old")
+        handle = e.issuer.send(
+            self._unit_tensor(group, u),
+            bucket=b,
+            piece=k,
+            step=e.step_count,
+            link=self.second if on_second else self._rsag if rsag else None,
+            shard=self._shard(u, group.serial % 2) if rsag else None,
+            label=f"{kind} unit {u}",
+            unit=u,
+            group="new" if new else "old",
+        )
         group.handles.append(handle)
         group.unit_handles[u] = handle
 
@@ -586,8 +620,10 @@ class DelayedRounds:
     def begin_backward(self) -> None:
         e = self.engine
         if e.state is TrainingState.REDUCING:
-            raise UsageError("backward() was called again before step(): under schedule='deft' every backward "
-                             "is one step of the schedule")
+            raise UsageError(
+                "backward() was called again before step(): under schedule='deft' every backward "
+                "is one step of the schedule"
+            )
         e.pass_id += 1
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
@@ -614,9 +650,11 @@ class DelayedRounds:
         if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
             self._wait(self.group)
             if not it.held and it.applies is None:  # a given schedule may say so; nothing is in flight yet
-                raise UsageError(f"the DeFT schedule forms a new group at step {e.step_count} while the group "
-                                 f"in flight is not applied at that step: its gradients would be lost (a given "
-                                 f"deft_schedule= must apply each group before the next forms) [rank {e.rank}]")
+                raise UsageError(
+                    f"the DeFT schedule forms a new group at step {e.step_count} while the group "
+                    f"in flight is not applied at that step: its gradients would be lost (a given "
+                    f"deft_schedule= must apply each group before the next forms) [rank {e.rank}]"
+                )
             for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
                 self._all_reduce(self.group, u)
         self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
@@ -636,7 +674,8 @@ class DelayedRounds:
             raise UsageError(
                 f"parameter {bucket.names[j]!r} received a gradient although its delayed update was not applied "
                 f"before it was used: it was read in forward before its own module ran. Use "
-                f"deft_apply='group', or call optimizer.synchronize() before such a forward")
+                f"deft_apply='group', or call optimizer.synchronize() before such a forward"
+            )
         bucket.take_gradient(p, j)
         if self._accumulating:
             return
@@ -746,8 +785,10 @@ class DelayedRounds:
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         e = self.engine
         if scaler_checked:
-            raise UsageError("GradScaler is not supported under schedule='deft' yet: a group applied later covers "
-                             "steps scaled differently")
+            raise UsageError(
+                "GradScaler is not supported under schedule='deft' yet: a group applied later covers "
+                "steps scaled differently"
+            )
         e._require_gradients("step")
         e.gradients.check_writes()
         t0 = e.timeline.now()
@@ -828,8 +869,10 @@ class DelayedRounds:
     def may_replan(self) -> None:
         """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
         if self.engine.plan is not None and not self.replanning:
-            raise UsageError("schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
-                             "and the other tuned knobs are not supported")
+            raise UsageError(
+                "schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
+                "and the other tuned knobs are not supported"
+            )
 
     def close(self) -> None:
         """Release the second link and the reduce-scatter + all-gather communicator."""
@@ -870,8 +913,10 @@ class GroupUpdates:
                     fresh += 1
         if it.applies is not None:
             if r.group is None or len(r.group.due) != len(e.buckets):
-                raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the "
-                                   "solver and the executor disagree")
+                raise RuntimeError(
+                    "the DeFT schedule applies a group not every bucket of which was sent: the "
+                    "solver and the executor disagree"
+                )
             self.applied_steps.append(e.step_count)
             r.group = None
         if fresh:
@@ -926,8 +971,10 @@ class GroupUpdates:
         r = self.rounds
         e = self.engine
         if group is None or len(group.sent) != len(r.units):
-            raise RuntimeError("the DeFT schedule applies a group not every bucket of which was sent: the solver "
-                               "and the executor disagree")
+            raise RuntimeError(
+                "the DeFT schedule applies a group not every bucket of which was sent: the solver "
+                "and the executor disagree"
+            )
         members = [[] for _ in e.optimizer.param_groups]
         saved = {}
         for bucket in e.buckets:
@@ -941,8 +988,11 @@ class GroupUpdates:
             for p, grad in saved.values():
                 p.grad = grad
         if measure:  # p.grad is this rank's own gradient again
-            r.measurement.dots[e.step_count] = sum(float(torch.sum(p.grad.double() * (p.detach() - old).double()))
-                                              for p, old in before if p.grad is not None)
+            r.measurement.dots[e.step_count] = sum(
+                float(torch.sum(p.grad.double() * (p.detach() - old).double()))
+                for p, old in before
+                if p.grad is not None
+            )
         self.applied_steps.append(e.step_count)
 
     def take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
@@ -950,20 +1000,29 @@ class GroupUpdates:
         (the old ``p.grad`` kept in ``saved``), each added to its param group's ``members``."""
         e = self.engine
         storage = group.storage[bucket.index]
-        storage[:bucket.spec.grad_numel].mul_(1.0 / (e.world * group.covers))
-        used = [count > 0 for count in storage[bucket.spec.flags_offset:
-                                               bucket.spec.flags_offset + len(bucket.params)].round().tolist()]
-        if e.options.nonfinite == "raise" and not bool(torch.isfinite(storage[:bucket.spec.grad_numel].sum())):
-            raise NonFiniteGradientError(f"the averaged gradient of a delayed group (bucket {bucket.index}: "
-                                         f"{', '.join(bucket.names[:3])}) is not finite", rank=e.rank,
-                                         op="update", bucket=bucket.index, step=e.step_count)
+        storage[: bucket.spec.grad_numel].mul_(1.0 / (e.world * group.covers))
+        used = [
+            count > 0
+            for count in storage[bucket.spec.flags_offset : bucket.spec.flags_offset + len(bucket.params)]
+            .round()
+            .tolist()
+        ]
+        if e.options.nonfinite == "raise" and not bool(torch.isfinite(storage[: bucket.spec.grad_numel].sum())):
+            raise NonFiniteGradientError(
+                f"the averaged gradient of a delayed group (bucket {bucket.index}: "
+                f"{', '.join(bucket.names[:3])}) is not finite",
+                rank=e.rank,
+                op="update",
+                bucket=bucket.index,
+                step=e.step_count,
+            )
         for gi, params in enumerate(bucket.group_members):
             for p in params:
                 j = bucket.position[id(p)]
                 if used[j]:
                     saved[id(p)] = (p, p.grad)
                     offset = bucket.spec.offsets[j]
-                    p.grad = storage[offset:offset + p.numel()].view_as(p)
+                    p.grad = storage[offset : offset + p.numel()].view_as(p)
                     members[gi].append(p)
 
 
@@ -973,23 +1032,39 @@ def save_groups(rounds) -> dict:
     if e.state is not TrainingState.IDLE:
         raise UsageError("save the optimizer's state between step() and the next backward()")
     if rounds.deft is None and rounds.offset and e.plan is not None:
-        raise UsageError(f"schedule='deft' is measuring the job in its first {rounds.offset} steps; save its "
-                         f"state after them")
+        raise UsageError(
+            f"schedule='deft' is measuring the job in its first {rounds.offset} steps; save its state after them"
+        )
 
     def dump(group):
-        return None if group is None else {"storage": {b: t.clone() for b, t in group.storage.items()},
-                                           "covers": group.covers, "sent": sorted(group.sent),
-                                           "due": sorted(group.due)}
+        return (
+            None
+            if group is None
+            else {
+                "storage": {b: t.clone() for b, t in group.storage.items()},
+                "covers": group.covers,
+                "sent": sorted(group.sent),
+                "due": sorted(group.due),
+            }
+        )
 
     if rounds._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
         return dict(rounds._loaded)
     rounds.updates.apply_due()  # the parameters saved are current
     rounds._wait(rounds.group)  # its sends may still be in flight (step() waits only for a group it applies)
-    return {"step": e.step_count, "apply": rounds.apply_mode, "schedule": rounds.deft, "offset": rounds.offset,
-            "measured": rounds.measurement.measured,
-            "preserved": rounds.measurement.preserved, "mu": rounds.mu, "reduction": rounds.reduction,
-            "group": dump(rounds.group), "held": dump(rounds.held),
-            "applied_steps": list(rounds.updates.applied_steps)}
+    return {
+        "step": e.step_count,
+        "apply": rounds.apply_mode,
+        "schedule": rounds.deft,
+        "offset": rounds.offset,
+        "measured": rounds.measurement.measured,
+        "preserved": rounds.measurement.preserved,
+        "mu": rounds.mu,
+        "reduction": rounds.reduction,
+        "group": dump(rounds.group),
+        "held": dump(rounds.held),
+        "applied_steps": list(rounds.updates.applied_steps),
+    }
 
 
 def load_groups(rounds, saved: dict) -> None:
@@ -998,8 +1073,10 @@ def load_groups(rounds, saved: dict) -> None:
     if e.state is not TrainingState.IDLE:
         raise UsageError("load the optimizer's state between step() and the next backward()")
     if saved.get("apply", "group") == "bucket" and rounds.apply_mode == "group":
-        raise UsageError("this checkpoint was saved with deft_apply='bucket' (part of its group in flight is "
-                         "applied already): resume with deft_apply='bucket'")
+        raise UsageError(
+            "this checkpoint was saved with deft_apply='bucket' (part of its group in flight is "
+            "applied already): resume with deft_apply='bucket'"
+        )
     rounds._wait(rounds.group)  # nothing of the replaced group may still be on the link
     for groups in rounds.updates.due_buckets.values():
         for group in groups:
@@ -1014,8 +1091,10 @@ def load_groups(rounds, saved: dict) -> None:
     rounds.mu = saved.get("mu")
     rounds.reduction = saved.get("reduction", ALL_REDUCE)
     if rounds.reduction == RSAG and rounds._rsag is None:
-        raise UsageError("this checkpoint's DeFT schedule sums by reduce-scatter + all-gather, which needs one "
-                         "link on gloo and no given deft_schedule=")
+        raise UsageError(
+            "this checkpoint's DeFT schedule sums by reduce-scatter + all-gather, which needs one "
+            "link on gloo and no given deft_schedule="
+        )
     if rounds.second is None and rounds.deft is not None and rounds.deft.mu is not None:
         raise UsageError("this checkpoint's DeFT schedule uses a second link: resume with deft_links=2")
     rounds.updates.applied_steps = list(saved.get("applied_steps", []))
@@ -1026,18 +1105,24 @@ def load_groups(rounds, saved: dict) -> None:
 
 def _restore(rounds, saved: dict) -> None:
     e = rounds.engine
+
     def load(entry):
         if entry is None:
             return None
         for b, t in entry["storage"].items():
             if b >= len(e.buckets) or t.shape != e.buckets[b].buffer.shape:
-                raise UsageError(f"the checkpoint's DeFT group does not fit this plan's bucket {b}: save and "
-                                 f"resume with the same model and buffer_size")
+                raise UsageError(
+                    f"the checkpoint's DeFT group does not fit this plan's bucket {b}: save and "
+                    f"resume with the same model and buffer_size"
+                )
         if any(not 0 <= u < len(rounds.units) for u in entry["sent"]):
-            raise UsageError(f"the checkpoint's DeFT group was sent in more pieces than this plan has "
-                             f"({len(rounds.units)}): resume with the same buffer_size and partition_size")
-        group = _Group({b: t.clone().to(e.buckets[b].buffer.device) for b, t in entry["storage"].items()},
-                       entry["covers"])
+            raise UsageError(
+                f"the checkpoint's DeFT group was sent in more pieces than this plan has "
+                f"({len(rounds.units)}): resume with the same buffer_size and partition_size"
+            )
+        group = _Group(
+            {b: t.clone().to(e.buckets[b].buffer.device) for b, t in entry["storage"].items()}, entry["covers"]
+        )
         group.sent = set(entry["sent"])
         group.due = set(entry.get("due", ()))  # (applied already, under deft_apply="bucket")
         group.serial = rounds._groups_formed  # the next group formed uses the other reduce-scatter outputs

@@ -125,8 +125,16 @@ class InternalError(DearoptError):
     Carries ``rank``, ``step``, ``where`` (the engine method) and, where known, ``op`` and ``bucket``.  The other
     ranks are told (they raise :class:`PeerFailedError` instead of waiting for the timeout)."""
 
-    def __init__(self, message: str, *, rank: Optional[int] = None, step: Optional[int] = None,
-                 where: Optional[str] = None, op: Optional[str] = None, bucket: Optional[int] = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: Optional[int] = None,
+        step: Optional[int] = None,
+        where: Optional[str] = None,
+        op: Optional[str] = None,
+        bucket: Optional[int] = None,
+    ):
         place = _describe(rank, op, bucket, step)
         super().__init__(f"{message} [{place}]" if place else message)
         self.rank = rank
@@ -136,13 +144,18 @@ class InternalError(DearoptError):
         self.bucket = bucket
 
 
-def internal_error(exc: BaseException, *, rank: Optional[int] = None, step: Optional[int] = None,
-                   where: str = "engine") -> InternalError:
+def internal_error(
+    exc: BaseException, *, rank: Optional[int] = None, step: Optional[int] = None, where: str = "engine"
+) -> InternalError:
     """``exc`` (not a :class:`DearoptError`) as an :class:`InternalError` naming the rank, the step and where it
     was raised, ``exc`` its ``__cause__``."""
     text = str(exc).strip() or "(no message)"
-    error = InternalError(f"an unexpected {type(exc).__name__} was raised inside dearopt ({where}): {text}",
-                          rank=rank, step=step, where=where)
+    error = InternalError(
+        f"an unexpected {type(exc).__name__} was raised inside dearopt ({where}): {text}",
+        rank=rank,
+        step=step,
+        where=where,
+    )
     error.__cause__ = exc
     return error
 

@@ -69,14 +69,21 @@ GATHERED_STEPS_TO_ADAPT = 2
 step (torch's clip, ``GradScaler.unscale_``), so the gathers cannot overlap the next forward anyway."""
 
 
-
 class Executor:
     """Carries out a :class:`~dearopt.plan.Plan` for one model and optimizer (see the module)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, backend: CollectiveBackend,
-                 options: Options, buffer_size: int, partition_size: Optional[int] = None,
-                 credit: Optional[int] = None, comm_hook: Optional[CommHook] = None,
-                 on_step_landed: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        backend: CollectiveBackend,
+        options: Options,
+        buffer_size: int,
+        partition_size: Optional[int] = None,
+        credit: Optional[int] = None,
+        comm_hook: Optional[CommHook] = None,
+        on_step_landed: Optional[Callable[[], None]] = None,
+    ):
         self.optimizer = optimizer
         self.model = model
         self.backend = backend
@@ -98,15 +105,22 @@ class Executor:
         self.timeline = Timeline(options.timeline, self.rank)
         self.checks = Checks(options, self.control, self.rank, self.world)
         self.updater = BucketUpdater(optimizer)
-        self.sharding = ShardedUpdate(optimizer, self.control, self.rank, self.world) \
-            if options.shard_optimizer else None
+        self.sharding = (
+            ShardedUpdate(optimizer, self.control, self.rank, self.world) if options.shard_optimizer else None
+        )
         policy = options.policy
-        self.profile = ReadyProfile(options.priority or policy.needs_profile
-                                    or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")),
-                                    every=options.link_check_every)
+        self.profile = ReadyProfile(
+            options.priority
+            or policy.needs_profile
+            or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")),
+            every=options.link_check_every,
+        )
         self.on_step_landed = on_step_landed
-        self.planner = Planner(self, PlanKnobs(buffer_size, partition_size, credit, options.allreduce),
-                               LinkMonitor() if options.link_check_every else None)
+        self.planner = Planner(
+            self,
+            PlanKnobs(buffer_size, partition_size, credit, options.allreduce),
+            LinkMonitor() if options.link_check_every else None,
+        )
         self.bound: Optional[BoundPlan] = None  # the plan on the tensors (set by _build_plan)
         self.issuer: Optional[Issuer] = None
         if options.policy.delays_updates:  # a step's gradients may be applied at a later step (deft)
@@ -183,8 +197,13 @@ class Executor:
     def _root_post_hook(self, module, args, output) -> None:
         """A training forward ended: where this step's backward will leave ``p.grad`` without the average, the
         gradient guard goes on the stack here, on the thread that runs the user's code (armed when backward ends)."""
-        if (module.training and torch.is_grad_enabled() and (self.bound is None or self.bound.grad_params)
-                and not self.no_sync and self.accumulated + 1 >= self.options.backward_passes_per_step):
+        if (
+            module.training
+            and torch.is_grad_enabled()
+            and (self.bound is None or self.bound.grad_params)
+            and not self.no_sync
+            and self.accumulated + 1 >= self.options.backward_passes_per_step
+        ):
             self.hooks.grad_guard.push()
 
     def _module_pre_hook(self, module, args) -> None:
@@ -192,8 +211,9 @@ class Executor:
         self.rounds.module_reached(module)
 
     # ------------------------------------------------------------- planning
-    def _build_plan(self, trainable: Optional[List[torch.nn.Parameter]] = None,
-                    reuse: Sequence[BucketState] = ()) -> set:
+    def _build_plan(
+        self, trainable: Optional[List[torch.nn.Parameter]] = None, reuse: Sequence[BucketState] = ()
+    ) -> set:
         """Plan for ``trainable`` (by default the trainable set now) and swap the bound plan whole.  A re-plan
         passes the old buckets as ``reuse``: one the new plan lays out alike is kept as it is; returns the ids of
         those kept."""
@@ -207,10 +227,21 @@ class Executor:
         def make_issuer(plan, buckets):
             if self.sparse is not None:  # the residuals follow their parameters into the new buckets
                 position = {id(p): i for i, p in enumerate(self.model.parameters())}
-                self.sparse.bind(buckets, [[position.get(id(p), -1 - i) for i, p in enumerate(b.params)]
-                                           for b in buckets])
-            issuer = Issuer(plan, buckets, self.backend, planner.window, self.comm_hook, self.timeline,
-                            prepare=self._write_meta, control=self.control, rows=planner.rows, sparse=self.sparse)
+                self.sparse.bind(
+                    buckets, [[position.get(id(p), -1 - i) for i, p in enumerate(b.params)] for b in buckets]
+                )
+            issuer = Issuer(
+                plan,
+                buckets,
+                self.backend,
+                planner.window,
+                self.comm_hook,
+                self.timeline,
+                prepare=self._write_meta,
+                control=self.control,
+                rows=planner.rows,
+                sparse=self.sparse,
+            )
             issuer.launch_log = planner.launch_log
             return issuer
 
@@ -223,17 +254,28 @@ class Executor:
         """The plans worth measuring against each other (:meth:`dearopt.binding.Planner.choices`)."""
         return self.planner.choices(self.plan, self.gradients.reads)
 
-    def replan(self, buffer_size: Optional[int] = None, partition_size: Optional[int] = None,
-               credit: Optional[int] = None, allreduce: Union[float, str, None] = None,
-               blocks: Optional[bool] = None, _inside_backward: bool = False) -> None:
+    def replan(
+        self,
+        buffer_size: Optional[int] = None,
+        partition_size: Optional[int] = None,
+        credit: Optional[int] = None,
+        allreduce: Union[float, str, None] = None,
+        blocks: Optional[bool] = None,
+        _inside_backward: bool = False,
+    ) -> None:
         """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly.  ``blocks``:
         form the buckets as Prophet's blocks from the profile (True) or by ``buffer_size`` (False)."""
         self.synchronize()
         if self.state is TrainingState.REDUCING or (self.state is TrainingState.BACKWARD and not _inside_backward):
             raise UsageError("replan() must be called between step() and the next backward()")
         self.rounds.may_replan()
-        self.planner.change(buffer_size=buffer_size, partition_size=partition_size, credit=credit,
-                            allreduce=allreduce, blocks=None if blocks is None else bool(blocks))
+        self.planner.change(
+            buffer_size=buffer_size,
+            partition_size=partition_size,
+            credit=credit,
+            allreduce=allreduce,
+            blocks=None if blocks is None else bool(blocks),
+        )
         if self.bound is None:  # nothing recorded yet: the first plan will use the new knobs
             return
         if self.sharding is not None:  # the state back in the ordinary layout; the new buckets cut it anew
@@ -274,8 +316,14 @@ class Executor:
         backward (the gathers cannot overlap the next forward anyway, and one collective costs less than two).
         Called at a step boundary on every rank; True if it re-planned."""
         g = self.gradients
-        if (g.reads or g.gathered_steps < GATHERED_STEPS_TO_ADAPT or self.sharding is not None or self.world == 1
-                or self.options.allreduce not in ("auto", "predicted") or not self.options.policy.mixes_allreduce):
+        if (
+            g.reads
+            or g.gathered_steps < GATHERED_STEPS_TO_ADAPT
+            or self.sharding is not None
+            or self.world == 1
+            or self.options.allreduce not in ("auto", "predicted")
+            or not self.options.policy.mixes_allreduce
+        ):
             return False
         g.reads = True
         if self.rank == 0:
@@ -284,7 +332,10 @@ class Executor:
                 "clip_grad_norm_, GradScaler.unscale_, ...): each time every bucket's reduction was finished "
                 "first. Re-planned with every bucket all-reduced in backward (DDP's plan). "
                 "optimizer.clip_grad_norm_(...) and optimizer.unscale_(scaler) act on the averaged shards and keep "
-                "schedule=%r's overlap.", g.gathered_steps, self.options.schedule)
+                "schedule=%r's overlap.",
+                g.gathered_steps,
+                self.options.schedule,
+            )
         self.replan(allreduce=1.0, blocks=False)
         return True
 
@@ -353,8 +404,10 @@ class Executor:
         bpps = self.options.backward_passes_per_step
         if self.bound is None or self.accumulated == 0:
             raise UsageError(f"cannot {what}: no backward() since the last step(); call loss.backward() first")
-        raise UsageError(f"cannot {what}: only {self.accumulated} of backward_passes_per_step={bpps} backward "
-                         f"passes were run (or they ran inside no_sync())")
+        raise UsageError(
+            f"cannot {what}: only {self.accumulated} of backward_passes_per_step={bpps} backward "
+            f"passes were run (or they ran inside no_sync())"
+        )
 
     _require_gradients = require_gradients
 

@@ -55,9 +55,12 @@ def record_forward_order(model: torch.nn.Module, run: Callable[[], object]) -> L
     return recorder.stop()
 
 
-def parameters_in_forward_order(model: torch.nn.Module, modules: Sequence[torch.nn.Module],
-                                include: Iterable[torch.nn.Parameter],
-                                extra: Optional[Dict[int, List[torch.Tensor]]] = None) -> List[torch.nn.Parameter]:
+def parameters_in_forward_order(
+    model: torch.nn.Module,
+    modules: Sequence[torch.nn.Module],
+    include: Iterable[torch.nn.Parameter],
+    extra: Optional[Dict[int, List[torch.Tensor]]] = None,
+) -> List[torch.nn.Parameter]:
     """The parameters in ``include``, ordered by the first of ``modules`` that owns them, then by the model.
 
     ``extra`` maps ``id(module)`` to tensors that stand for that module's use of
@@ -82,5 +85,7 @@ def parameters_in_forward_order(model: torch.nn.Module, modules: Sequence[torch.
 
 def param_specs(params: Sequence[torch.nn.Parameter], names: Dict[int, str]) -> List[ParamSpec]:
     """What the planner needs of each parameter; ``names`` maps ``id(p)`` to its name."""
-    return [ParamSpec(names.get(id(p), f"param{i}"), p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
-            for i, p in enumerate(params)]
+    return [
+        ParamSpec(names.get(id(p), f"param{i}"), p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
+        for i, p in enumerate(params)
+    ]

@@ -17,8 +17,15 @@ import torch
 from . import runtime
 from .errors import PlanMismatchError, StepMismatchError, UsageError
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce", "broadcast_tensors",
-           "check_same_model", "no_sync"]
+__all__ = [
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "broadcast_object",
+    "allreduce",
+    "broadcast_tensors",
+    "check_same_model",
+    "no_sync",
+]
 
 
 _OP_CODES = {"allreduce": 1, "broadcast": 2, "broadcast_object": 3, "check_model": 4}
@@ -43,10 +50,16 @@ def _agree(op: str, numel: int = 0, dtype: torch.dtype = None, root: int = 0) ->
     rows = everyone.view(backend.size, -1).tolist()
     if any(row != rows[0] for row in rows):
         names = {v: k for k, v in _OP_CODES.items()}
-        seen = "; ".join(f"rank {r}: #{row[0]} {names.get(row[1], row[1])} of {row[2]} elements, root {row[4]}"
-                         for r, row in enumerate(rows))
-        raise StepMismatchError(f"ranks issued different collectives ({seen}): a rank ran an extra or a different "
-                                f"dearopt collective", rank=backend.rank, op=op, step=seq)
+        seen = "; ".join(
+            f"rank {r}: #{row[0]} {names.get(row[1], row[1])} of {row[2]} elements, root {row[4]}"
+            for r, row in enumerate(rows)
+        )
+        raise StepMismatchError(
+            f"ranks issued different collectives ({seen}): a rank ran an extra or a different dearopt collective",
+            rank=backend.rank,
+            op=op,
+            step=seq,
+        )
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, backend=None, **where) -> None:
@@ -69,7 +82,7 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, backe
         with torch.no_grad():
             for t in group:
                 n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
+                t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n
 
 
@@ -87,10 +100,10 @@ def broadcast_buffers_as_bytes(model: torch.nn.Module, backend, step: int) -> No
         offset += -(-nbytes // 8) * 8
     flat = torch.zeros(offset, dtype=torch.uint8, device=backend.device)
     for b, (start, nbytes) in zip(buffers, spans):
-        flat[start:start + nbytes].copy_(b.detach().reshape(-1).view(torch.uint8))
+        flat[start : start + nbytes].copy_(b.detach().reshape(-1).view(torch.uint8))
     backend.broadcast(flat, 0, step=step).wait()
     for b, (start, nbytes) in zip(buffers, spans):
-        b.copy_(flat[start:start + nbytes].view(b.dtype).view_as(b))
+        b.copy_(flat[start : start + nbytes].view(b.dtype).view_as(b))
 
 
 def _named_tensors(target) -> List[Tuple[str, torch.Tensor]]:
@@ -109,8 +122,9 @@ def _named_tensors(target) -> List[Tuple[str, torch.Tensor]]:
     )
 
 
-def broadcast_parameters(model_or_state_dict: Union[torch.nn.Module, Dict[str, torch.Tensor], Iterable],
-                         root_rank: int = 0, backend=None) -> None:
+def broadcast_parameters(
+    model_or_state_dict: Union[torch.nn.Module, Dict[str, torch.Tensor], Iterable], root_rank: int = 0, backend=None
+) -> None:
     """Copy ``root_rank``'s parameters and buffers into every rank's, in place (``backend``: see
     :func:`broadcast_tensors`)."""
     named = _named_tensors(model_or_state_dict)
@@ -121,9 +135,7 @@ def broadcast_parameters(model_or_state_dict: Union[torch.nn.Module, Dict[str, t
     unique: Dict[int, torch.Tensor] = {}
     for _, t in named:
         unique.setdefault(id(t), t)
-    broadcast_tensors(
-        [t.data if isinstance(t, torch.nn.Parameter) else t for t in unique.values()], root_rank, backend
-    )
+    broadcast_tensors([t.data if isinstance(t, torch.nn.Parameter) else t for t in unique.values()], root_rank, backend)
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, backend=None) -> Any:
@@ -213,7 +225,7 @@ def _gather_objects(backend, obj) -> List[Any]:
     lengths = lengths.tolist()
     longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[:payload.numel()] = payload
+    mine[: payload.numel()] = payload
     everyone = torch.empty(longest * backend.size, dtype=torch.uint8, device=backend.device)
     backend.all_gather(everyone, mine.to(backend.device), op="check_model").wait()
     rows = everyone.cpu().view(backend.size, longest)
@@ -255,8 +267,9 @@ def _differences(ref: dict, other: dict, r: int) -> List[str]:
     if ref["groups"] != other["groups"]:
         sizes_ref, sizes_other = [len(g) for g in ref["groups"]], [len(g) for g in other["groups"]]
         if sizes_ref != sizes_other:
-            out.append(f"the optimizer's param groups hold {sizes_other} parameters on rank {r} and {sizes_ref} on "
-                       f"rank 0")
+            out.append(
+                f"the optimizer's param groups hold {sizes_other} parameters on rank {r} and {sizes_ref} on rank 0"
+            )
         else:
             out.append(f"the optimizer's param groups hold other parameters on rank {r} than on rank 0")
     return out or [f"rank {r}'s model or optimizer differs from rank 0's"]
@@ -280,16 +293,23 @@ def check_same_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
     if own:  # part of the helper collectives' sequence: an extra or a missing one is a StepMismatchError
         seq = _sequence.get(backend, 0)
         _sequence[backend] = seq + 1
-    header = torch.tensor([seq, _OP_CODES["check_model"], len(description["tensors"]), _fingerprint(description)],
-                          dtype=torch.int64, device=backend.device)
+    header = torch.tensor(
+        [seq, _OP_CODES["check_model"], len(description["tensors"]), _fingerprint(description)],
+        dtype=torch.int64,
+        device=backend.device,
+    )
     everyone = torch.empty(backend.size * header.numel(), dtype=torch.int64, device=backend.device)
     backend.all_gather(everyone, header, op="check_model", step=None if seq < 0 else seq).wait()
     rows = everyone.view(backend.size, -1).tolist()
     if any(row[:2] != rows[0][:2] for row in rows):
         names = {v: k for k, v in _OP_CODES.items()}
         seen = "; ".join(f"rank {r}: #{row[0]} {names.get(row[1], row[1])}" for r, row in enumerate(rows))
-        raise StepMismatchError(f"ranks issued different collectives ({seen}): a rank ran an extra or a different "
-                                f"dearopt collective", rank=backend.rank, op="check_model", step=seq)
+        raise StepMismatchError(
+            f"ranks issued different collectives ({seen}): a rank ran an extra or a different dearopt collective",
+            rank=backend.rank,
+            op="check_model",
+            step=seq,
+        )
     differing = [r for r, row in enumerate(rows) if row[2:] != rows[0][2:]]
     if not differing:
         return
@@ -299,7 +319,9 @@ def check_same_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
         f"the ranks built different models or optimizers: ranks {differing} differ from rank 0: "
         f"{'; '.join(details[:8])}{'; ...' if len(details) > 8 else ''}. Every rank must build the same model and "
         f"wrapped optimizer (the same parameters, shapes, dtypes and param groups) before DistOptim",
-        rank=backend.rank, op="check_model")
+        rank=backend.rank,
+        op="check_model",
+    )
 
 
 # ------------------------------------------------------------------ every DistOptim of a model
@@ -334,8 +356,10 @@ def no_sync(model: torch.nn.Module):
         raise TypeError(f"dearopt.no_sync expects the model (an nn.Module), got {type(model).__name__}")
     optimizers = distoptims_of(model)
     if not optimizers:
-        raise UsageError(f"dearopt.no_sync(model): no DistOptim was built on this {type(model).__name__} or on a "
-                         f"module inside it; pass the model given to DistOptim (or one that contains it)")
+        raise UsageError(
+            f"dearopt.no_sync(model): no DistOptim was built on this {type(model).__name__} or on a "
+            f"module inside it; pass the model given to DistOptim (or one that contains it)"
+        )
     with contextlib.ExitStack() as stack:
         for opt in optimizers:
             stack.enter_context(opt.no_sync())
@@ -343,8 +367,11 @@ def no_sync(model: torch.nn.Module):
 
 
 def _distoptim_text(executor, number: Optional[int] = None, count: Optional[int] = None) -> str:
-    names = [executor.planner.names.get(id(p), f"<shape {tuple(p.shape)}>")
-             for group in executor.optimizer.param_groups for p in group["params"]]
+    names = [
+        executor.planner.names.get(id(p), f"<shape {tuple(p.shape)}>")
+        for group in executor.optimizer.param_groups
+        for p in group["params"]
+    ]
     which = f"DistOptim {number} of {count} on this model" if number is not None and count > 1 else "this DistOptim"
     return f"{which} ({type(executor.optimizer).__name__} over {_names(names)})"
 
@@ -356,13 +383,17 @@ def second_backward_refusal(executor) -> UsageError:
     number = next((i + 1 for i, opt in enumerate(mates) if opt._executor is executor), None)
     me = _distoptim_text(executor, number, len(mates))
     held = [(i + 1, opt) for i, opt in enumerate(mates) if opt._executor is not executor and opt._executor.no_sync]
-    message = (f"backward() was called again after {me} sent the gradients of this step "
-               f"(backward_passes_per_step={executor.options.backward_passes_per_step}); call step() first, or "
-               f"accumulate inside `with dearopt.no_sync(model):`, which holds back every DistOptim of the model")
+    message = (
+        f"backward() was called again after {me} sent the gradients of this step "
+        f"(backward_passes_per_step={executor.options.backward_passes_per_step}); call step() first, or "
+        f"accumulate inside `with dearopt.no_sync(model):`, which holds back every DistOptim of the model"
+    )
     if held:
         others = "; ".join(_distoptim_text(opt._executor, i, len(mates)) for i, opt in held)
-        message += (f" (`optimizer.no_sync()` holds back only its own optimizer: {others} accumulated inside its "
-                    f"own no_sync(), this one did not)")
+        message += (
+            f" (`optimizer.no_sync()` holds back only its own optimizer: {others} accumulated inside its "
+            f"own no_sync(), this one did not)"
+        )
     else:
         message += " (or `with optimizer.no_sync():` for this optimizer alone)"
     return UsageError(f"{message} [rank {executor.rank}, step {executor.step_count}]")

@@ -132,15 +132,18 @@ class AveragedGradients:
         from torch.amp.grad_scaler import OptState
 
         if self.engine.sparse is not None:
-            raise UsageError("GradScaler is not supported with comm_hook=dearopt.Sparsify(...): the residuals "
-                             "(error feedback) would carry gradients scaled differently from step to step, and a "
-                             "skipped step would lose what it selected")
+            raise UsageError(
+                "GradScaler is not supported with comm_hook=dearopt.Sparsify(...): the residuals "
+                "(error feedback) would carry gradients scaled differently from step to step, and a "
+                "skipped step would lose what it selected"
+            )
         state = scaler._per_optimizer_states[key]
         if state["stage"] is OptState.READY and unscale:
             inv_scale = scaler._scale.double().reciprocal().float()
             found = self.unscale_and_check(inv_scale)
-            state["found_inf_per_device"] = {scaler._scale.device: torch.full((), float(found),
-                                                                               device=scaler._scale.device)}
+            state["found_inf_per_device"] = {
+                scaler._scale.device: torch.full((), float(found), device=scaler._scale.device)
+            }
             state["stage"] = OptState.UNSCALED
         elif state["stage"] is OptState.UNSCALED and not unscale:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -148,8 +151,9 @@ class AveragedGradients:
 
     def _check_not_unscaled(self) -> None:
         if self.unscaled_at == self.engine.step_count:
-            raise UsageError("unscale_() was already called since the last step(); the gradients would be divided "
-                             "twice")
+            raise UsageError(
+                "unscale_() was already called since the last step(); the gradients would be divided twice"
+            )
 
     def mark_written(self) -> None:
         """Clipping or unscaling wrote to the averaged gradients after their averaging pass."""
@@ -166,8 +170,10 @@ class AveragedGradients:
         shards = [r for r, is_shard in regions if is_shard]
         whole = [r for r, is_shard in regions if not is_shard]
         if norm_type == math.inf:
+
             def local_max(rs):
                 return max((float(r.abs().max()) for r in rs if r.numel()), default=0.0)
+
             total = torch.tensor([local_max(shards)], dtype=torch.float64, device=device)
             if shards and e.world > 1:
                 e.control.all_reduce(total, "max", step=e.step_count).wait()
@@ -175,6 +181,7 @@ class AveragedGradients:
 
         def local_sum(rs):
             return float(sum(r.double().abs().pow(norm_type).sum() for r in rs)) if rs else 0.0
+
         total = torch.tensor([local_sum(shards)], dtype=torch.float64, device=device)
         if shards and e.world > 1:
             e.control.all_reduce(total, "sum", step=e.step_count).wait()
@@ -206,7 +213,10 @@ class AveragedGradients:
                 f"{exc}. This rank read p.grad between backward() and step(), which gathers the averaged gradients "
                 f"(every rank must take part); if only this rank reads it (a log line under `if rank == 0`), the "
                 f"others wait in step() meanwhile: read p.grad on every rank, or after step()",
-                rank=e.rank, op="gather p.grad", step=r.step) from exc
+                rank=e.rank,
+                op="gather p.grad",
+                step=r.step,
+            ) from exc
         r.gathered = r.written = True
         for b in e.buckets:
             b.mark_seen()
@@ -220,9 +230,9 @@ class AveragedGradients:
             for piece in b.pieces:
                 if scratch is None or scratch.numel() < piece.full.numel() or scratch.dtype != piece.full.dtype:
                     scratch = torch.empty(piece.full.numel(), dtype=piece.full.dtype, device=piece.full.device)
-                out = scratch[:piece.full.numel()]
+                out = scratch[: piece.full.numel()]
                 e.backend.all_gather(out, piece.shard, bucket=b.index, step=e.round.step).wait()
-                piece.full_grad.copy_(out[:piece.full_grad.numel()])
+                piece.full_grad.copy_(out[: piece.full_grad.numel()])
 
     def take_user_gradients(self) -> None:
         """At step() after the averages were gathered into ``p.grad``: what the user's code left there (changed
@@ -253,9 +263,12 @@ class AveragedGradients:
             if e.world == 1:  # with one rank the "reduction" was a copy: take the changed gradients again
                 self._retake_local(b)
                 continue
-            what = (f"the .grad of {replaced[:3]} was replaced by another tensor" if replaced else
-                    f"a gradient of bucket {b.index} ({', '.join(b.names[:3])}{', ...' if len(b.names) > 3 else ''}) "
-                    f"was changed in place")
+            what = (
+                f"the .grad of {replaced[:3]} was replaced by another tensor"
+                if replaced
+                else f"a gradient of bucket {b.index} ({', '.join(b.names[:3])}{', ...' if len(b.names) > 3 else ''}) "
+                f"was changed in place"
+            )
             raise UsageError(
                 f"{what} between backward() and step(), but under schedule={e.options.schedule!r} p.grad holds "
                 f"this rank's own gradient while the average travels or is kept as shards, so the change would "
@@ -263,7 +276,8 @@ class AveragedGradients:
                 f"then gathers the average into every p.grad, as torch's clip_grad_norm_ and GradScaler.unscale_ "
                 f"find it), or call optimizer.clip_grad_norm_(...), optimizer.clip_grad_value_(...) or "
                 f"optimizer.unscale_(scaler), which act on the averaged gradients [rank {e.rank}, step "
-                f"{e.step_count}]")
+                f"{e.step_count}]"
+            )
 
     @staticmethod
     def _retake_local(bucket: BucketState) -> None:
@@ -291,8 +305,12 @@ class AveragedGradients:
         flags, summed = [], []
         for op in bound.checked_at_step:
             b = op.spec.bucket
-            if (op.nonfinite is not None and not r.written and b not in combined_into
-                    and b not in bound.final_after_backward):
+            if (
+                op.nonfinite is not None
+                and not r.written
+                and b not in combined_into
+                and b not in bound.final_after_backward
+            ):
                 flags.append(op.nonfinite)
             else:
                 summed.append(op.piece.region(op.spec.result))
@@ -317,8 +335,10 @@ class AveragedGradients:
             e.optimizer.zero_grad(set_to_none=set_to_none)
             return
         if e.state is TrainingState.REDUCING:
-            raise UsageError("zero_grad() was called after backward() and before step(): the gradients being "
-                             "communicated would be lost; call it before backward() or after step()")
+            raise UsageError(
+                "zero_grad() was called after backward() and before step(): the gradients being "
+                "communicated would be lost; call it before backward() or after step()"
+            )
         for bucket in e.buckets:
             if bucket.pending:
                 bucket.zero_after_update = bool(set_to_none)  # zeroed right after its update

@@ -114,8 +114,10 @@ class EngineHooks:
         self.grad_guard = GradientGuard(EngineHook(engine._gradients_requested))
         self.sparse_ids: set = set()  # parameters autograd gave a sparse gradient
         self._engine = weakref.ref(engine)
-        self._handles = [model.register_forward_pre_hook(EngineHook(engine._root_pre_hook)),
-                         model.register_forward_hook(EngineHook(engine._root_post_hook))]
+        self._handles = [
+            model.register_forward_pre_hook(EngineHook(engine._root_pre_hook)),
+            model.register_forward_hook(EngineHook(engine._root_post_hook)),
+        ]
         # every module with parameters of its own, also those outside the optimizer now: a group added later
         # (add_param_group) must find its modules in the recorded forward order and their updates applied in time
         for module in model.modules():

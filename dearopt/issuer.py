@@ -36,8 +36,7 @@ __all__ = ["CreditWindow", "OpState", "Issuer"]
 class OpState:
     """A planned collective bound to its piece, with its handle for the current round."""
 
-    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at", "nonfinite",
-                 "hook")
+    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at", "nonfinite", "hook")
 
     def __init__(self, position: int, spec: CommOp, piece):
         self.position = position
@@ -106,10 +105,19 @@ class CreditWindow:
 class Issuer:
     """Carries out the ops of one plan: the order cursor, the credit window, completion."""
 
-    def __init__(self, plan: Plan, buckets: Sequence[BucketState], backend: CollectiveBackend,
-                 window: CreditWindow, hook: Optional[CommHook], timeline: Timeline,
-                 prepare: Callable[[BucketState], None], control: Optional[CollectiveBackend] = None,
-                 rows: Optional[CommHook] = None, sparse: Optional[CommHook] = None):
+    def __init__(
+        self,
+        plan: Plan,
+        buckets: Sequence[BucketState],
+        backend: CollectiveBackend,
+        window: CreditWindow,
+        hook: Optional[CommHook],
+        timeline: Timeline,
+        prepare: Callable[[BucketState], None],
+        control: Optional[CollectiveBackend] = None,
+        rows: Optional[CommHook] = None,
+        sparse: Optional[CommHook] = None,
+    ):
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
@@ -171,16 +179,27 @@ class Issuer:
             self._prepare(piece.bucket)
             if self.first_reduction_at is None:
                 self.first_reduction_at = time.perf_counter()
-        op.handle, op.ctx = op.hook.start(op, Link(self.backend, self.control, dict(bucket=spec.bucket,
-                                                                                      step=self.step)))
+        op.handle, op.ctx = op.hook.start(
+            op, Link(self.backend, self.control, dict(bucket=spec.bucket, step=self.step))
+        )
         piece.bucket.mark_seen()  # an in-place collective counts as the engine's write
         op.started_at = time.perf_counter()
         self.window.add(op)
         self.launch_log.append((self.step, spec.kind, spec.bucket, spec.piece))
         self.timeline.begin(("comm", op.position), spec.kind, "comm", bucket=spec.bucket, piece=spec.piece)
 
-    def send(self, tensor: torch.Tensor, *, bucket: int, piece: int, step: int, link=None,
-             shard: Optional[torch.Tensor] = None, label: str = "all_reduce", **span) -> Handle:
+    def send(
+        self,
+        tensor: torch.Tensor,
+        *,
+        bucket: int,
+        piece: int,
+        step: int,
+        link=None,
+        shard: Optional[torch.Tensor] = None,
+        label: str = "all_reduce",
+        **span,
+    ) -> Handle:
         """Start a sum over ranks that the plan does not list as an op of its own: a schedule whose sends cross
         iterations (``deft``'s groups) says what goes when, and the issuer starts it as it starts the plan's
         ops (logged in :attr:`launch_log`, a timeline span until :meth:`poll_sends` sees it complete).  ``link``:
@@ -217,15 +236,22 @@ class Issuer:
         if op.done:
             return
         if op.handle is None:
-            raise RuntimeError(f"op {op.position} ({op.spec}) is completed before it started: the plan's order "
-                               f"and its due moments disagree")
+            raise RuntimeError(
+                f"op {op.position} ({op.spec}) is completed before it started: the plan's order "
+                f"and its due moments disagree"
+            )
         t0 = self.timeline.now()
         if host:
             op.handle.synchronize()
         else:
             op.handle.wait()
-        self.timeline.span("wait reduce" if op.spec.reduces else "wait all_gather", "wait", t0, bucket=op.spec.bucket,
-                           piece=op.spec.piece)
+        self.timeline.span(
+            "wait reduce" if op.spec.reduces else "wait all_gather",
+            "wait",
+            t0,
+            bucket=op.spec.bucket,
+            piece=op.spec.piece,
+        )
         self.timeline.end(("comm", op.position))
         piece, spec = op.piece, op.spec
         result = piece.region(spec.result)
@@ -251,8 +277,9 @@ class Issuer:
             return None
         inverse = self._inverse.get(result.device)
         if inverse is None:
-            inverse = self._inverse[result.device] = torch.full((1,), 1.0 / self.world, dtype=torch.float32,
-                                                                device=result.device)
+            inverse = self._inverse[result.device] = torch.full(
+                (1,), 1.0 / self.world, dtype=torch.float32, device=result.device
+            )
         found = torch.zeros(1, dtype=torch.float32, device=result.device)
         if result.numel():
             try:
@@ -265,15 +292,18 @@ class Issuer:
     def observe(self) -> None:
         """Note when started ops are first seen finished (for the link's busy time)."""
         now = time.perf_counter()
-        for op in self.ops[:self.cursor]:
+        for op in self.ops[: self.cursor]:
             if op.finished_at is None and op.handle.is_completed():
                 op.finished_at = now
 
     def reduction_services(self) -> List[Tuple[int, float]]:
         """``(bytes, seconds)`` of each finished reduction: from its start, or the end of the one before it
         (the link carries one at a time), to its observed end."""
-        spans = sorted((op.started_at, op.finished_at, op.nbytes) for op in self.ops[:self.cursor]
-                       if op.spec.reduces and op.finished_at is not None)
+        spans = sorted(
+            (op.started_at, op.finished_at, op.nbytes)
+            for op in self.ops[: self.cursor]
+            if op.spec.reduces and op.finished_at is not None
+        )
         services, free = [], 0.0
         for start, end, nbytes in spans:
             services.append((nbytes, max(end - max(start, free), 0.0)))
@@ -282,7 +312,7 @@ class Issuer:
 
     def complete_started(self) -> None:
         """Complete every op started this round, and start no other (a skipped step)."""
-        for op in self.ops[:self.cursor]:
+        for op in self.ops[: self.cursor]:
             self.complete(op)
 
     def force_and_complete(self, ops: Sequence[OpState], may_start, *, host: bool = False) -> None:

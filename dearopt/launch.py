@@ -61,8 +61,13 @@ class LaunchInfo:
 _LAUNCHERS = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("horovod", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
@@ -150,10 +155,14 @@ def _horovod_rendezvous_server(env: Mapping[str, str]) -> Optional[Tuple[str, in
     if addr is None and port is None:
         return None
     if addr is None or port is None:
-        have, lack = (("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT") if addr
-                      else ("HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_ADDR"))
-        raise LaunchEnvironmentError(f"{have} is set but {lack} is not: horovodrun sets both (the address of "
-                                     "its rendezvous server)")
+        have, lack = (
+            ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+            if addr
+            else ("HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        )
+        raise LaunchEnvironmentError(
+            f"{have} is set but {lack} is not: horovodrun sets both (the address of its rendezvous server)"
+        )
     if not 0 < port < 65536:
         raise LaunchEnvironmentError(f"HOROVOD_GLOO_RENDEZVOUS_PORT={port} is not a TCP port")
     return addr, port
@@ -168,8 +177,14 @@ def _horovod_rendezvous_server(env: Mapping[str, str]) -> Optional[Tuple[str, in
 _KV_REQUEST_TIMEOUT = 5.0
 
 
-def _kv_request(server: Tuple[str, int], method: str, scope: str, key: str, body: Optional[bytes] = None,
-                timeout: float = _KV_REQUEST_TIMEOUT):
+def _kv_request(
+    server: Tuple[str, int],
+    method: str,
+    scope: str,
+    key: str,
+    body: Optional[bytes] = None,
+    timeout: float = _KV_REQUEST_TIMEOUT,
+):
     if "/" in scope or "/" in key:
         raise ValueError(f"scope and key may not contain '/': {scope!r}, {key!r}")
     conn = http.client.HTTPConnection(server[0], server[1], timeout=timeout)
@@ -184,8 +199,8 @@ def _kv_request(server: Tuple[str, int], method: str, scope: str, key: str, body
 
 def _kv_error(server, what: str, exc: BaseException) -> LaunchEnvironmentError:
     return LaunchEnvironmentError(
-        f"horovodrun's rendezvous server at {server[0]}:{server[1]} (HOROVOD_GLOO_RENDEZVOUS_ADDR/_PORT) "
-        f"{what}: {exc}")
+        f"horovodrun's rendezvous server at {server[0]}:{server[1]} (HOROVOD_GLOO_RENDEZVOUS_ADDR/_PORT) {what}: {exc}"
+    )
 
 
 def kv_put(server: Tuple[str, int], scope: str, key: str, value: bytes, timeout: float = 30.0) -> None:
@@ -193,8 +208,14 @@ def kv_put(server: Tuple[str, int], scope: str, key: str, value: bytes, timeout:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            status, _ = _kv_request(server, "PUT", scope, key, bytes(value),
-                                    timeout=max(0.1, min(_KV_REQUEST_TIMEOUT, deadline - time.monotonic())))
+            status, _ = _kv_request(
+                server,
+                "PUT",
+                scope,
+                key,
+                bytes(value),
+                timeout=max(0.1, min(_KV_REQUEST_TIMEOUT, deadline - time.monotonic())),
+            )
             if status == 200:
                 return
             problem: BaseException = RuntimeError(f"PUT /{scope}/{key} answered HTTP {status}")
@@ -235,7 +256,9 @@ def kv_wait(server: Tuple[str, int], scope: str, key: str, timeout: float, waiti
         if time.monotonic() >= deadline:
             raise CollectiveTimeoutError(
                 f"waited {timeout:g} s for /{scope}/{key} on horovodrun's rendezvous server at "
-                f"{server[0]}:{server[1]}" + (f" ({waiting_for})" if waiting_for else ""), op="rendezvous")
+                f"{server[0]}:{server[1]}" + (f" ({waiting_for})" if waiting_for else ""),
+                op="rendezvous",
+            )
         time.sleep(pause)
         pause = min(0.1, pause * 2)
 

@@ -48,7 +48,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"dearopt.lightning needs Lightning (the 'lightning' package, lightning.pytorch), which could not be "
-        f"imported ({exc}); install it with: pip install dearopt[lightning]") from exc
+        f"imported ({exc}); install it with: pip install dearopt[lightning]"
+    ) from exc
 
 from . import runtime
 from .errors import UsageError
@@ -58,9 +59,15 @@ from .schedules import get_schedule
 
 __all__ = ["DearStrategy"]
 
-_DISTOPTIM_KWARGS = frozenset(name for name, parameter in inspect.signature(DistOptim.__init__).parameters.items()
-                              if parameter.kind is inspect.Parameter.KEYWORD_ONLY) | set(_MOVED_TO_SCHEDULE) \
+_DISTOPTIM_KWARGS = (
+    frozenset(
+        name
+        for name, parameter in inspect.signature(DistOptim.__init__).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    )
+    | set(_MOVED_TO_SCHEDULE)
     | set(_MOVED_ELSEWHERE)
+)
 """The keyword arguments of ``DistOptim`` that ``DearStrategy(**distoptim_kwargs)`` passes on."""
 
 _STEPS_WE_DRIVE = (Precision.optimizer_step, MixedPrecision.optimizer_step)
@@ -101,8 +108,14 @@ def _launch_environment(rank: int, world_size: int, local_rank: int, local_size:
     cluster environment), which dearopt would read as an incomplete torchrun environment; the variables are
     restored afterwards."""
     saved = {name: os.environ.get(name) for name in _LAUNCH_VARS}
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
-                       "LOCAL_WORLD_SIZE": str(local_size)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_size),
+        }
+    )
     try:
         yield
     finally:
@@ -132,31 +145,50 @@ class DearStrategy(DDPStrategy):
             ``comm_hook``, ``nonfinite``, ...); an unknown name is a ``TypeError`` here.
     """
 
-    def __init__(self, schedule: str = "dear", *, backend: Optional[str] = None,
-                 timeout: Union[float, datetime.timedelta, None] = None,
-                 accelerator: Optional["pl.accelerators.Accelerator"] = None,
-                 parallel_devices: Optional[List[torch.device]] = None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
-                 process_group_backend: Optional[str] = None, start_method: str = "popen",
-                 **distoptim_kwargs: Any) -> None:
+    def __init__(
+        self,
+        schedule: str = "dear",
+        *,
+        backend: Optional[str] = None,
+        timeout: Union[float, datetime.timedelta, None] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: Optional[str] = None,
+        start_method: str = "popen",
+        **distoptim_kwargs: Any,
+    ) -> None:
         unknown = sorted(set(distoptim_kwargs) - _DISTOPTIM_KWARGS)
         if unknown:
-            raise TypeError(f"DearStrategy got unexpected keyword argument(s) {unknown}: it takes Lightning's "
-                            f"strategy arguments and those of dearopt.DistOptim ({sorted(_DISTOPTIM_KWARGS)})")
+            raise TypeError(
+                f"DearStrategy got unexpected keyword argument(s) {unknown}: it takes Lightning's "
+                f"strategy arguments and those of dearopt.DistOptim ({sorted(_DISTOPTIM_KWARGS)})"
+            )
         ddp_timeout = {}
         if timeout is not None:
             seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
             ddp_timeout["timeout"] = datetime.timedelta(seconds=seconds)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         start_method=start_method, **ddp_timeout)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+            **ddp_timeout,
+        )
         self._ddp_kwargs = {}  # no DistributedDataParallel is built
         self.schedule = schedule
         self.distoptim_kwargs: Dict[str, Any] = dict(distoptim_kwargs)
         self._dearopt_backend = backend
-        self._dearopt_timeout = None if timeout is None else (
-            timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout))
+        self._dearopt_timeout = (
+            None
+            if timeout is None
+            else (timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout))
+        )
         self._training_forward: Optional[_TrainingForward] = None
         self._distoptims: List[DistOptim] = []
         self._module_hooks: list = []
@@ -180,9 +212,11 @@ class DearStrategy(DDPStrategy):
         with _launch_environment(self.global_rank, self.world_size, self.local_rank, self.num_processes):
             runtime.init(backend=backend, timeout=self._dearopt_timeout)
         if runtime.size() != self.world_size or runtime.rank() != self.global_rank:
-            raise UsageError(f"dearopt.init() found rank {runtime.rank()} of {runtime.size()}, but Lightning "
-                             f"placed this process as rank {self.global_rank} of {self.world_size}: "
-                             f"call dearopt.shutdown() before this Trainer, or init() in the same job")
+            raise UsageError(
+                f"dearopt.init() found rank {runtime.rank()} of {runtime.size()}, but Lightning "
+                f"placed this process as rank {self.global_rank} of {self.world_size}: "
+                f"call dearopt.shutdown() before this Trainer, or init() in the same job"
+            )
 
     # ------------------------------------------------------------------ model and optimizers
     def configure_ddp(self) -> None:
@@ -195,24 +229,31 @@ class DearStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         if not module.automatic_optimization:
-            raise UsageError("DearStrategy supports automatic optimization only (automatic_optimization=True): "
-                             "under manual optimization backward() and step() run inside training_step, which "
-                             "dearopt follows as the training forward")
+            raise UsageError(
+                "DearStrategy supports automatic optimization only (automatic_optimization=True): "
+                "under manual optimization backward() and step() run inside training_step, which "
+                "dearopt follows as the training forward"
+            )
         super().setup_optimizers(trainer)
         self._training_forward = _TrainingForward(module)
         wrapped = []
         for optimizer in self.optimizers:
             if isinstance(optimizer, DistOptim):
-                raise UsageError("configure_optimizers() returned a dearopt.DistOptim: return the plain torch "
-                                 "optimizer, DearStrategy wraps it")
-            wrapped.append(DistOptim(optimizer, self._training_forward, schedule=self.schedule,
-                                     **self.distoptim_kwargs))
+                raise UsageError(
+                    "configure_optimizers() returned a dearopt.DistOptim: return the plain torch "
+                    "optimizer, DearStrategy wraps it"
+                )
+            wrapped.append(
+                DistOptim(optimizer, self._training_forward, schedule=self.schedule, **self.distoptim_kwargs)
+            )
         self._distoptims = wrapped
         self.optimizers = wrapped
         # model.state_dict() / load_state_dict() apply the pending updates first (dearopt does this for the
         # model it was given, here the training forward around the LightningModule)
-        self._module_hooks = [module.register_state_dict_pre_hook(self._synchronize_hook),
-                              module.register_load_state_dict_pre_hook(self._synchronize_hook)]
+        self._module_hooks = [
+            module.register_state_dict_pre_hook(self._synchronize_hook),
+            module.register_load_state_dict_pre_hook(self._synchronize_hook),
+        ]
 
     def setup_precision_plugin(self) -> None:
         """Lightning's setup, then its gradient clipping routed to each ``DistOptim``'s own clip."""
@@ -226,9 +267,11 @@ class DearStrategy(DDPStrategy):
         clip, on this plugin instance (undone at teardown)."""
         plugin = self.precision_plugin
         if type(plugin).optimizer_step not in _STEPS_WE_DRIVE:
-            raise UsageError(f"DearStrategy does not support the precision plugin {type(plugin).__name__}: it "
-                             f"supports Lightning's Precision, MixedPrecision, HalfPrecision and DoublePrecision "
-                             f"(precision='32-true', '64-true', '16-true', 'bf16-true', '16-mixed', 'bf16-mixed')")
+            raise UsageError(
+                f"DearStrategy does not support the precision plugin {type(plugin).__name__}: it "
+                f"supports Lightning's Precision, MixedPrecision, HalfPrecision and DoublePrecision "
+                f"(precision='32-true', '64-true', '16-true', 'bf16-true', '16-mixed', 'bf16-mixed')"
+            )
         original = plugin.clip_gradients
 
         def clip_gradients(optimizer, clip_val=0.0, gradient_clip_algorithm="norm"):
@@ -283,8 +326,13 @@ class DearStrategy(DDPStrategy):
         with no_sync(self._training_forward):
             yield None
 
-    def optimizer_step(self, optimizer, closure: Callable[[], Any],
-                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
         """The precision plugin's step for a ``DistOptim``: run the closure (forward and backward), unscale
         (16-mixed), Lightning's ``on_before_optimizer_step`` hooks and clipping, then ``DistOptim.step()``
         (which takes no closure)."""

@@ -70,8 +70,9 @@ def torch_dtype_code(dtype: torch.dtype) -> int:
     """The extension's (NCCL's) code for a torch dtype; TypeError when NCCL has none."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        raise TypeError(f"nccl-native: dtype {dtype} is not supported; use one of "
-                        f"{sorted(str(d) for d in _DTYPE_NAMES)}")
+        raise TypeError(
+            f"nccl-native: dtype {dtype} is not supported; use one of {sorted(str(d) for d in _DTYPE_NAMES)}"
+        )
     return _nccl.DTYPES[name]
 
 
@@ -90,8 +91,9 @@ def _blocking_default() -> bool:
 class NcclHandle(Handle):
     """An op in flight on the native communicator; holds its tensors until it is done."""
 
-    def __init__(self, backend: "NcclNativeBackend", handle: int, op: str, where: dict,
-                 tensors: Sequence[torch.Tensor]):
+    def __init__(
+        self, backend: "NcclNativeBackend", handle: int, op: str, where: dict, tensors: Sequence[torch.Tensor]
+    ):
         self._backend = backend
         self._id = handle
         self.op = op
@@ -173,8 +175,16 @@ class NcclNativeBackend(CollectiveBackend):
 
     name = "nccl-native"
 
-    def __init__(self, comm, rank: int, size: int, timeout: float, device: torch.device, group=None,
-                 blocking_wait: Optional[bool] = None):
+    def __init__(
+        self,
+        comm,
+        rank: int,
+        size: int,
+        timeout: float,
+        device: torch.device,
+        group=None,
+        blocking_wait: Optional[bool] = None,
+    ):
         super().__init__(rank, size, timeout)
         self._comm = comm
         self._group = group
@@ -185,8 +195,15 @@ class NcclNativeBackend(CollectiveBackend):
 
     # ------------------------------------------------------------ creation
     @classmethod
-    def create(cls, rank: int, size: int, timeout: float, group=None,
-               device: Optional[torch.device] = None, blocking_wait: Optional[bool] = None) -> "NcclNativeBackend":
+    def create(
+        cls,
+        rank: int,
+        size: int,
+        timeout: float,
+        group=None,
+        device: Optional[torch.device] = None,
+        blocking_wait: Optional[bool] = None,
+    ) -> "NcclNativeBackend":
         """Make a communicator of ``size`` ranks; collective over ``torch.distributed`` when ``size > 1``.
 
         Rank 0 creates the NCCL unique id and broadcasts it over ``group``
@@ -229,8 +246,9 @@ class NcclNativeBackend(CollectiveBackend):
         except _nccl.CudaError as exc:
             raise BackendUnavailableError(f"backend 'nccl-native' cannot use {device}: {exc}") from exc
         except _nccl.NcclTimeoutError as exc:
-            raise CollectiveTimeoutError(f"creating the NCCL communicator timed out: {exc}", rank=rank,
-                                         op="init") from exc
+            raise CollectiveTimeoutError(
+                f"creating the NCCL communicator timed out: {exc}", rank=rank, op="init"
+            ) from exc
         except _nccl.NcclError as exc:
             raise translate_error(exc, rank=rank, op="init") from exc
         return cls(comm, rank, size, timeout, device, group=group, blocking_wait=blocking_wait)
@@ -242,7 +260,8 @@ class NcclNativeBackend(CollectiveBackend):
         if not (dist.is_available() and dist.is_initialized()):
             raise BackendUnavailableError(
                 "backend 'nccl-native' with more than one rank needs torch.distributed initialized "
-                "(dearopt.init does it) to share the NCCL unique id")
+                "(dearopt.init does it) to share the NCCL unique id"
+            )
         n = _nccl.UNIQUE_ID_BYTES
         payload = torch.zeros(1 + n, dtype=torch.uint8)
         failure = None
@@ -258,15 +277,17 @@ class NcclNativeBackend(CollectiveBackend):
         dist.broadcast(wire, src=src, group=group)
         payload = wire.cpu() if on_gpu else wire
         if int(payload[0]) != 1:
-            raise CollectiveError(f"rank 0 could not create an NCCL unique id: {failure or 'see rank 0'}",
-                                  rank=rank, op="init")
+            raise CollectiveError(
+                f"rank 0 could not create an NCCL unique id: {failure or 'see rank 0'}", rank=rank, op="init"
+            )
         return payload[1:].numpy().tobytes()
 
     def fork(self) -> "NcclNativeBackend":
         """A second communicator over the same ranks and device (collective: every rank must call it)."""
         self._check_open("fork", {})
-        return self._track_fork(self._build(self.rank, self.size, self.timeout, self._group, self.device,
-                                            self.blocking_wait))
+        return self._track_fork(
+            self._build(self.rank, self.size, self.timeout, self._group, self.device, self.blocking_wait)
+        )
 
     # --------------------------------------------------------------- state
     @property
@@ -317,8 +338,10 @@ class NcclNativeBackend(CollectiveBackend):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{op}: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device != self.device:
-            raise ValueError(f"{op}: the tensor is on {tensor.device}, but this nccl-native backend uses "
-                             f"{self.device} (backend.device)")
+            raise ValueError(
+                f"{op}: the tensor is on {tensor.device}, but this nccl-native backend uses "
+                f"{self.device} (backend.device)"
+            )
         if not tensor.is_contiguous():
             raise ValueError(f"{op}: tensors must be contiguous")
         return torch_dtype_code(tensor.dtype)
@@ -345,8 +368,7 @@ class NcclNativeBackend(CollectiveBackend):
         if out_shard.numel() == 0:
             return CompletedHandle(op)
         send, recv, n = in_full.data_ptr(), out_shard.data_ptr(), out_shard.numel()
-        return self._issue(op, where, (out_shard, in_full),
-                           lambda s: self._comm.reduce_scatter(send, recv, n, code, s))
+        return self._issue(op, where, (out_shard, in_full), lambda s: self._comm.reduce_scatter(send, recv, n, code, s))
 
     def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, **where) -> Handle:
         op = "all_gather"
@@ -356,8 +378,7 @@ class NcclNativeBackend(CollectiveBackend):
         if in_shard.numel() == 0:
             return CompletedHandle(op)
         send, recv, n = in_shard.data_ptr(), out_full.data_ptr(), in_shard.numel()
-        return self._issue(op, where, (out_full, in_shard),
-                           lambda s: self._comm.all_gather(send, recv, n, code, s))
+        return self._issue(op, where, (out_full, in_shard), lambda s: self._comm.all_gather(send, recv, n, code, s))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", **where) -> Handle:
         name = "all_reduce"

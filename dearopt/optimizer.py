@@ -37,15 +37,27 @@ __all__ = ["DistOptim", "PLAN_CHOICE_STEPS", "PLAN_CHOICE_REMATCH"]
 _WRAPPED = weakref.WeakSet()
 
 
-_MOVED_TO_SCHEDULE = {"first_bucket_size": "first_bucket_size", "embedding_rows": "embedding_rows",
-                      "allreduce": "allreduce", "partition_size": "partition_size", "credit": "credit",
-                      "priority": "priority", "link_check_every": "link_check_every", "profile": "profile",
-                      "deft_schedule": "given", "preserver": "preserver", "deft_links": "links",
-                      "deft_apply": "apply"}
+_MOVED_TO_SCHEDULE = {
+    "first_bucket_size": "first_bucket_size",
+    "embedding_rows": "embedding_rows",
+    "allreduce": "allreduce",
+    "partition_size": "partition_size",
+    "credit": "credit",
+    "priority": "priority",
+    "link_check_every": "link_check_every",
+    "profile": "profile",
+    "deft_schedule": "given",
+    "preserver": "preserver",
+    "deft_links": "links",
+    "deft_apply": "apply",
+}
 """``DistOptim`` keywords that moved onto the schedule object (old name: the schedule's knob)."""
 
-_MOVED_ELSEWHERE = {"check_agreement": "checks='off' (check_agreement=False) or checks='step'",
-                    "debug": "checks='full'", "tuning_steps": "tuner=dearopt.BayesianTuner(knobs, steps_per_trial=N)"}
+_MOVED_ELSEWHERE = {
+    "check_agreement": "checks='off' (check_agreement=False) or checks='step'",
+    "debug": "checks='full'",
+    "tuning_steps": "tuner=dearopt.BayesianTuner(knobs, steps_per_trial=N)",
+}
 
 
 def _moved_keywords(schedule, moved: dict):
@@ -65,11 +77,18 @@ def _moved_keywords(schedule, moved: dict):
             new = _MOVED_ELSEWHERE[old]
         warnings.warn(f"DistOptim({old}=...) is deprecated; pass {new}", DeprecationWarning, stacklevel=3)
     deft_only = [k for k in ("deft_schedule", "deft_links", "deft_apply") if k in moved]
-    if deft_only and not policy.delays_updates and any(
+    if (
+        deft_only
+        and not policy.delays_updates
+        and any(
             not _default(moved[k], {"deft_schedule": None, "deft_links": 1, "deft_apply": "bucket"}[k])
-            for k in deft_only):
-        raise ValueError("deft_schedule=, deft_links= and deft_apply= are for schedule='deft' "
-                         "(now knobs of dearopt.DeFT: given=, links=, apply=)")
+            for k in deft_only
+        )
+    ):
+        raise ValueError(
+            "deft_schedule=, deft_links= and deft_apply= are for schedule='deft' "
+            "(now knobs of dearopt.DeFT: given=, links=, apply=)"
+        )
     knobs = {k: v for k, v in knobs.items() if policy.delays_updates or k not in ("given", "links", "apply")}
     try:
         policy = policy.with_knobs(**knobs) if knobs else policy
@@ -91,23 +110,30 @@ def _check_arguments(optimizer, model):
     if isinstance(optimizer, DistOptim):
         raise UsageError("this optimizer is already a DistOptim; wrap the plain torch optimizer once")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"DistOptim expects a torch.optim.Optimizer as its first argument, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"DistOptim expects a torch.optim.Optimizer as its first argument, got {type(optimizer).__name__}"
+        )
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"DistOptim expects the model (an nn.Module) as its second argument, got "
-                        f"{type(model).__name__}; the model is needed to hook its forward")
+        raise TypeError(
+            f"DistOptim expects the model (an nn.Module) as its second argument, got "
+            f"{type(model).__name__}; the model is needed to hook its forward"
+        )
     if optimizer in _WRAPPED:
         raise UsageError("this optimizer is already wrapped by another DistOptim; wrap each optimizer once")
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise TypeError("LBFGS is not supported: its update couples all parameters and needs a closure that "
-                        "re-evaluates the model, so it cannot be applied bucket by bucket")
+        raise TypeError(
+            "LBFGS is not supported: its update couples all parameters and needs a closure that "
+            "re-evaluates the model, so it cannot be applied bucket by bucket"
+        )
     in_model = {id(p) for p in model.parameters()}
     trainable = 0
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in in_model:
-                raise ValueError(f"param group {gi} of the optimizer holds a parameter of shape {tuple(p.shape)} "
-                                 f"that is not a parameter of the model; pass the model those parameters belong to")
+                raise ValueError(
+                    f"param group {gi} of the optimizer holds a parameter of shape {tuple(p.shape)} "
+                    f"that is not a parameter of the model; pass the model those parameters belong to"
+                )
             trainable += p.requires_grad
     if trainable == 0:
         raise ValueError("the optimizer holds no parameter that requires grad: there is nothing to train")
@@ -169,19 +195,41 @@ class DistOptim(torch.optim.Optimizer):
     per-bucket updates.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
-                 schedule: Union[str, Schedule] = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-                 shard_optimizer: bool = False, comm_hook="auto", backward_passes_per_step: int = 1,
-                 broadcast_parameters: bool = True, broadcast_buffers: bool = True, nonfinite: str = "raise",
-                 checks: str = "step", timeline: Optional[str] = None, tuner=None, backend=None, **moved):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        *,
+        schedule: Union[str, Schedule] = "dear",
+        buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+        shard_optimizer: bool = False,
+        comm_hook="auto",
+        backward_passes_per_step: int = 1,
+        broadcast_parameters: bool = True,
+        broadcast_buffers: bool = True,
+        nonfinite: str = "raise",
+        checks: str = "step",
+        timeline: Optional[str] = None,
+        tuner=None,
+        backend=None,
+        **moved,
+    ):
         _check_arguments(optimizer, model)
         hook = resolve_comm_hook(comm_hook)
         policy, shared, tuning_steps = _moved_keywords(schedule, moved)
-        options = Options(policy, buffer_size, shard_optimizer=shard_optimizer,
-                          backward_passes_per_step=backward_passes_per_step,
-                          broadcast_parameters=broadcast_parameters, broadcast_buffers=broadcast_buffers,
-                          nonfinite=nonfinite, checks=checks, timeline=timeline, sparsify=isinstance(hook, Sparsify),
-                          **shared)
+        options = Options(
+            policy,
+            buffer_size,
+            shard_optimizer=shard_optimizer,
+            backward_passes_per_step=backward_passes_per_step,
+            broadcast_parameters=broadcast_parameters,
+            broadcast_buffers=broadcast_buffers,
+            nonfinite=nonfinite,
+            checks=checks,
+            timeline=timeline,
+            sparsify=isinstance(hook, Sparsify),
+            **shared,
+        )
         if not runtime.is_initialized():
             raise NotInitializedError("call dearopt.init() before creating a DistOptim")
         self._inner = optimizer
@@ -204,8 +252,9 @@ class DistOptim(torch.optim.Optimizer):
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
         partition = None if options.partition_size == "auto" else options.partition_size
         credit_bytes = None if options.credit == "auto" else options.credit
-        self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook,
-                                  on_step_landed=self._step_landed)
+        self._executor = Executor(
+            optimizer, model, engine, options, buffer, partition, credit_bytes, hook, on_step_landed=self._step_landed
+        )
         self._search = PlanSearch(self._executor, tuner, tuning_steps)
         _WRAPPED.add(optimizer)
         functions.register_distoptim(model, self)  # for dearopt.no_sync(model)
@@ -364,8 +413,9 @@ class DistOptim(torch.optim.Optimizer):
         executor = self._executor
         if self._deft("offset") and self._deft("deft") is None:
             return False  # schedule="deft" is still measuring the job
-        if executor.plan is None or (executor.profile.enabled and (executor.profile.result is None
-                                                                  or executor.profile.fresh)):
+        if executor.plan is None or (
+            executor.profile.enabled and (executor.profile.result is None or executor.profile.fresh)
+        ):
             return False
         return self._search.settled
 
@@ -484,14 +534,18 @@ class DistOptim(torch.optim.Optimizer):
         self.synchronize()
         if "dearopt_deft" in state_dict:
             if not self.options.policy.delays_updates:
-                raise UsageError("this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
-                                 "load it into a DistOptim with schedule='deft'")
+                raise UsageError(
+                    "this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
+                    "load it into a DistOptim with schedule='deft'"
+                )
             state_dict = dict(state_dict)
             self._executor.rounds.load_deft_state(state_dict.pop("dearopt_deft"))
         if "dearopt_sparse" in state_dict:
             if self._executor.sparse is None:
-                raise UsageError("this state_dict holds a sparsifier's residuals (comm_hook=dearopt.Sparsify): load "
-                                 "it into a DistOptim with the same comm_hook")
+                raise UsageError(
+                    "this state_dict holds a sparsifier's residuals (comm_hook=dearopt.Sparsify): load "
+                    "it into a DistOptim with the same comm_hook"
+                )
             state_dict = dict(state_dict)
             self._executor.sparse.load_state_dict(state_dict.pop("dearopt_sparse"))
         self._inner.load_state_dict(state_dict)
@@ -528,8 +582,10 @@ class DistOptim(torch.optim.Optimizer):
 
     def _require_sharding(self, what: str):
         if self._executor.sharding is None:
-            raise UsageError(f"{what}() is for shard_optimizer=True; this optimizer is not sharded: use "
-                             f"state_dict() / load_state_dict()")
+            raise UsageError(
+                f"{what}() is for shard_optimizer=True; this optimizer is not sharded: use "
+                f"state_dict() / load_state_dict()"
+            )
         return self._executor.sharding
 
     def add_param_group(self, param_group) -> None:
@@ -546,8 +602,10 @@ class DistOptim(torch.optim.Optimizer):
         in_model = {id(p) for p in self._executor.model.parameters()}
         for p in params:
             if id(p) not in in_model:
-                raise ValueError(f"add_param_group(): a parameter of shape {tuple(p.shape)} is not a parameter of the "
-                                 f"model this DistOptim was built on")
+                raise ValueError(
+                    f"add_param_group(): a parameter of shape {tuple(p.shape)} is not a parameter of the "
+                    f"model this DistOptim was built on"
+                )
         self._inner.add_param_group(dict(param_group, params=params))
 
     def close(self) -> None:

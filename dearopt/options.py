@@ -24,8 +24,16 @@ own messages, that all ranks are at the same step (no extra message; a few scala
 ``"full"``: also the parameters' checksums across ranks at every step (costly; or ``DEAROPT_DEBUG=1``).
 ``"off"``: nothing (only to measure what the check costs)."""
 
-SHARED = ("buffer_size", "shard_optimizer", "backward_passes_per_step", "broadcast_parameters", "broadcast_buffers",
-          "nonfinite", "checks", "timeline")
+SHARED = (
+    "buffer_size",
+    "shard_optimizer",
+    "backward_passes_per_step",
+    "broadcast_parameters",
+    "broadcast_buffers",
+    "nonfinite",
+    "checks",
+    "timeline",
+)
 """The knobs every schedule shares (besides ``comm_hook``, ``tuner`` and ``backend``, which ``DistOptim`` keeps)."""
 
 
@@ -41,11 +49,23 @@ class Options:
 
     __slots__ = ("policy",) + SHARED + ("sparsify",)
 
-    def __init__(self, schedule: Any = "dear", buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE, *,
-                 shard_optimizer: bool = False, backward_passes_per_step: int = 1, broadcast_parameters: bool = True,
-                 broadcast_buffers: bool = True, nonfinite: str = "raise", checks: str = "step",
-                 timeline: Optional[str] = None, sparsify: bool = False, check_agreement: Optional[bool] = None,
-                 debug: Optional[bool] = None, **knobs):
+    def __init__(
+        self,
+        schedule: Any = "dear",
+        buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+        *,
+        shard_optimizer: bool = False,
+        backward_passes_per_step: int = 1,
+        broadcast_parameters: bool = True,
+        broadcast_buffers: bool = True,
+        nonfinite: str = "raise",
+        checks: str = "step",
+        timeline: Optional[str] = None,
+        sparsify: bool = False,
+        check_agreement: Optional[bool] = None,
+        debug: Optional[bool] = None,
+        **knobs,
+    ):
         from .schedules import get_schedule
 
         if buffer_size is None:
@@ -63,10 +83,17 @@ class Options:
             checks = "full"
         if timeline is None and os.environ.get("DEAROPT_TIMELINE"):
             timeline = os.environ["DEAROPT_TIMELINE"]
-        settled = {"buffer_size": buffer_size if buffer_size == "auto" else parse_size(buffer_size),
-                   "shard_optimizer": bool(shard_optimizer), "backward_passes_per_step": bpps,
-                   "broadcast_parameters": bool(broadcast_parameters), "broadcast_buffers": bool(broadcast_buffers),
-                   "nonfinite": nonfinite, "checks": checks, "timeline": timeline, "sparsify": bool(sparsify)}
+        settled = {
+            "buffer_size": buffer_size if buffer_size == "auto" else parse_size(buffer_size),
+            "shard_optimizer": bool(shard_optimizer),
+            "backward_passes_per_step": bpps,
+            "broadcast_parameters": bool(broadcast_parameters),
+            "broadcast_buffers": bool(broadcast_buffers),
+            "nonfinite": nonfinite,
+            "checks": checks,
+            "timeline": timeline,
+            "sparsify": bool(sparsify),
+        }
         for name, value in settled.items():
             object.__setattr__(self, name, value)
         policy = get_schedule(schedule)

@@ -38,9 +38,24 @@ import hashlib
 import re
 from typing import FrozenSet, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["ParamSpec", "Bucket", "When", "Point", "CommOp", "Plan", "build_plan", "priority_sequence", "parse_size",
-           "padded_numel", "DEFAULT_BUFFER_SIZE", "DEFAULT_FIRST_BUCKET_SIZE", "REDUCE_SCATTER", "ALL_GATHER",
-           "ALL_REDUCE", "ROWS"]
+__all__ = [
+    "ParamSpec",
+    "Bucket",
+    "When",
+    "Point",
+    "CommOp",
+    "Plan",
+    "build_plan",
+    "priority_sequence",
+    "parse_size",
+    "padded_numel",
+    "DEFAULT_BUFFER_SIZE",
+    "DEFAULT_FIRST_BUCKET_SIZE",
+    "REDUCE_SCATTER",
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "ROWS",
+]
 
 DEFAULT_BUFFER_SIZE = 25 * 2**20
 """25 MiB: PyTorch DDP's default bucket size and the DeAR paper's first trial."""
@@ -217,8 +232,9 @@ class CommOp:
 
     def __str__(self) -> str:
         extra = (" average" if self.average else "") + (f", update at {self.update}" if self.update else "")
-        return (f"{self.kind} b{self.bucket}.{self.piece} ({self.nbytes} B) start at {self.start}, "
-                f"due at {self.due}{extra}")
+        return (
+            f"{self.kind} b{self.bucket}.{self.piece} ({self.nbytes} B) start at {self.start}, due at {self.due}{extra}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,18 +278,33 @@ class Plan:
 
     def fingerprint(self) -> int:
         """A 63-bit hash of everything that must agree across ranks."""
-        text = repr((self.schedule, self.world_size, self.buffer_size, self.partition_size, self.priority, self.credit,
-                     self.comm_hook, self.first_bucket_size, self.allreduce, self.sharded_update,
-                     [(p.name, p.numel, p.dtype, p.twin_of, p.row_numel) for p in self.params],
-                     [(b.params, b.padded_numel, b.pieces) for b in self.buckets], self.ops))
+        text = repr(
+            (
+                self.schedule,
+                self.world_size,
+                self.buffer_size,
+                self.partition_size,
+                self.priority,
+                self.credit,
+                self.comm_hook,
+                self.first_bucket_size,
+                self.allreduce,
+                self.sharded_update,
+                [(p.name, p.numel, p.dtype, p.twin_of, p.row_numel) for p in self.params],
+                [(b.params, b.padded_numel, b.pieces) for b in self.buckets],
+                self.ops,
+            )
+        )
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def describe(self, ops: bool = False) -> str:
         """A human-readable summary: the schedule, world size and buffer size, one line per bucket (its size, dtype and
         first parameters), and with ``ops=True`` one line per op in issue order."""
-        lines = [f"plan: schedule={self.schedule} world={self.world_size} buffer={self.buffer_size} B, "
-                 f"{len(self.buckets)} buckets, {len(self.ops)} ops"
-                 + (", sharded update (the all-gathers carry parameters)" if self.sharded_update else "")]
+        lines = [
+            f"plan: schedule={self.schedule} world={self.world_size} buffer={self.buffer_size} B, "
+            f"{len(self.buckets)} buckets, {len(self.ops)} ops"
+            + (", sharded update (the all-gathers carry parameters)" if self.sharded_update else "")
+        ]
         for b in self.buckets:
             names = [self.params[p].name for p in b.params]
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} params)" if len(names) > 3 else "")
@@ -283,8 +314,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def priority_sequence(ops: Sequence[CommOp], ready: Sequence[float], bandwidth: float,
-                      latency: float = 0.0) -> List[CommOp]:
+def priority_sequence(
+    ops: Sequence[CommOp], ready: Sequence[float], bandwidth: float, latency: float = 0.0
+) -> List[CommOp]:
     """ByteScheduler's order, decided once from a profile instead of negotiated every iteration.
 
     Simulates one link: whenever it is free, the highest-priority op whose
@@ -328,9 +360,14 @@ def must_split(params: Sequence[ParamSpec], pos: int) -> bool:
     return _special(a) or _special(b) or a.dtype != b.dtype
 
 
-def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: int,
-                   partition_size: Optional[int] = None, first_bucket_size: Optional[int] = None,
-                   groups: Optional[Sequence[Sequence[int]]] = None) -> Tuple[Bucket, ...]:
+def layout_buckets(
+    params: Sequence[ParamSpec],
+    buffer_size: int,
+    world_size: int,
+    partition_size: Optional[int] = None,
+    first_bucket_size: Optional[int] = None,
+    groups: Optional[Sequence[Sequence[int]]] = None,
+) -> Tuple[Bucket, ...]:
     """Fuse ``params`` (forward order) into buckets of at most ``buffer_size`` bytes, filled from the output side.
 
     The first bucket filled (the output side, whose gradients backward produces
@@ -346,8 +383,9 @@ def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: in
             raise ValueError("bucket groups must be non-empty contiguous runs covering every parameter in order")
         for g in groups:
             if any(must_split(params, pos) for pos in g[:-1]):
-                raise ValueError(f"bucket group {list(g)} mixes dtypes or holds a twin or row-sparse parameter "
-                                 f"with others")
+                raise ValueError(
+                    f"bucket group {list(g)} mixes dtypes or holds a twin or row-sparse parameter with others"
+                )
         return _buckets_of(params, [list(g) for g in groups], world_size, partition_size)
     groups: List[List[int]] = []
     current: List[int] = []
@@ -365,8 +403,9 @@ def layout_buckets(params: Sequence[ParamSpec], buffer_size: int, world_size: in
     return _buckets_of(params, groups, world_size, partition_size)
 
 
-def _buckets_of(params: Sequence[ParamSpec], groups: List[List[int]], world_size: int,
-                partition_size: Optional[int]) -> Tuple[Bucket, ...]:
+def _buckets_of(
+    params: Sequence[ParamSpec], groups: List[List[int]], world_size: int, partition_size: Optional[int]
+) -> Tuple[Bucket, ...]:
     buckets = []
     for index, members in enumerate(groups):
         members = sorted(members)
@@ -378,10 +417,21 @@ def _buckets_of(params: Sequence[ParamSpec], groups: List[List[int]], world_size
         element = params[members[0]].element_size
         first = params[members[0]]
         pieces = ((0, padded),) if _special(first) else _pieces(padded, world_size, element, partition_size)
-        buckets.append(Bucket(index=index, params=tuple(members), offsets=tuple(offsets),
-                              dtype=first.dtype, grad_numel=offset, padded_numel=padded,
-                              world_size=world_size, pieces=pieces, element_size=element,
-                              row_numel=first.row_numel, twin_of=first.twin_of))
+        buckets.append(
+            Bucket(
+                index=index,
+                params=tuple(members),
+                offsets=tuple(offsets),
+                dtype=first.dtype,
+                grad_numel=offset,
+                padded_numel=padded,
+                world_size=world_size,
+                pieces=pieces,
+                element_size=element,
+                row_numel=first.row_numel,
+                twin_of=first.twin_of,
+            )
+        )
     return tuple(buckets)
 
 
@@ -396,15 +446,26 @@ class Layout:
     gathers_at_step: bool = False  # dear: every all-gather starts at step(), back to back (as Prophet's)
 
 
-def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
-               world_size: int = 1, schedule="dear", *, partition_size: Union[int, str, None] = None,
-               priority: bool = False, ready_times: Optional[Sequence[float]] = None,
-               bandwidth: Optional[float] = None, latency: Optional[float] = None,
-               credit: Union[int, str, None] = None,
-               comm_hook: str = "none", first_bucket_size: Union[int, str, None] = None,
-               allreduce: Union[float, str] = 0.0, sharded_update: bool = False,
-               groups: Optional[Sequence[Sequence[int]]] = None,
-               phases: Optional[Tuple[float, float]] = None, gathers_at_step: bool = False) -> Plan:
+def build_plan(
+    params: Sequence[ParamSpec],
+    buffer_size: Union[int, str] = DEFAULT_BUFFER_SIZE,
+    world_size: int = 1,
+    schedule="dear",
+    *,
+    partition_size: Union[int, str, None] = None,
+    priority: bool = False,
+    ready_times: Optional[Sequence[float]] = None,
+    bandwidth: Optional[float] = None,
+    latency: Optional[float] = None,
+    credit: Union[int, str, None] = None,
+    comm_hook: str = "none",
+    first_bucket_size: Union[int, str, None] = None,
+    allreduce: Union[float, str] = 0.0,
+    sharded_update: bool = False,
+    groups: Optional[Sequence[Sequence[int]]] = None,
+    phases: Optional[Tuple[float, float]] = None,
+    gathers_at_step: bool = False,
+) -> Plan:
     """Fuse ``params`` (forward order) into buckets and let ``schedule`` list the plan's collectives.
 
     ``partition_size`` splits each bucket's buffer into pieces of at most that
@@ -449,8 +510,9 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
     if not params:
         raise ValueError("the model has no trainable parameters to plan for")
     if groups is None:
-        groups = policy.bucket_groups(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth,
-                                      latency=latency)
+        groups = policy.bucket_groups(
+            params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth, latency=latency
+        )
     buckets = layout_buckets(params, buffer_size, world_size, partition_size, first_bucket_size, groups=groups)
     backward = [(b.index, k) for b in reversed(buckets) for k in range(len(b.pieces))]
     if priority and ready_times is not None and bandwidth:
@@ -459,24 +521,45 @@ def build_plan(params: Sequence[ParamSpec], buffer_size: Union[int, str] = DEFAU
         bucket_ready = [max(ready_times[p] for p in b.params) for b in buckets]
         probes = [CommOp(policy.reduction, b, k, buckets[b].piece_nbytes(k)) for b, k in backward]
         backward = [(op.bucket, op.piece) for op in priority_sequence(probes, bucket_ready, bandwidth, latency or 0.0)]
-    chosen = allreduce_buckets(buckets, allreduce, ready_times, bandwidth, latency, phases) \
-        if policy.mixes_allreduce else frozenset()
+    chosen = (
+        allreduce_buckets(buckets, allreduce, ready_times, bandwidth, latency, phases)
+        if policy.mixes_allreduce
+        else frozenset()
+    )
     layout = Layout(buckets, tuple(backward), credit, chosen, gathers_at_step)
     ops = _tied_and_rows(tuple(policy.ops(layout)), buckets)
     _check_ops(ops, buckets, schedule)
     if sharded_update and any(op.kind not in (REDUCE_SCATTER, ALL_GATHER) for op in ops):
         kinds = sorted({op.kind for op in ops} - {REDUCE_SCATTER, ALL_GATHER})
-        raise ValueError(f"sharded_update needs every bucket reduce-scattered, then all-gathered; this plan "
-                         f"({schedule!r}) also has {kinds} (all-reduced buckets, tied uses or embedding rows)")
-    return Plan(schedule=schedule, world_size=world_size, buffer_size=buffer_size, params=params, buckets=buckets,
-                ops=ops, partition_size=partition_size, priority=priority, credit=credit, comm_hook=comm_hook,
-                first_bucket_size=first_bucket_size, allreduce=tuple(sorted(chosen)), sharded_update=sharded_update)
+        raise ValueError(
+            f"sharded_update needs every bucket reduce-scattered, then all-gathered; this plan "
+            f"({schedule!r}) also has {kinds} (all-reduced buckets, tied uses or embedding rows)"
+        )
+    return Plan(
+        schedule=schedule,
+        world_size=world_size,
+        buffer_size=buffer_size,
+        params=params,
+        buckets=buckets,
+        ops=ops,
+        partition_size=partition_size,
+        priority=priority,
+        credit=credit,
+        comm_hook=comm_hook,
+        first_bucket_size=first_bucket_size,
+        allreduce=tuple(sorted(chosen)),
+        sharded_update=sharded_update,
+    )
 
 
-def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequence[int]],
-                      ready_times: Optional[Sequence[float]],
-                      bandwidth: Optional[float], latency: Optional[float] = None,
-                      phases: Optional[Tuple[float, float]] = None) -> FrozenSet[int]:
+def allreduce_buckets(
+    buckets: Sequence[Bucket],
+    rule: Union[float, str, Sequence[int]],
+    ready_times: Optional[Sequence[float]],
+    bandwidth: Optional[float],
+    latency: Optional[float] = None,
+    phases: Optional[Tuple[float, float]] = None,
+) -> FrozenSet[int]:
     """Which buckets ``dear`` all-reduces in backward instead of reduce-scattering them (twins and rows aside).
 
     An all-reduce moves the bytes of a reduce-scatter and an all-gather in one
@@ -521,17 +604,25 @@ def allreduce_buckets(buckets: Sequence[Bucket], rule: Union[float, str, Sequenc
     if isinstance(rule, (tuple, list, set, frozenset)):  # the buckets themselves (a plan that ran, replayed)
         wrong = sorted(set(rule) - {b.index for b in plain})
         if wrong:
-            raise ValueError(f"allreduce names buckets {wrong}, which are not plain buckets of this layout "
-                             f"({len(buckets)} buckets)")
+            raise ValueError(
+                f"allreduce names buckets {wrong}, which are not plain buckets of this layout ({len(buckets)} buckets)"
+            )
         return frozenset(rule)
     if rule in ("auto", "predicted"):
         if not ready_times or not bandwidth:
             return frozenset()
         # the link in backward also carries each twin's reduce-scatter and its all-gather right after it (a tied
         # decoder's gradient: large, and ready early); row-sparse buckets move few bytes and are left out
-        order = [(max(ready_times[p] for p in b.params), b.index,
-                  (latency or 0.0) + b.padded_numel * b.element_size / bandwidth,
-                  b.twin_of is not None) for b in reversed(buckets) if not b.row_numel]
+        order = [
+            (
+                max(ready_times[p] for p in b.params),
+                b.index,
+                (latency or 0.0) + b.padded_numel * b.element_size / bandwidth,
+                b.twin_of is not None,
+            )
+            for b in reversed(buckets)
+            if not b.row_numel
+        ]
 
         def link_end(whole) -> float:
             link = 0.0
@@ -619,15 +710,27 @@ def _tied_and_rows(ops: Sequence[CommOp], buckets: Sequence[Bucket]) -> Tuple[Co
             if op.reduces and op.bucket not in rows_placed:
                 rows_placed.add(op.bucket)
                 moved[position] = len(out)
-                out.append(CommOp(ROWS, op.bucket, 0, bucket.piece_nbytes(0), start=GRADS_READY,
-                                  due=due_of[op.bucket], average=True))
+                out.append(
+                    CommOp(
+                        ROWS,
+                        op.bucket,
+                        0,
+                        bucket.piece_nbytes(0),
+                        start=GRADS_READY,
+                        due=due_of[op.bucket],
+                        average=True,
+                    )
+                )
             continue
         if bucket.twin_of is not None:
             if not op.reduces:
                 continue
             moved[position] = len(out)
-            out.append(dataclasses.replace(op, kind=ALL_REDUCE, start=GRADS_READY, due=due_of[op.bucket],
-                                           update=None, average=True))
+            out.append(
+                dataclasses.replace(
+                    op, kind=ALL_REDUCE, start=GRADS_READY, due=due_of[op.bucket], update=None, average=True
+                )
+            )
             continue
         moved[position] = len(out)
         start = after(moved[op.start.index]) if op.start.when is When.AFTER else op.start
@@ -658,6 +761,7 @@ def _check_ops(ops: Sequence[CommOp], buckets: Sequence[Bucket], schedule: str) 
     * the last op of each bucket, and only it, names when the bucket's update is applied: not before any op of
       the bucket is due, and at ``step()`` or a forward.
     """
+
     def bad(why):
         raise ValueError(f"schedule {schedule!r} built an invalid plan: {why}")
 

@@ -62,8 +62,7 @@ def fit_link(services: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
     nbytes, busy = sum(n for n, _ in services), sum(t for _, t in services)
     if not services or busy <= 0:
         return 1e9, 0.0
-    slopes = [(tj - ti) / (nj - ni) for k, (ni, ti) in enumerate(services) for nj, tj in services[k + 1:]
-              if nj != ni]
+    slopes = [(tj - ti) / (nj - ni) for k, (ni, ti) in enumerate(services) for nj, tj in services[k + 1 :] if nj != ni]
     slope = statistics.median(slopes) if slopes else 0.0
     if slope <= 0:
         bandwidth = nbytes / busy
@@ -116,8 +115,12 @@ class ReadyProfile:
         started, self._forward_start = self._forward_start, None
         self._forward = time.perf_counter() - started - self._forward_waited if started is not None else math.nan
         if self._left == 0:
-            again = (self.every is not None and self.result is not None and step > self.STEP
-                     and (step - self.STEP) % self.every == 0)
+            again = (
+                self.every is not None
+                and self.result is not None
+                and step > self.STEP
+                and (step - self.STEP) % self.every == 0
+            )
             if not (self.result is None and step == self.start or again):
                 return
             self._left, self._window = self.steps, []
@@ -166,8 +169,9 @@ class ReadyProfile:
         """
         if self._times is None:
             return
-        self._window.append(([t if math.isfinite(t) else 0.0 for t in self._times], self._backward, list(services),
-                             self._forward))
+        self._window.append(
+            ([t if math.isfinite(t) else 0.0 for t in self._times], self._backward, list(services), self._forward)
+        )
         self._times = None
         self._left -= 1
         if self._left > 0:
@@ -176,12 +180,14 @@ class ReadyProfile:
         self._window = []
         bandwidth, latency = fit_link(services)
         latency = max(latency, self._probe(control, step))
-        profile = torch.tensor(ready + [bandwidth, backward, latency, forward], dtype=torch.float64,
-                               device=control.device)
+        profile = torch.tensor(
+            ready + [bandwidth, backward, latency, forward], dtype=torch.float64, device=control.device
+        )
         control.broadcast(profile, 0, step=step).wait()
         values = profile.tolist()
-        self.latest = Measurement(values[:-4], values[-4], values[-3], values[-2],
-                                  values[-1] if math.isfinite(values[-1]) else None)
+        self.latest = Measurement(
+            values[:-4], values[-4], values[-3], values[-2], values[-1] if math.isfinite(values[-1]) else None
+        )
         if self.result is None:
             self.result = self.latest
             self.fresh = True
@@ -195,8 +201,12 @@ def _summarise(window):
     forward computation (NaN where no step timed its forward)."""
     ready = [statistics.median(times) for times in zip(*(w[0] for w in window))]
     forwards = [w[3] for w in window if math.isfinite(w[3])]
-    return (ready, statistics.median(w[1] for w in window), [s for w in window for s in w[2]],
-            statistics.median(forwards) if forwards else math.nan)
+    return (
+        ready,
+        statistics.median(w[1] for w in window),
+        [s for w in window for s in w[2]],
+        statistics.median(forwards) if forwards else math.nan,
+    )
 
 
 class LinkMonitor:

@@ -44,8 +44,14 @@ __all__ = ["HostRelayBackend", "RelayHandle"]
 class RelayHandle(Handle):
     """An op queued on the relay; ``wait`` orders the current stream after it, ``synchronize`` waits on the host."""
 
-    def __init__(self, backend: "HostRelayBackend", future: concurrent.futures.Future, op: str, where: dict,
-                 tensors: Sequence[torch.Tensor]):
+    def __init__(
+        self,
+        backend: "HostRelayBackend",
+        future: concurrent.futures.Future,
+        op: str,
+        where: dict,
+        tensors: Sequence[torch.Tensor],
+    ):
         self._backend = backend
         self._future = future
         self.op = op
@@ -59,8 +65,12 @@ class RelayHandle(Handle):
         try:
             return self._future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
-            raise CollectiveTimeoutError(f"{self.op} did not finish in {seconds:g} s (cuda-relay)",
-                                         rank=self._backend.rank, op=self.op, **self._where) from None
+            raise CollectiveTimeoutError(
+                f"{self.op} did not finish in {seconds:g} s (cuda-relay)",
+                rank=self._backend.rank,
+                op=self.op,
+                **self._where,
+            ) from None
 
     def wait(self, timeout: Optional[float] = None) -> None:
         event = self._queued(timeout)
@@ -74,8 +84,9 @@ class RelayHandle(Handle):
         event = self._queued(timeout)
         while event is not None and not event.query():
             if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(f"{self.op} did not finish in time (cuda-relay)",
-                                             rank=self._backend.rank, op=self.op, **self._where)
+                raise CollectiveTimeoutError(
+                    f"{self.op} did not finish in time (cuda-relay)", rank=self._backend.rank, op=self.op, **self._where
+                )
             time.sleep(0.0002)
         self._done()
 
@@ -119,8 +130,14 @@ class HostRelayBackend(CollectiveBackend):
         return self._stream
 
     # ------------------------------------------------------------ plumbing
-    def _submit(self, op: str, where: dict, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
-                run: Callable[[List[torch.Tensor], List[torch.Tensor]], Handle]) -> Handle:
+    def _submit(
+        self,
+        op: str,
+        where: dict,
+        reads: Sequence[torch.Tensor],
+        writes: Sequence[torch.Tensor],
+        run: Callable[[List[torch.Tensor], List[torch.Tensor]], Handle],
+    ) -> Handle:
         """Queue ``run(host_reads, host_writes)`` (which starts the op on ``inner`` and returns its handle).
 
         ``reads`` are copied to the host after the caller's current stream's work so far; ``writes`` are
@@ -131,8 +148,10 @@ class HostRelayBackend(CollectiveBackend):
         op = where.pop("op", op)
         for t in list(reads) + list(writes):
             if t.device != self.device:
-                raise ValueError(f"{op}: the tensor is on {t.device}, but this cuda-relay backend uses {self.device}"
-                                 " (backend.device)")
+                raise ValueError(
+                    f"{op}: the tensor is on {t.device}, but this cuda-relay backend uses {self.device}"
+                    " (backend.device)"
+                )
         tensors = tuple({id(t): t for t in list(reads) + list(writes)}.values())
         ready = None
         if self._cuda:
@@ -143,8 +162,12 @@ class HostRelayBackend(CollectiveBackend):
 
         def job():
             if self._failure is not None:  # the transport broke on an earlier op: later ones cannot match
-                raise CollectiveError(f"{op}: an earlier op on this cuda-relay backend failed ({self._failure})",
-                                      rank=self.rank, op=op, **where)
+                raise CollectiveError(
+                    f"{op}: an earlier op on this cuda-relay backend failed ({self._failure})",
+                    rank=self.rank,
+                    op=op,
+                    **where,
+                )
             try:
                 return self._relay(op, where, reads, writes, run, ready)
             except BaseException as exc:
@@ -186,31 +209,35 @@ class HostRelayBackend(CollectiveBackend):
         if self.size == 1:
             out_shard.copy_(in_full)
             return CompletedHandle("reduce_scatter")
-        return self._submit("reduce_scatter", where, [in_full], [out_shard],
-                            lambda r, w: self.inner.reduce_scatter(w[0], r[0], **where))
+        return self._submit(
+            "reduce_scatter", where, [in_full], [out_shard], lambda r, w: self.inner.reduce_scatter(w[0], r[0], **where)
+        )
 
     def all_gather(self, out_full, in_shard, **where) -> Handle:
         self.check_shapes("all_gather", out_full, in_shard)
         if self.size == 1:
             out_full.copy_(in_shard)
             return CompletedHandle("all_gather")
-        return self._submit("all_gather", where, [in_shard], [out_full],
-                            lambda r, w: self.inner.all_gather(w[0], r[0], **where))
+        return self._submit(
+            "all_gather", where, [in_shard], [out_full], lambda r, w: self.inner.all_gather(w[0], r[0], **where)
+        )
 
     def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
         if self.size == 1:
             self.inner.all_reduce(tensor, op, **where)  # validates op
             return CompletedHandle("all_reduce")
-        return self._submit("all_reduce", where, [tensor], [tensor],
-                            lambda r, w: self.inner.all_reduce(w[0], op, **where))
+        return self._submit(
+            "all_reduce", where, [tensor], [tensor], lambda r, w: self.inner.all_reduce(w[0], op, **where)
+        )
 
     def broadcast(self, tensor, root: int = 0, **where) -> Handle:
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} is not a rank of a world of size {self.size}")
         if self.size == 1:
             return CompletedHandle("broadcast")
-        return self._submit("broadcast", where, [tensor], [tensor],
-                            lambda r, w: self.inner.broadcast(w[0], root, **where))
+        return self._submit(
+            "broadcast", where, [tensor], [tensor], lambda r, w: self.inner.broadcast(w[0], root, **where)
+        )
 
     # ------------------------------------------------------- communicators
     def members(self):

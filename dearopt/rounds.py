@@ -84,8 +84,13 @@ class ExactRounds:
         measured = e.profile.result
         times = policy.predicted_sends(e.plan, measured) if measured is not None and e.plan else None
         for bucket, (start, end) in zip(e.plan.buckets if times else (), times or ()):
-            e.timeline.span_at(f"predicted {policy.reduction}", "predicted", e._backward_start + start * 1e6,
-                                  (end - start) * 1e6, bucket=bucket.index)
+            e.timeline.span_at(
+                f"predicted {policy.reduction}",
+                "predicted",
+                e._backward_start + start * 1e6,
+                (end - start) * 1e6,
+                bucket=bucket.index,
+            )
 
     def grad_ready(self, p) -> None:
         e = self.engine
@@ -97,7 +102,8 @@ class ExactRounds:
             raise UsageError(
                 f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
                 f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
-                f"or call optimizer.synchronize() before such a forward")
+                f"or call optimizer.synchronize() before such a forward"
+            )
         bucket.take_gradient(p, j)
         if e.round is None or bucket.stamp[j] == e.pass_id:
             return
@@ -166,8 +172,15 @@ class ExactRounds:
         count = e.checks.check_tags_of([e.buckets[b] for b in tagged], r.step, extra=count)
         if judge:
             sharded = any(op.spec.result == "shard" for op in bound.checked_at_step)
-            skip = e.checks.nonfinite(regions, sharded, e.buckets, r.step, own=bound.own_gradient_buckets,
-                                         agreed=agreed, local=None if agreed is not None else bool(count))
+            skip = e.checks.nonfinite(
+                regions,
+                sharded,
+                e.buckets,
+                r.step,
+                own=bound.own_gradient_buckets,
+                agreed=agreed,
+                local=None if agreed is not None else bool(count),
+            )
         if e.profile.recording:
             e.profile.share(e.control, e.issuer.reduction_services(), r.step)
         e.forwards = 0
@@ -253,16 +266,18 @@ class ExactRounds:
         e = self.engine
         if e.world == 1:
             return nonfinite
-        meta = torch.cat([torch.tensor([1.0 if nonfinite else 0.0], dtype=torch.float64)]
-                         + [torch.cat([b.flags, b.tags]).double().cpu() for b in e.buckets]).to(e.control.device)
+        meta = torch.cat(
+            [torch.tensor([1.0 if nonfinite else 0.0], dtype=torch.float64)]
+            + [torch.cat([b.flags, b.tags]).double().cpu() for b in e.buckets]
+        ).to(e.control.device)
         e.control.all_reduce(meta, "sum", step=step).wait()
         meta = meta.to(e.buckets[0].buffer.device)
         found = float(meta[0]) > 0
         offset = 1
         for b in e.buckets:
             n = len(b.params)
-            b.flags.copy_(meta[offset:offset + n])
-            b.tags.copy_(meta[offset + n:offset + n + e.world])
+            b.flags.copy_(meta[offset : offset + n])
+            b.tags.copy_(meta[offset + n : offset + n + e.world])
             offset += n + e.world
             b.mark_seen()
         return found

@@ -131,8 +131,11 @@ the port while nobody listens)."""
 
 
 def _rendezvous_deadline_error(what: str, seconds: float, rank: int) -> CollectiveTimeoutError:
-    return CollectiveTimeoutError(f"rendezvous: {what} within {seconds:g} s (the timeout); did every rank call "
-                                  "init() (again, after shutdown())?", rank=rank, op="rendezvous")
+    return CollectiveTimeoutError(
+        f"rendezvous: {what} within {seconds:g} s (the timeout); did every rank call init() (again, after shutdown())?",
+        rank=rank,
+        op="rendezvous",
+    )
 
 
 def _mpi_agree(comm, launch: LaunchInfo, choose, seconds: float):
@@ -226,17 +229,29 @@ def _make_store(launch: LaunchInfo, env: Mapping[str, str], seconds: float):
             "is not available to agree on them; `pip install dearopt[mpi]` or export MASTER_ADDR and MASTER_PORT"
         )
     missing = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not value]
-    hint = (" (or HOROVOD_GLOO_RENDEZVOUS_ADDR/HOROVOD_GLOO_RENDEZVOUS_PORT, which horovodrun sets)"
-            if launch.launcher == "horovod" else "")
+    hint = (
+        " (or HOROVOD_GLOO_RENDEZVOUS_ADDR/HOROVOD_GLOO_RENDEZVOUS_PORT, which horovodrun sets)"
+        if launch.launcher == "horovod"
+        else ""
+    )
     raise LaunchEnvironmentError(
-        f"{launch.launcher} launched {launch.size} processes but {', '.join(missing)} is not set{hint}")
+        f"{launch.launcher} launched {launch.size} processes but {', '.join(missing)} is not set{hint}"
+    )
 
 
 def _rendezvous_store(launch: LaunchInfo, env: Mapping[str, str], seconds: float):
     """The job's TCP store: made at the first :func:`init` of this process and kept (see ``_kept_store``)."""
     global _kept_store
-    identity = (launch.launcher, launch.rank, launch.size, launch.master_addr, launch.master_port,
-                launch.rendezvous_server, env.get("TORCHELASTIC_RUN_ID"), env.get("TORCHELASTIC_RESTART_COUNT"))
+    identity = (
+        launch.launcher,
+        launch.rank,
+        launch.size,
+        launch.master_addr,
+        launch.master_port,
+        launch.rendezvous_server,
+        env.get("TORCHELASTIC_RUN_ID"),
+        env.get("TORCHELASTIC_RESTART_COUNT"),
+    )
     if _kept_store is not None and _kept_store[0] == identity:
         store = _kept_store[1]
         store.set_timeout(datetime.timedelta(seconds=seconds))
@@ -254,14 +269,17 @@ def _join_process_group(launch: LaunchInfo, env: Mapping[str, str], seconds: flo
     try:
         store = _rendezvous_store(launch, env, seconds)
         prefix = f"dearopt/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}.{_generation}/"
-        dist.init_process_group(store=dist.PrefixStore(prefix, store), rank=launch.rank, world_size=launch.size,
-                                **kwargs)
+        dist.init_process_group(
+            store=dist.PrefixStore(prefix, store), rank=launch.rank, world_size=launch.size, **kwargs
+        )
     except dist.DistStoreError as exc:
-        raise _rendezvous_deadline_error(f"not every rank arrived ({exc})".replace("\n", " ")[:600], seconds,
-                                         launch.rank) from exc
+        raise _rendezvous_deadline_error(
+            f"not every rank arrived ({exc})".replace("\n", " ")[:600], seconds, launch.rank
+        ) from exc
     except dist.DistNetworkError as exc:
-        raise CollectiveError(f"rendezvous: the job's store failed: {exc}".replace("\n", " ")[:600],
-                              rank=launch.rank, op="rendezvous") from exc
+        raise CollectiveError(
+            f"rendezvous: the job's store failed: {exc}".replace("\n", " ")[:600], rank=launch.rank, op="rendezvous"
+        ) from exc
 
 
 def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None:

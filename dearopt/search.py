@@ -56,18 +56,22 @@ class PlanSearch:
                     initial = sim.best_buffer_size(e.options.profile, e.options.schedule, grid, ranks=e.world)
                 knobs.append(tuning.buffer_size_knob(high=high, initial=initial))
             if "partition_size" in auto:
-                knobs.append(tuning.Knob("partition_size", 256 * 1024, 16 * mb, log=True, initial=4 * mb,
-                                         integer=True))
+                knobs.append(tuning.Knob("partition_size", 256 * 1024, 16 * mb, log=True, initial=4 * mb, integer=True))
             if "credit" in auto:
                 knobs.append(tuning.Knob("credit", 1 * mb, 64 * mb, log=True, initial=16 * mb, integer=True))
-            tuner = tuning.BayesianTuner(knobs, budget=10 if len(knobs) == 1 else 20,
-                                         steps_per_trial=tuning_steps or 10)
+            tuner = tuning.BayesianTuner(
+                knobs, budget=10 if len(knobs) == 1 else 20, steps_per_trial=tuning_steps or 10
+            )
         if not isinstance(tuner, tuning.BayesianTuner):
             raise TypeError(f"tuner must be a dearopt.tuner.BayesianTuner, got {type(tuner).__name__}")
         control = e.control
         controller = tuning.TuningController(
-            tuner, warmup_steps=1, measure_steps=tuning_steps or tuner.steps_per_trial, is_root=control.rank == 0,
-            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
+            tuner,
+            warmup_steps=1,
+            measure_steps=tuning_steps or tuner.steps_per_trial,
+            is_root=control.rank == 0,
+            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control),
+        )
         self._apply(controller.current)
         return controller
 
@@ -114,9 +118,12 @@ class PlanSearch:
 
         control = e.control
         self.plan_choice = tuning.TuningController(
-            tuning.ChoiceTuner([knobs for knobs, _ in choices], rematch=PLAN_CHOICE_REMATCH), warmup_steps=1,
-            measure_steps=PLAN_CHOICE_STEPS, is_root=control.rank == 0,
-            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control))
+            tuning.ChoiceTuner([knobs for knobs, _ in choices], rematch=PLAN_CHOICE_REMATCH),
+            warmup_steps=1,
+            measure_steps=PLAN_CHOICE_STEPS,
+            is_root=control.rank == 0,
+            broadcast=lambda decision: functions.broadcast_object(decision, 0, backend=control),
+        )
 
     @property
     def settled(self) -> bool:

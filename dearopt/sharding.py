@@ -47,12 +47,19 @@ from .collectives import CollectiveBackend
 from .errors import CheckpointMismatchError, NotElementwiseError, UsageError
 from .functions import broadcast_object
 
-__all__ = ["ELEMENTWISE", "register_elementwise", "check_elementwise", "Segment", "ShardedUpdate",
-           "SHARDED_FORMAT"]
+__all__ = ["ELEMENTWISE", "register_elementwise", "check_elementwise", "Segment", "ShardedUpdate", "SHARDED_FORMAT"]
 
 ELEMENTWISE: List[Type[torch.optim.Optimizer]] = [
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
     torch.optim.Rprop,
 ]
 """Optimizer classes whose update is elementwise (their scalar state, such as ``step``, is per parameter and the
@@ -84,12 +91,16 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
     cls = type(optimizer)
     if cls in ELEMENTWISE:
         return
-    why = _WHY_NOT.get(cls.__name__, "dearopt does not know that its update acts element by element with the "
-                                     "same scalars for every element of a parameter")
+    why = _WHY_NOT.get(
+        cls.__name__,
+        "dearopt does not know that its update acts element by element with the "
+        "same scalars for every element of a parameter",
+    )
     raise NotElementwiseError(
         f"shard_optimizer=True runs the optimizer on each rank's shard of every parameter, which is exact only for "
         f"elementwise optimizers; {cls.__name__} cannot be sharded: {why}. Use shard_optimizer=False, or, if its "
-        f"update is elementwise, declare it with dearopt.register_elementwise({cls.__name__})")
+        f"update is elementwise, declare it with dearopt.register_elementwise({cls.__name__})"
+    )
 
 
 @dataclasses.dataclass
@@ -116,7 +127,7 @@ class _ShardedBucket:
         self.flat = torch.zeros(spec.padded_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
         with torch.no_grad():
             for p, offset in zip(bucket.params, spec.offsets):
-                view = self.flat[offset:offset + p.numel()]
+                view = self.flat[offset : offset + p.numel()]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
         group_of = {id(p): gi for gi, members in enumerate(bucket.group_members) for p in members}
@@ -125,12 +136,12 @@ class _ShardedBucket:
             n = (end - start) // world
             own = start + rank * n
             piece.gather_full = self.flat[start:end]  # the all-gather of this piece carries parameters
-            piece.gather_shard = self.flat[own:own + n]
+            piece.gather_shard = self.flat[own : own + n]
             for j, (p, offset) in enumerate(zip(bucket.params, spec.offsets)):
                 lo, hi = max(offset, own), min(offset + p.numel(), own + n)
                 if lo < hi:
                     tensor = self.flat[lo:hi]
-                    tensor.grad = piece.shard[lo - own:hi - own]
+                    tensor.grad = piece.shard[lo - own : hi - own]
                     self.segments.append(Segment(p, j, group_of[id(p)], lo - offset, tensor))
 
     def members(self, n_groups: int, include: Sequence[bool]) -> List[List[torch.Tensor]]:
@@ -150,10 +161,12 @@ class _ShardedBucket:
 def _slice_state(value: Any, param: torch.Tensor, begin: int, numel: int, what: str) -> Any:
     """The part of one per-parameter state entry that belongs to a segment."""
     if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
-        return value.detach().reshape(-1)[begin:begin + numel].clone()
+        return value.detach().reshape(-1)[begin : begin + numel].clone()
     if isinstance(value, torch.Tensor) and value.numel() != 1:
-        raise NotElementwiseError(f"the optimizer state {what} has shape {tuple(value.shape)}, neither the "
-                                  f"parameter's {tuple(param.shape)} nor a scalar: it cannot be sharded")
+        raise NotElementwiseError(
+            f"the optimizer state {what} has shape {tuple(value.shape)}, neither the "
+            f"parameter's {tuple(param.shape)} nor a scalar: it cannot be sharded"
+        )
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -203,9 +216,11 @@ class ShardedUpdate:
         """Run the wrapped optimizer over this rank's segments of ``bucket`` (at ``step()``)."""
         if any(bucket.sparse):
             sparse = [n for n, is_sparse in zip(bucket.names, bucket.sparse) if is_sparse]
-            raise UsageError(f"{sparse} get sparse gradients (nn.Embedding(sparse=True)); shard_optimizer=True "
-                             f"updates dense shards, which the optimizer may treat differently from a sparse "
-                             f"gradient: use sparse=False, or shard_optimizer=False")
+            raise UsageError(
+                f"{sparse} get sparse gradients (nn.Embedding(sparse=True)); shard_optimizer=True "
+                f"updates dense shards, which the optimizer may treat differently from a sparse "
+                f"gradient: use sparse=False, or shard_optimizer=False"
+            )
         sharded = self._buckets[bucket.index]
         updater.apply_members(sharded.members(len(self.optimizer.param_groups), include))
 
@@ -235,8 +250,9 @@ class ShardedUpdate:
                 entry = state.get(s.param)
                 if entry:
                     name = sharded.bucket.names[s.j]
-                    state[s.tensor] = {k: _slice_state(v, s.param, s.begin, s.numel, f"{k!r} of {name!r}")
-                                       for k, v in entry.items()}
+                    state[s.tensor] = {
+                        k: _slice_state(v, s.param, s.begin, s.numel, f"{k!r} of {name!r}") for k, v in entry.items()
+                    }
         for sharded in self._buckets.values():
             for p in sharded.bucket.params:
                 state.pop(p, None)
@@ -251,8 +267,9 @@ class ShardedUpdate:
                 entry = state.get(s.tensor)
                 if not entry:
                     continue
-                mine[(b, s.j)] = {k: (("tensor", v.dtype) if _is_elementwise(v, s) else ("scalar", v))
-                                  for k, v in entry.items()}
+                mine[(b, s.j)] = {
+                    k: (("tensor", v.dtype) if _is_elementwise(v, s) else ("scalar", v)) for k, v in entry.items()
+                }
         described: Dict[tuple, Dict[str, tuple]] = {}
         for r in range(self.world):
             theirs = broadcast_object(mine if r == self.rank else None, r, backend=self.control)
@@ -267,17 +284,26 @@ class ShardedUpdate:
             if not entries:
                 continue
             for j, kinds in entries.items():
-                full[bucket.params[j]] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                          for k, (kind, v) in kinds.items() if kind == "scalar"}
-            tensor_keys = sorted({(k, str(v[1]).replace("torch.", "")) for kinds in entries.values()
-                                  for k, v in kinds.items() if v[0] == "tensor"})
+                full[bucket.params[j]] = {
+                    k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, (kind, v) in kinds.items()
+                    if kind == "scalar"
+                }
+            tensor_keys = sorted(
+                {
+                    (k, str(v[1]).replace("torch.", ""))
+                    for kinds in entries.values()
+                    for k, v in kinds.items()
+                    if v[0] == "tensor"
+                }
+            )
             for key, dtype_name in tensor_keys:
                 dtype = getattr(torch, dtype_name)
                 gathered = self._gather_entry(sharded, key, dtype)
                 for j, kinds in entries.items():
                     if key in kinds and kinds[key][0] == "tensor":
                         p, offset = bucket.params[j], bucket.spec.offsets[j]
-                        full[p][key] = gathered[offset:offset + p.numel()].view_as(p).clone()
+                        full[p][key] = gathered[offset : offset + p.numel()].view_as(p).clone()
         return full
 
     def _gather_entry(self, sharded: _ShardedBucket, key: str, dtype: torch.dtype) -> torch.Tensor:
@@ -295,7 +321,7 @@ class ShardedUpdate:
                 if own <= offset < own + n:
                     entry = state.get(s.tensor, {})
                     if key in entry:
-                        mine[offset - own:offset - own + s.numel].copy_(entry[key])
+                        mine[offset - own : offset - own + s.numel].copy_(entry[key])
             self.control.all_gather(full[start:end], mine).wait()
         return full.to(bucket.buffer.device)
 
@@ -303,30 +329,48 @@ class ShardedUpdate:
     def sharded_state(self) -> dict:
         """This rank's segments' state, for a per-rank checkpoint (loads only into the same world size and plan)."""
         if not self._buckets:
-            raise UsageError("the optimizer state is not sharded yet (that happens at the first step()); before "
-                             "it, optimizer.state_dict() is the whole state")
+            raise UsageError(
+                "the optimizer state is not sharded yet (that happens at the first step()); before "
+                "it, optimizer.state_dict() is the whole state"
+            )
         state = self.optimizer.state
         segments = []
         for b, sharded in sorted(self._buckets.items()):
             for s in sharded.segments:
                 entry = state.get(s.tensor)
-                segments.append({"bucket": b, "param": sharded.bucket.names[s.j], "begin": s.begin,
-                                 "numel": s.numel, "state": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                                             for k, v in (entry or {}).items()}})
-        return {"format": SHARDED_FORMAT, "world": self.world, "rank": self.rank, "plan": self._fingerprint,
-                "segments": segments}
+                segments.append(
+                    {
+                        "bucket": b,
+                        "param": sharded.bucket.names[s.j],
+                        "begin": s.begin,
+                        "numel": s.numel,
+                        "state": {
+                            k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in (entry or {}).items()
+                        },
+                    }
+                )
+        return {
+            "format": SHARDED_FORMAT,
+            "world": self.world,
+            "rank": self.rank,
+            "plan": self._fingerprint,
+            "segments": segments,
+        }
 
     def load_sharded_state(self, saved: dict) -> None:
         """Load :meth:`sharded_state` of this rank (before the first step it waits until the buckets exist)."""
         if not isinstance(saved, dict) or saved.get("format") != SHARDED_FORMAT:
-            raise CheckpointMismatchError("not a per-rank sharded optimizer checkpoint of dearopt "
-                                          "(optimizer.sharded_state_dict()); for optimizer.state_dict() use "
-                                          "optimizer.load_state_dict()")
+            raise CheckpointMismatchError(
+                "not a per-rank sharded optimizer checkpoint of dearopt "
+                "(optimizer.sharded_state_dict()); for optimizer.state_dict() use "
+                "optimizer.load_state_dict()"
+            )
         if saved["world"] != self.world or saved["rank"] != self.rank:
             raise CheckpointMismatchError(
                 f"this sharded checkpoint was saved by rank {saved['rank']} of {saved['world']}, and is loaded by "
                 f"rank {self.rank} of {self.world}: a per-rank checkpoint loads only into the same rank of the same "
-                f"world size; use optimizer.state_dict() (the whole state) to change the number of ranks")
+                f"world size; use optimizer.state_dict() (the whole state) to change the number of ranks"
+            )
         if not self._buckets:
             self._pending_sharded = saved
             return
@@ -334,7 +378,8 @@ class ShardedUpdate:
             raise CheckpointMismatchError(
                 f"this sharded checkpoint was saved with another communication plan (buckets, buffer size, "
                 f"schedule or model) than this run's [rank {self.rank}]; save and load optimizer.state_dict() "
-                f"(the whole state) instead")
+                f"(the whole state) instead"
+            )
         self._drop_segment_state()
         by_place = {(s["bucket"], s["begin"], s["numel"], s["param"]): s["state"] for s in saved["segments"]}
         state = self.optimizer.state
@@ -342,8 +387,12 @@ class ShardedUpdate:
             for s in sharded.segments:
                 entry = by_place.get((b, s.begin, s.numel, sharded.bucket.names[s.j]))
                 if entry is None:
-                    raise CheckpointMismatchError(f"segment {sharded.bucket.names[s.j]}[{s.begin}:"
-                                                  f"{s.begin + s.numel}] is missing from the sharded checkpoint")
+                    raise CheckpointMismatchError(
+                        f"segment {sharded.bucket.names[s.j]}[{s.begin}:"
+                        f"{s.begin + s.numel}] is missing from the sharded checkpoint"
+                    )
                 if entry:
-                    state[s.tensor] = {k: (v.to(s.tensor.device).clone() if isinstance(v, torch.Tensor) else v)
-                                       for k, v in entry.items()}
+                    state[s.tensor] = {
+                        k: (v.to(s.tensor.device).clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in entry.items()
+                    }

@@ -56,8 +56,16 @@ import torch
 from .collectives import JointHandle
 from .comm_hooks import CommHook
 
-__all__ = ["Sparsify", "Fragment", "fragments", "assign_k", "allocate", "selection_cost", "dense_by_default",
-           "SparseExchange"]
+__all__ = [
+    "Sparsify",
+    "Fragment",
+    "fragments",
+    "assign_k",
+    "allocate",
+    "selection_cost",
+    "dense_by_default",
+    "SparseExchange",
+]
 
 
 def dense_by_default(name: str, param: torch.Tensor) -> bool:
@@ -91,8 +99,11 @@ class Sparsify:
     name = "sparsify"
 
     def __post_init__(self):
-        if isinstance(self.density, bool) or not isinstance(self.density, (int, float)) \
-                or not 0.0 < float(self.density) <= 1.0:
+        if (
+            isinstance(self.density, bool)
+            or not isinstance(self.density, (int, float))
+            or not 0.0 < float(self.density) <= 1.0
+        ):
             raise ValueError(f"Sparsify: density must be in (0, 1], got {self.density!r}")
         if self.selection not in ("deft", "topk"):
             raise ValueError(f"Sparsify: selection must be 'deft' or 'topk', got {self.selection!r}")
@@ -100,8 +111,11 @@ class Sparsify:
             raise ValueError(f"Sparsify: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not callable(self.dense):
             raise TypeError(f"Sparsify: dense must be a predicate (name, param) -> bool, got {self.dense!r}")
-        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) \
-                or not 0.0 <= float(self.momentum) < 1.0:
+        if (
+            isinstance(self.momentum, bool)
+            or not isinstance(self.momentum, (int, float))
+            or not 0.0 <= float(self.momentum) < 1.0
+        ):
             raise ValueError(f"Sparsify: momentum must be in [0, 1), got {self.momentum!r}")
 
 
@@ -202,8 +216,9 @@ class _Layout:
         self.sparse = sparse
         self.sparse_numel = sum(n for _, _, n in sparse)
         self.budget = math.ceil(sparsify.density * self.sparse_numel) if self.sparse_numel else 0
-        self.fragments = fragments(sparse, world) if sparsify.selection == "deft" else \
-            [Fragment(j, o, n) for j, o, n in sparse]
+        self.fragments = (
+            fragments(sparse, world) if sparsify.selection == "deft" else [Fragment(j, o, n) for j, o, n in sparse]
+        )
 
 
 class SparseExchange(CommHook):
@@ -218,8 +233,9 @@ class SparseExchange(CommHook):
         self.residual: Dict[int, torch.Tensor] = {}  # bucket index -> residual, laid out as its gradient region
         # the same for DGC's momentum correction, only with Sparsify.momentum (else empty)
         self.velocity: Dict[int, torch.Tensor] = {}
-        self._stores = {"residual": self.residual, "velocity": self.velocity} if sparsify.momentum else \
-            {"residual": self.residual}
+        self._stores = (
+            {"residual": self.residual, "velocity": self.velocity} if sparsify.momentum else {"residual": self.residual}
+        )
         self._layouts: Dict[int, _Layout] = {}
         self._params: Dict[int, List[Tuple[int, int, int]]] = {}  # bucket -> (param position, offset, numel)
         # elements in the last step that communicated: "values" this rank put into its reductions, "indices" it
@@ -240,8 +256,9 @@ class SparseExchange(CommHook):
         self._layouts, self._params = {}, {}
         for bucket, where in zip(buckets, positions):
             spec = bucket.spec
-            self._params[bucket.index] = [(pos, off, p.numel()) for pos, off, p in zip(where, spec.offsets,
-                                                                                     bucket.params)]
+            self._params[bucket.index] = [
+                (pos, off, p.numel()) for pos, off, p in zip(where, spec.offsets, bucket.params)
+            ]
             for name, store in self._stores.items():
                 flat = torch.zeros(spec.grad_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
                 self._lay_out(flat, bucket.index, kept.get(name, {}))
@@ -251,13 +268,17 @@ class SparseExchange(CommHook):
     def _lay_out(self, flat: torch.Tensor, b: int, by_param: Dict[int, torch.Tensor]) -> None:
         for pos, off, n in self._params[b]:
             if pos in by_param:
-                flat[off:off + n].copy_(by_param[pos].reshape(-1).to(flat.device, flat.dtype))
+                flat[off : off + n].copy_(by_param[pos].reshape(-1).to(flat.device, flat.dtype))
 
     def _by_param(self) -> Dict[str, Dict[int, torch.Tensor]]:
         """Each store (residual, velocity) as a copy per parameter, by its position in the model's parameter
         order: what survives a re-plan and goes into a checkpoint."""
-        return {name: {pos: store[b][off:off + n].clone() for b, entries in self._params.items()
-                       for pos, off, n in entries} for name, store in self._stores.items()}
+        return {
+            name: {
+                pos: store[b][off : off + n].clone() for b, entries in self._params.items() for pos, off, n in entries
+            }
+            for name, store in self._stores.items()
+        }
 
     def state_dict(self) -> dict:
         return self._by_param() if self._pending is None else self._pending
@@ -296,23 +317,26 @@ class SparseExchange(CommHook):
         warm = step < self.sparsify.warmup_steps
         if momentum:  # what travels dense is the velocity: its average is momentum on the averaged gradient
             for _, off, n in layout.dense_params + (layout.sparse if warm else []):
-                vel[off:off + n].mul_(momentum).add_(full[off:off + n])
-                full[off:off + n].copy_(vel[off:off + n])
+                vel[off : off + n].mul_(momentum).add_(full[off : off + n])
+                full[off : off + n].copy_(vel[off : off + n])
         if warm:
             self._count(step, full.numel(), 0, 0)
             return backend.all_reduce(full, "sum", **where), None
         for _, off, n in layout.sparse:  # error feedback: this step's gradient joins what was never sent
             if momentum:  # DGC's momentum correction: the velocity is what accumulates
-                vel[off:off + n].mul_(momentum).add_(full[off:off + n])
-                res[off:off + n].add_(vel[off:off + n])
+                vel[off : off + n].mul_(momentum).add_(full[off : off + n])
+                res[off : off + n].add_(vel[off : off + n])
             else:
-                res[off:off + n].add_(full[off:off + n])
+                res[off : off + n].add_(full[off : off + n])
         if self.sparsify.selection == "topk":
             return self._start_topk(layout, res, vel, full, backend, step, where)
         frags = layout.fragments
         device = control.device
-        norms = torch.tensor([float(torch.linalg.vector_norm(res[f.start:f.start + f.numel])) for f in frags],
-                             dtype=torch.float64, device=device)
+        norms = torch.tensor(
+            [float(torch.linalg.vector_norm(res[f.start : f.start + f.numel])) for f in frags],
+            dtype=torch.float64,
+            device=device,
+        )
         if self.world > 1 and frags:
             control.all_reduce(norms, "sum", **where).wait()
         norms = (norms / self.world).tolist()
@@ -326,11 +350,12 @@ class SparseExchange(CommHook):
         most = max(counts) if counts else 0
         if self.world > 1 and most > 0:
             padded = torch.zeros(most, dtype=torch.int32, device=device)
-            padded[:index.numel()] = index.to(device, torch.int32)
+            padded[: index.numel()] = index.to(device, torch.int32)
             gathered = torch.empty(self.world * most, dtype=torch.int32, device=device)
             control.all_gather(gathered, padded, **where).wait()
-            selected = torch.cat([gathered[r * most:r * most + counts[r]] for r in range(self.world)]).to(
-                res.device, torch.int64)
+            selected = torch.cat([gathered[r * most : r * most + counts[r]] for r in range(self.world)]).to(
+                res.device, torch.int64
+            )
         else:
             selected = index
         dense = layout.dense
@@ -343,19 +368,30 @@ class SparseExchange(CommHook):
 
     @staticmethod
     def _top(res: torch.Tensor, f: Fragment, k: int) -> torch.Tensor:
-        part = res[f.start:f.start + f.numel]
+        part = res[f.start : f.start + f.numel]
         return torch.topk(part.abs(), k, sorted=False).indices.sort().values + f.start
 
-    def _start_topk(self, layout: _Layout, res: torch.Tensor, vel: Optional[torch.Tensor], full: torch.Tensor, backend,
-                    step: int, where: dict):
+    def _start_topk(
+        self,
+        layout: _Layout,
+        res: torch.Tensor,
+        vel: Optional[torch.Tensor],
+        full: torch.Tensor,
+        backend,
+        step: int,
+        where: dict,
+    ):
         """The baseline: the top-k of the whole bucket's residual on each rank, every rank's (index, value) pairs
         all-gathered; the dense part all-reduced beside them."""
-        pieces = [res[o:o + n] for _, o, n in layout.sparse]
+        pieces = [res[o : o + n] for _, o, n in layout.sparse]
         if pieces:
             flat_idx = torch.cat([torch.arange(o, o + n, device=res.device) for _, o, n in layout.sparse])
             flat = torch.cat(pieces)
-            top = torch.topk(flat.abs(), layout.budget, sorted=False).indices.sort().values if layout.budget else \
-                torch.zeros(0, dtype=torch.int64, device=res.device)
+            top = (
+                torch.topk(flat.abs(), layout.budget, sorted=False).indices.sort().values
+                if layout.budget
+                else torch.zeros(0, dtype=torch.int64, device=res.device)
+            )
             index = flat_idx[top]
         else:
             index = torch.zeros(0, dtype=torch.int64, device=res.device)
@@ -369,8 +405,10 @@ class SparseExchange(CommHook):
         dense_values = full.index_select(0, layout.dense)
         handles = [backend.all_reduce(dense_values, "sum", **where)]
         if k:
-            handles += [backend.all_gather(gathered_idx, index, **where),
-                        backend.all_gather(gathered_val, values, **where)]
+            handles += [
+                backend.all_gather(gathered_idx, index, **where),
+                backend.all_gather(gathered_val, values, **where),
+            ]
         self._count(step, dense_values.numel() + k, k, self.world * k)
         return JointHandle(*handles), ("topk", layout.dense, dense_values, gathered_idx, gathered_val)
 

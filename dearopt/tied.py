@@ -49,8 +49,11 @@ class TiedEmbeddings:
         self.twins: Dict[int, List[Tuple[nn.Module, str, torch.Tensor]]] = {}  # id(weight) -> (module, name, twin)
         self.owner_of: Dict[int, torch.nn.Parameter] = {}  # id(twin) -> the weight
         self._hooks = []
-        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding) and not m.sparse
-                      and m.max_norm is None and id(m.weight) in trainable]
+        embeddings = [
+            m
+            for m in model.modules()
+            if isinstance(m, nn.Embedding) and not m.sparse and m.max_norm is None and id(m.weight) in trainable
+        ]
         for emb in embeddings:
             weight = emb.weight
             self.row_numel[id(weight)] = emb.embedding_dim
@@ -115,7 +118,7 @@ class EmbeddingRows(CommHook):
         world = backend.size
         spec = piece.bucket.spec
         width = spec.row_numel
-        grads = piece.full[:spec.grad_numel].view(-1, width)
+        grads = piece.full[: spec.grad_numel].view(-1, width)
         rows = grads.any(dim=1).nonzero().flatten()
         mine = torch.tensor([rows.numel()], dtype=torch.int64, device=control.device)
         counts = torch.empty(world, dtype=torch.int64, device=control.device)
@@ -127,17 +130,18 @@ class EmbeddingRows(CommHook):
             return backend.all_reduce(piece.full, "sum", **where), None
         self.counts["rows"] += 1
         most = max(most, 1)
-        tail = piece.full[spec.grad_numel:]
+        tail = piece.full[spec.grad_numel :]
         length = most * width + tail.numel()
         index = torch.zeros(most, dtype=torch.int64, device=backend.device)
-        index[:rows.numel()] = rows.to(backend.device)
+        index[: rows.numel()] = rows.to(backend.device)
         values = torch.zeros(length, dtype=piece.full.dtype, device=piece.full.device)
-        values[:rows.numel() * width] = grads.index_select(0, rows).reshape(-1)
-        values[most * width:] = tail
+        values[: rows.numel() * width] = grads.index_select(0, rows).reshape(-1)
+        values[most * width :] = tail
         all_index = torch.empty(world * most, dtype=torch.int64, device=backend.device)
         all_values = torch.empty(world * length, dtype=values.dtype, device=values.device)
-        handle = JointHandle(backend.all_gather(all_index, index, **where),
-                             backend.all_gather(all_values, values, **where))
+        handle = JointHandle(
+            backend.all_gather(all_index, index, **where), backend.all_gather(all_values, values, **where)
+        )
         return handle, (counts, most, length, all_index, all_values)
 
     def finish(self, op, ctx) -> None:
@@ -148,14 +152,17 @@ class EmbeddingRows(CommHook):
         piece = op.piece
         spec = piece.bucket.spec
         width = spec.row_numel
-        grads = piece.full[:spec.grad_numel].view(-1, width)
-        tail = piece.full[spec.grad_numel:]
+        grads = piece.full[: spec.grad_numel].view(-1, width)
+        tail = piece.full[spec.grad_numel :]
         grads.zero_()
         tail.zero_()
         all_index = all_index.to(grads.device)
         for r, count in enumerate(counts):
             base = r * length
             if count:
-                grads.index_add_(0, all_index[r * most:r * most + count],
-                                 all_values[base:base + count * width].view(count, width))
-            tail.add_(all_values[base + most * width:base + length])
+                grads.index_add_(
+                    0,
+                    all_index[r * most : r * most + count],
+                    all_values[base : base + count * width].view(count, width),
+                )
+            tail.add_(all_values[base + most * width : base + length])

@@ -61,14 +61,34 @@ class Timeline:
     def instant(self, name: str, cat: str, **args) -> None:
         if self.enabled:
             with self._lock:
-                self._events.append({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": self._now_us(),
-                                     "pid": self.rank, "tid": 0, "args": args})
+                self._events.append(
+                    {
+                        "name": name,
+                        "cat": cat,
+                        "ph": "i",
+                        "s": "t",
+                        "ts": self._now_us(),
+                        "pid": self.rank,
+                        "tid": 0,
+                        "args": args,
+                    }
+                )
 
     def _add(self, name, cat, start, dur, args):
         tid = {"compute": 0, "wait": 0, "update": 0, "comm": 1, "predicted": 2}.get(cat, 0)
         with self._lock:
-            self._events.append({"name": name, "cat": cat, "ph": "X", "ts": start, "dur": max(dur, 0.0),
-                                 "pid": self.rank, "tid": tid, "args": args})
+            self._events.append(
+                {
+                    "name": name,
+                    "cat": cat,
+                    "ph": "X",
+                    "ts": start,
+                    "dur": max(dur, 0.0),
+                    "pid": self.rank,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
 
     def flush(self) -> None:
         """Write every event so far (the file is rewritten whole; it stays valid JSON)."""
@@ -76,10 +96,12 @@ class Timeline:
             return
         with self._lock:
             events = list(self._events)
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
-                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "compute"}},
-                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "communication"}},
-                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 2, "args": {"name": "predicted"}}]
+        meta = [
+            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "compute"}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "communication"}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 2, "args": {"name": "predicted"}},
+        ]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as fh:
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, fh)

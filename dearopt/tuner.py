@@ -140,6 +140,7 @@ def _one_blas_thread():
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
         import contextlib
+
         return contextlib.nullcontext()
     return threadpool_limits(limits=1)
 
@@ -212,9 +213,20 @@ class BayesianTuner(_Trials):
             :meth:`suggest`).  0.01 is a factor 1.047 for a 1..100 MB buffer.
     """
 
-    def __init__(self, knobs: Sequence[Knob], *, budget: int = 10, xi: float = 0.1, seed: int = 0,
-                 min_improvement: float = 0.005, min_trials: Optional[int] = None, noise: float = 0.02,
-                 dedup_tol: float = 0.01, n_candidates: int = 2000, steps_per_trial: int = 10):
+    def __init__(
+        self,
+        knobs: Sequence[Knob],
+        *,
+        budget: int = 10,
+        xi: float = 0.1,
+        seed: int = 0,
+        min_improvement: float = 0.005,
+        min_trials: Optional[int] = None,
+        noise: float = 0.02,
+        dedup_tol: float = 0.01,
+        n_candidates: int = 2000,
+        steps_per_trial: int = 10,
+    ):
         _check_number("steps_per_trial", steps_per_trial, minimum=1, integer=True)
         self.steps_per_trial = int(steps_per_trial)
         if isinstance(knobs, Knob):
@@ -268,8 +280,8 @@ class BayesianTuner(_Trials):
         # knobs" and its amplitude and noise are fractions of that throughput
         # (normalize_y would make them meaningless when all targets are equal).
         self._bo.set_gp_params(
-            kernel=ConstantKernel(0.1, (1e-4, 10.0)) * Matern(
-                length_scale=[0.3] * self._dim, length_scale_bounds=(0.05, 1.0), nu=2.5),
+            kernel=ConstantKernel(0.1, (1e-4, 10.0))
+            * Matern(length_scale=[0.3] * self._dim, length_scale_bounds=(0.05, 1.0), nu=2.5),
             alpha=max(float(noise) ** 2, 1e-8),
             normalize_y=False,
         )
@@ -282,11 +294,11 @@ class BayesianTuner(_Trials):
         self._fallback_rng = rng
 
         self._history: List[Tuple[Knobs, float]] = []
-        self._x: List[np.ndarray] = []          # unit-cube points, parallel to _history
-        self._y_ref: Optional[float] = None     # first observed throughput
-        self._pending: Optional[Knobs] = None   # the suggestion awaiting observe()
+        self._x: List[np.ndarray] = []  # unit-cube points, parallel to _history
+        self._y_ref: Optional[float] = None  # first observed throughput
+        self._pending: Optional[Knobs] = None  # the suggestion awaiting observe()
         self._converged = False
-        self._below = 0                         # consecutive checks under min_improvement
+        self._below = 0  # consecutive checks under min_improvement
         self.last_max_ei: Optional[float] = None  # relative to the best, after the last observe()
 
     # ------------------------------------------------------------------ public
@@ -328,8 +340,12 @@ class BayesianTuner(_Trials):
     def observe(self, knobs: Mapping[str, float], throughput: float) -> None:
         """Record that ``knobs`` gave ``throughput`` (higher is better, > 0)."""
         knobs = self._validate_knobs(knobs)
-        if (isinstance(throughput, bool) or not isinstance(throughput, (int, float, np.floating))
-                or not math.isfinite(throughput) or throughput <= 0):
+        if (
+            isinstance(throughput, bool)
+            or not isinstance(throughput, (int, float, np.floating))
+            or not math.isfinite(throughput)
+            or throughput <= 0
+        ):
             raise ValueError(f"throughput must be a finite number > 0, got {throughput!r}")
         if self.done:
             raise RuntimeError("the tuner is done; no more observations")
@@ -372,13 +388,11 @@ class BayesianTuner(_Trials):
             if k.name not in knobs:
                 raise ValueError(f"knob {k.name!r} is missing from {dict(knobs)!r}")
             v = knobs[k.name]
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
                 raise ValueError(f"knob {k.name!r} must be a finite number, got {v!r}")
             if not k.low <= v <= k.high:
                 raise ValueError(f"knob {k.name!r}={v!r} is outside [{k.low!r}, {k.high!r}]")
-            out[k.name] = int(v) if k.integer and float(v).is_integer() else (
-                k._snap(v) if k.integer else float(v))
+            out[k.name] = int(v) if k.integer and float(v).is_integer() else (k._snap(v) if k.integer else float(v))
         return out
 
     def _encode(self, knobs: Mapping[str, float]) -> np.ndarray:
@@ -401,6 +415,7 @@ class BayesianTuner(_Trials):
     def _ei(self, x: np.ndarray, xi: float) -> np.ndarray:
         """EI at the rows of ``x`` under the fitted GP, in units of the first throughput."""
         from scipy.stats import norm
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mean, std = self._bo._gp.predict(x, return_std=True)
@@ -427,8 +442,11 @@ class BayesianTuner(_Trials):
                 choice = cand[int(np.argmax(ei))]
             else:  # flat acquisition: the candidate farthest from what was seen
                 choice = cand[int(np.argmax(np.where(ok, self._min_dist(cand), -np.inf)))]
-            logger.debug("suggestion %s repeats an observed point; trying %s instead",
-                         self._describe(self._decode(x)), self._describe(self._decode(choice)))
+            logger.debug(
+                "suggestion %s repeats an observed point; trying %s instead",
+                self._describe(self._decode(x)),
+                self._describe(self._decode(choice)),
+            )
             return self._decode(choice)
         # Every candidate was observed (tiny integer grids): nothing new to try.
         logger.debug("every candidate point has been observed; stopping")
@@ -450,8 +468,9 @@ class BayesianTuner(_Trials):
         self.last_max_ei = max_ei / best_rel
         self._below = self._below + 1 if self.last_max_ei < self.min_improvement else 0
         if self._below >= 2:
-            logger.debug("max expected improvement %.3g%% < %.3g%%: done",
-                         100 * self.last_max_ei, 100 * self.min_improvement)
+            logger.debug(
+                "max expected improvement %.3g%% < %.3g%%: done", 100 * self.last_max_ei, 100 * self.min_improvement
+            )
             self._converged = True
             self._pending = None
 
@@ -512,8 +531,12 @@ class ChoiceTuner(_Trials):
             raise RuntimeError("the tuner is done; no more observations")
         if dict(knobs) != self._queue[0]:
             raise ValueError(f"observed {dict(knobs)!r}, but the candidate on trial is {self._queue[0]!r}")
-        if (isinstance(throughput, bool) or not isinstance(throughput, (int, float, np.floating))
-                or not math.isfinite(throughput) or throughput <= 0):
+        if (
+            isinstance(throughput, bool)
+            or not isinstance(throughput, (int, float, np.floating))
+            or not math.isfinite(throughput)
+            or throughput <= 0
+        ):
             raise ValueError(f"throughput must be a finite number > 0, got {throughput!r}")
         self._history.append((dict(knobs), float(throughput)))
         self._queue.pop(0)
@@ -571,10 +594,17 @@ class TuningController:
     the other ranks are never left waiting in ``broadcast``.
     """
 
-    def __init__(self, tuner: BayesianTuner, *, warmup_steps: int = 1, measure_steps: int = 10,
-                 is_root: bool, broadcast: Callable[[Optional[dict]], dict],
-                 clock: Callable[[], float] = time.perf_counter,
-                 samples_per_step: Optional[float] = None):
+    def __init__(
+        self,
+        tuner: BayesianTuner,
+        *,
+        warmup_steps: int = 1,
+        measure_steps: int = 10,
+        is_root: bool,
+        broadcast: Callable[[Optional[dict]], dict],
+        clock: Callable[[], float] = time.perf_counter,
+        samples_per_step: Optional[float] = None,
+    ):
         if not isinstance(tuner, _Trials):
             raise ValueError(f"tuner must be a BayesianTuner or a ChoiceTuner, got {tuner!r}")
         _check_number("warmup_steps", warmup_steps, minimum=0, integer=True)
@@ -652,15 +682,19 @@ class TuningController:
         step_time = statistics.median(self._durations) if self._durations else 0.0
         throughput = (self.samples_per_step or 1.0) / step_time if step_time > 0 else float("inf")
         trial = len(self._history) + 1
-        logger.info("trial %d: %s -> throughput %.4g %s", trial, tuner.describe(self._current),
-                    throughput, self.unit)
+        logger.info("trial %d: %s -> throughput %.4g %s", trial, tuner.describe(self._current), throughput, self.unit)
         record = (dict(self._current), throughput)
         try:
             tuner.observe(self._current, throughput)
             if tuner.done:
                 best_knobs, best_thr = tuner.best
-                logger.info("tuning done after %d trials: best %s -> throughput %.4g %s", trial,
-                            tuner.describe(best_knobs), best_thr, self.unit)
+                logger.info(
+                    "tuning done after %d trials: best %s -> throughput %.4g %s",
+                    trial,
+                    tuner.describe(best_knobs),
+                    best_thr,
+                    self.unit,
+                )
                 return {"knobs": best_knobs, "finished": True, "record": record, "best": (best_knobs, best_thr)}
             return {"knobs": tuner.suggest(), "finished": False, "record": record, "best": tuner.best}
         except Exception:  # never leave the other ranks waiting in broadcast

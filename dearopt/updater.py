@@ -80,8 +80,9 @@ class BucketUpdater:
                 hook(self.optimizer, (), {})
         groups = self.optimizer.param_groups
         # a group added since step() (add_param_group before the pending updates landed) has nothing of this step
-        hyper = [self._hyper[gi] if self._hyper is not None and gi < len(self._hyper) else {}
-                 for gi in range(len(groups))]
+        hyper = [
+            self._hyper[gi] if self._hyper is not None and gi < len(self._hyper) else {} for gi in range(len(groups))
+        ]
         saved = [{k: g[k] for k in hyper[gi]} | {"params": g["params"]} for gi, g in enumerate(groups)]
         try:
             for gi, group in enumerate(groups):

@@ -1,5 +1,6 @@
 """Train a small CNN on scikit-learn's digits: digits_single.py on one process; digits_dearopt.py is the same
 script plus four lines, on any number of ranks (tests/test_examples.py checks both)."""
+
 import dearopt
 import torch
 from sklearn.datasets import load_digits
@@ -14,11 +15,18 @@ y = torch.tensor(digits.target)
 order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
 x_train, y_train = x[order[:1400]], y[order[:1400]]
 x_test, y_test = x[order[1400:]], y[order[1400:]]
-x_train, y_train = x_train[dearopt.rank()::dearopt.size()], y_train[dearopt.rank()::dearopt.size()]
+x_train, y_train = x_train[dearopt.rank() :: dearopt.size()], y_train[dearopt.rank() :: dearopt.size()]
 
 model = nn.Sequential(
-    nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-    nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+    nn.Conv2d(1, 16, 3, padding=1),
+    nn.ReLU(),
+    nn.Conv2d(16, 32, 3, padding=1),
+    nn.ReLU(),
+    nn.MaxPool2d(2),
+    nn.Flatten(),
+    nn.Linear(32 * 4 * 4, 64),
+    nn.ReLU(),
+    nn.Linear(64, 10),
 )
 optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
 optimizer = dearopt.DistOptim(optimizer, model)
@@ -28,7 +36,7 @@ for epoch in range(epochs):
     model.train()
     perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
     for start in range(0, len(perm) - batch_size + 1, batch_size):
-        idx = perm[start:start + batch_size]
+        idx = perm[start : start + batch_size]
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
         loss.backward()

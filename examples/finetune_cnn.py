@@ -13,6 +13,7 @@ see the same samples per step and end with the same parameters (tests/test_finet
     torchrun --nproc_per_node 2 examples/finetune_cnn.py               # two ranks
     torchrun --nproc_per_node 2 examples/finetune_cnn.py --schedule wfbp --add-group
 """
+
 import argparse
 
 import dearopt  # dearopt
@@ -25,8 +26,11 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=32, help="images per step, all ranks together")
 parser.add_argument("--train-size", type=int, default=960)
-parser.add_argument("--add-group", action="store_true",
-                    help="the backbone joins the optimizer at epoch 1 (add_param_group) instead of being in it frozen")
+parser.add_argument(
+    "--add-group",
+    action="store_true",
+    help="the backbone joins the optimizer at epoch 1 (add_param_group) instead of being in it frozen",
+)
 parser.add_argument("--schedule", default="dear")
 parser.add_argument("--shard-optimizer", action="store_true")
 args = parser.parse_args()
@@ -38,15 +42,21 @@ digits = load_digits()
 x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
 y = torch.tensor(digits.target)
 order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-x_train, y_train = x[order[:args.train_size]], y[order[:args.train_size]]
+x_train, y_train = x[order[: args.train_size]], y[order[: args.train_size]]
 x_test, y_test = x[order[1400:]], y[order[1400:]]
 
 
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.backbone = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
-                                      nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+        self.backbone = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
         self.head = nn.Sequential(nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 
     def forward(self, inputs):
@@ -61,8 +71,12 @@ if args.add_group:
 else:
     groups = [{"params": model.head.parameters()}, {"params": model.backbone.parameters()}]
 optimizer = torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-4)
-optimizer = dearopt.DistOptim(optimizer, model, schedule=args.schedule,  # dearopt
-                              shard_optimizer=args.shard_optimizer)
+optimizer = dearopt.DistOptim(
+    optimizer,
+    model,
+    schedule=args.schedule,  # dearopt
+    shard_optimizer=args.shard_optimizer,
+)
 steps_per_epoch = len(x_train) // args.batch_size
 scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=args.epochs * steps_per_epoch)
 scaler = torch.amp.GradScaler("cpu")
@@ -77,8 +91,8 @@ for epoch in range(args.epochs):
     model.train()
     perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
     for step in range(steps_per_epoch):
-        idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
-        idx = idx[dearopt.rank()::dearopt.size()]  # dearopt: this rank's share of the global batch
+        idx = perm[step * args.batch_size : (step + 1) * args.batch_size]
+        idx = idx[dearopt.rank() :: dearopt.size()]  # dearopt: this rank's share of the global batch
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
         scaler.scale(loss).backward()
@@ -93,8 +107,10 @@ for epoch in range(args.epochs):
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         ema_accuracy = (ema(x_test).argmax(1) == y_test).float().mean().item()
     if dearopt.rank() == 0:  # dearopt
-        print(f"epoch {epoch}: loss {loss.item():.4f} test accuracy {100 * accuracy:.2f}% "
-              f"EMA {100 * ema_accuracy:.2f}%", flush=True)
+        print(
+            f"epoch {epoch}: loss {loss.item():.4f} test accuracy {100 * accuracy:.2f}% EMA {100 * ema_accuracy:.2f}%",
+            flush=True,
+        )
 
 with torch.no_grad():
     params = [p.detach().double() for p in model.parameters()]
@@ -104,5 +120,4 @@ with torch.no_grad():
     ema_checksum = sum(p.sum() for p in ema_params).item()
 if dearopt.rank() == 0:  # dearopt
     print(f"final test accuracy: {100 * accuracy:.2f}% EMA {100 * ema_accuracy:.2f}%")
-    print(f"final checksum: {checksum:.8f} sum of squares: {squares:.8f} EMA checksum: {ema_checksum:.8f}",
-          flush=True)
+    print(f"final checksum: {checksum:.8f} sum of squares: {squares:.8f} EMA checksum: {ema_checksum:.8f}", flush=True)

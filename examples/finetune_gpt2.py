@@ -12,6 +12,7 @@ end with the same parameters (tests/test_finetune_examples.py compares the check
     torchrun --nproc_per_node 2 examples/finetune_gpt2.py --save-at 4 --save ckpt.pt
     torchrun --nproc_per_node 2 examples/finetune_gpt2.py --resume ckpt.pt
 """
+
 import argparse
 import contextlib
 
@@ -36,21 +37,40 @@ args = parser.parse_args()
 dearopt.init()  # dearopt
 torch.manual_seed(0)
 torch.set_num_threads(1)
-config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=32,
-                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+config = GPT2Config(
+    n_layer=2,
+    n_head=2,
+    n_embd=32,
+    vocab_size=97,
+    n_positions=32,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 model = GPT2LMHeadModel(config)  # lm_head.weight is transformer.wte.weight (tied)
 model.train()
 
 # the data: random token sequences from a seeded generator, one global micro-batch per (step, micro-step)
-data = torch.randint(0, config.vocab_size, (args.steps, args.accumulation, args.batch_size, args.seq_len),
-                     generator=torch.Generator().manual_seed(1234))
+data = torch.randint(
+    0,
+    config.vocab_size,
+    (args.steps, args.accumulation, args.batch_size, args.seq_len),
+    generator=torch.Generator().manual_seed(1234),
+)
 
 no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or ".ln_" in n]
 decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or ".ln_" in n)]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-optimizer = dearopt.DistOptim(optimizer, model, schedule=args.schedule,  # dearopt
-                              shard_optimizer=args.shard_optimizer)
+optimizer = torch.optim.AdamW(
+    [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
+)
+optimizer = dearopt.DistOptim(
+    optimizer,
+    model,
+    schedule=args.schedule,  # dearopt
+    shard_optimizer=args.shard_optimizer,
+)
 scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=args.steps)
 
 start_step = 0
@@ -65,7 +85,7 @@ for step in range(start_step, args.steps):
     total = 0.0
     for micro in range(args.accumulation):
         batch = data[step, micro]
-        batch = batch[dearopt.rank()::dearopt.size()]  # dearopt: this rank's share of the global micro-batch
+        batch = batch[dearopt.rank() :: dearopt.size()]  # dearopt: this rank's share of the global micro-batch
         # the micro-batches before the last accumulate locally (DDP's model.no_sync())
         last = micro == args.accumulation - 1
         with contextlib.nullcontext() if last else dearopt.no_sync(model):  # dearopt
@@ -78,12 +98,18 @@ for step in range(start_step, args.steps):
     scheduler.step()
     optimizer.zero_grad()
     if dearopt.rank() == 0:  # dearopt (the loss is rank 0's share; the norm is the global one)
-        print(f"step {step + 1}: loss {total:.6f} grad norm {grad_norm.item():.6f} lr {scheduler.get_last_lr()[0]:.3e}",
-              flush=True)
+        print(
+            f"step {step + 1}: loss {total:.6f} grad norm {grad_norm.item():.6f} lr {scheduler.get_last_lr()[0]:.3e}",
+            flush=True,
+        )
     if args.save_at is not None and step + 1 == args.save_at:
         # every rank builds it (with --shard-optimizer, optimizer.state_dict() gathers the shards: a collective)
-        checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "scheduler": scheduler.state_dict(), "step": step + 1}
+        checkpoint = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step + 1,
+        }
         if dearopt.rank() == 0:  # dearopt
             torch.save(checkpoint, args.save)
             print(f"saved {args.save} after step {step + 1}", flush=True)

@@ -14,6 +14,7 @@ Run it with any launcher (or none, for one process)::
 The global batch is the same for every world size (each rank takes its share
 of it), so the result matches one process up to floating-point rounding.
 """
+
 import argparse
 
 import torch
@@ -48,8 +49,9 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.85)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
-                                     op=hvd.Average)
+optimizer = hvd.DistributedOptimizer(
+    optimizer, named_parameters=model.named_parameters(), compression=compression, op=hvd.Average
+)
 
 if args.batch_size % hvd.size():
     raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the number of ranks {hvd.size()}")
@@ -64,7 +66,7 @@ for epoch in range(args.epochs):
     perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(100 + epoch))
     total_loss, batches = 0.0, 0
     for start in range(0, len(perm) - args.batch_size + 1, args.batch_size):
-        idx = perm[start:start + args.batch_size][hvd.rank()::hvd.size()]  # this rank's share of the batch
+        idx = perm[start : start + args.batch_size][hvd.rank() :: hvd.size()]  # this rank's share of the batch
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
         loss.backward()

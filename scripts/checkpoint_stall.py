@@ -56,8 +56,9 @@ def _build(args, sharded: bool):
     config = BertConfig(num_hidden_layers=args.layers)
     model = BertForMaskedLM(config)
     model.train()
-    opt = dearopt.DistOptim(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01), model,
-                            shard_optimizer=sharded)
+    opt = dearopt.DistOptim(
+        torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01), model, shard_optimizer=sharded
+    )
     g = torch.Generator().manual_seed(dearopt.rank())
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
     return model, opt, ids
@@ -131,14 +132,22 @@ def _rank(args) -> dict:
                 if rank == 0:
                     size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(path) for f in fs)
                     row["bytes"] = size
-                    print(f"[{time.strftime('%H:%M:%S')}] {config} round {r} {method:>10}: stall {stall:.2f} s"
-                          + (f", written after {row['written_after']:.2f} s ({row['steps_during']} steps, "
-                             f"{row['slowdown']:+.2f} s)" if pending is not None else "")
-                          + f", {size / 2**20:.0f} MiB", flush=True)
+                    print(
+                        f"[{time.strftime('%H:%M:%S')}] {config} round {r} {method:>10}: stall {stall:.2f} s"
+                        + (
+                            f", written after {row['written_after']:.2f} s ({row['steps_during']} steps, "
+                            f"{row['slowdown']:+.2f} s)"
+                            if pending is not None
+                            else ""
+                        )
+                        + f", {size / 2**20:.0f} MiB",
+                        flush=True,
+                    )
                     shutil.rmtree(path, ignore_errors=True)
                 dearopt.get_backend().all_reduce(torch.zeros(1), "sum").wait()
-        state_bytes = sum(v.numel() * v.element_size() for e in opt.state.values() for v in e.values()
-                          if isinstance(v, torch.Tensor))
+        state_bytes = sum(
+            v.numel() * v.element_size() for e in opt.state.values() for v in e.values() if isinstance(v, torch.Tensor)
+        )
         out[config] = {"rows": rows, "step": statistics.median(steps), "state_bytes_rank": state_bytes}
         opt.close()
         model = opt = None  # freed (a closure above names them)
@@ -159,19 +168,28 @@ def main() -> int:
     from dearopt.bench.spawn import spawn
 
     result = spawn(_rank, 2, args, timeout=3600)[0]
-    print(f"\nBERT-Base ({args.layers} layers), AdamW, 2 gloo ranks on CPU, batch {args.batch} x {args.seq} tokens "
-          f"per rank; {args.rounds} rounds; the slower rank's seconds (median over rounds)")
-    print("| optimizer | step [s] | method | stall [s] | written after [s] | steps during write, extra time [s] |"
-          " checkpoint [MiB] |")
+    print(
+        f"\nBERT-Base ({args.layers} layers), AdamW, 2 gloo ranks on CPU, batch {args.batch} x {args.seq} tokens "
+        f"per rank; {args.rounds} rounds; the slower rank's seconds (median over rounds)"
+    )
+    print(
+        "| optimizer | step [s] | method | stall [s] | written after [s] | steps during write, extra time [s] |"
+        " checkpoint [MiB] |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|")
     for config, got in result.items():
         for method in METHODS:
             rows = got["rows"][method]
             stall = statistics.median(r["stall"] for r in rows)
-            written = (f"{statistics.median(r['written_after'] for r in rows):.2f}" if "written_after" in rows[0]
-                       else "-")
-            during = (f"{statistics.median(r['steps_during'] for r in rows):g}, "
-                      f"{statistics.median(r['slowdown'] for r in rows):+.2f}" if "slowdown" in rows[0] else "-")
+            written = (
+                f"{statistics.median(r['written_after'] for r in rows):.2f}" if "written_after" in rows[0] else "-"
+            )
+            during = (
+                f"{statistics.median(r['steps_during'] for r in rows):g}, "
+                f"{statistics.median(r['slowdown'] for r in rows):+.2f}"
+                if "slowdown" in rows[0]
+                else "-"
+            )
             size = statistics.median(r.get("bytes", 0) for r in rows) / 2**20
             print(f"| {config} | {got['step']:.2f} | {method} | {stall:.2f} | {written} | {during} | {size:.0f} |")
     return 0

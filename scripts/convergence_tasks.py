@@ -27,8 +27,17 @@ def digits_model(seed: int = 0):
     from torch import nn
 
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def text_data():
@@ -67,9 +76,7 @@ class CharLM:
         return CharLM()
 
 
-
-def train_digits(make_opt, epochs: int, rank: int, world: int, batch: int = 32, seed: int = 0,
-                 test_loss: list = None):
+def train_digits(make_opt, epochs: int, rank: int, world: int, batch: int = 32, seed: int = 0, test_loss: list = None):
     """Train the digits CNN on this rank's part of the training set; returns (test accuracy after each epoch [%],
     steps, the optimizer: the caller closes it).  ``seed`` sets the initial weights and the order of the samples
     (0: the scripts' usual run); ``test_loss``, a list, gets the test cross-entropy after each epoch."""
@@ -85,7 +92,7 @@ def train_digits(make_opt, epochs: int, rank: int, world: int, batch: int = 32, 
         model.train()
         perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch + 1000 * seed))
         for start in range(0, len(perm) - batch + 1, batch):
-            idx = perm[start:start + batch]
+            idx = perm[start : start + batch]
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
@@ -109,16 +116,17 @@ def train_lm(make_opt, steps: int, rank: int, world: int):
     train, held_out, vocab = text_data()
     g = torch.Generator().manual_seed(1)
     eval_starts = torch.randint(0, len(held_out) - SEQ - 1, (64,), generator=g)
-    eval_x = torch.stack([held_out[s:s + SEQ] for s in eval_starts])
-    eval_y = torch.stack([held_out[s + 1:s + SEQ + 1] for s in eval_starts])
+    eval_x = torch.stack([held_out[s : s + SEQ] for s in eval_starts])
+    eval_y = torch.stack([held_out[s + 1 : s + SEQ + 1] for s in eval_starts])
     model = CharLM(vocab)
     opt = make_opt(model)
     curve = []
     for step in range(steps):
-        starts = torch.randint(0, len(train) - SEQ - 1, (LM_BATCH * world,),
-                               generator=torch.Generator().manual_seed(100 + step))[rank::world]
-        x = torch.stack([train[s:s + SEQ] for s in starts])
-        y = torch.stack([train[s + 1:s + SEQ + 1] for s in starts])
+        starts = torch.randint(
+            0, len(train) - SEQ - 1, (LM_BATCH * world,), generator=torch.Generator().manual_seed(100 + step)
+        )[rank::world]
+        x = torch.stack([train[s : s + SEQ] for s in starts])
+        y = torch.stack([train[s + 1 : s + SEQ + 1] for s in starts])
         model.train()
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))

@@ -90,14 +90,26 @@ def table():
     for name, (params_m, batch, gmacs) in MODELS.items():
         rs10, ag10, ar10 = comm_times(params_m, LINKS["10GbE"])
         t_ff, exact = fit_t_ff(PAPER["10GbE"][name], rs10, ag10, ar10)
-        row = {"model": name, "t_ff": t_ff, "t_bp": 2 * t_ff, "t_ff_exact": exact,
-               "implied_tmacs": batch * gmacs / t_ff / 1e3}
+        row = {
+            "model": name,
+            "t_ff": t_ff,
+            "t_bp": 2 * t_ff,
+            "t_ff_exact": exact,
+            "implied_tmacs": batch * gmacs / t_ff / 1e3,
+        }
         for link, bw in LINKS.items():
             rs, ag, ar = comm_times(params_m, bw)
             ours = s_max(t_ff, 2 * t_ff, rs, ag, ar)
             paper = PAPER[link][name]
-            row[link] = {"t_rs": rs, "t_ag": ag, "t_ar": ar, "ours": ours, "paper": paper,
-                         "error": ours / paper - 1.0, "fitted": link == "10GbE"}
+            row[link] = {
+                "t_rs": rs,
+                "t_ag": ag,
+                "t_ar": ar,
+                "ours": ours,
+                "paper": paper,
+                "error": ours / paper - 1.0,
+                "fitted": link == "10GbE",
+            }
         # the effective bandwidth at which this t_ff gives the paper's 100GbIB value
         paper_ib = PAPER["100GbIB"][name]
         if paper_ib < P:
@@ -118,29 +130,39 @@ def table():
 
 
 def render(rows) -> str:
-    out = [f"DeAR Table II on P = {P}: S_max from Eq. 6, t_bp = 2 t_ff, ring collectives at line rate, latency 0",
-           f"{'model':<14}{'t_ff fit [ms]':>14}{'TMAC/s':>8}  "
-           f"{'10GbE ours':>10}{'paper':>7}{'err':>8}   {'100GbIB ours':>12}{'paper':>7}{'err':>8}  agree (2%)"]
+    out = [
+        f"DeAR Table II on P = {P}: S_max from Eq. 6, t_bp = 2 t_ff, ring collectives at line rate, latency 0",
+        f"{'model':<14}{'t_ff fit [ms]':>14}{'TMAC/s':>8}  "
+        f"{'10GbE ours':>10}{'paper':>7}{'err':>8}   {'100GbIB ours':>12}{'paper':>7}{'err':>8}  agree (2%)",
+    ]
     for r in rows:
         bound = "" if r["t_ff_exact"] else ">="
         a, b = r["10GbE"], r["100GbIB"]
-        agree = ["10GbE" + (" (fitted)" if r["t_ff_exact"] else " (bound)") if abs(a["error"]) <= 0.02 else "",
-                 "100GbIB (predicted)" if abs(b["error"]) <= 0.02 else "100GbIB: NO"]
-        out.append(f"{r['model']:<14}{bound + format(r['t_ff'] * 1e3, '.1f'):>14}{r['implied_tmacs']:>8.2f}  "
-                   f"{a['ours']:>10.1f}{a['paper']:>7.1f}{a['error']:>+8.1%}   "
-                   f"{b['ours']:>12.1f}{b['paper']:>7.1f}{b['error']:>+8.1%}  {', '.join(x for x in agree if x)}")
+        agree = [
+            "10GbE" + (" (fitted)" if r["t_ff_exact"] else " (bound)") if abs(a["error"]) <= 0.02 else "",
+            "100GbIB (predicted)" if abs(b["error"]) <= 0.02 else "100GbIB: NO",
+        ]
+        out.append(
+            f"{r['model']:<14}{bound + format(r['t_ff'] * 1e3, '.1f'):>14}{r['implied_tmacs']:>8.2f}  "
+            f"{a['ours']:>10.1f}{a['paper']:>7.1f}{a['error']:>+8.1%}   "
+            f"{b['ours']:>12.1f}{b['paper']:>7.1f}{b['error']:>+8.1%}  {', '.join(x for x in agree if x)}"
+        )
     for r in rows:
         if "ib_bandwidth_for_paper" in r:
-            out.append(f"{r['model']} on 100GbIB: S_max = {r['100GbIB']['paper']} needs t_ag > t_ff; at line rate "
-                       f"that means t_ff <= {r['ib_t_ff_for_paper'] * 1e3:.1f} ms, but the same GPUs and batch give "
-                       f"{r['t_ff'] * 1e3:.1f} ms on 10GbE; with that t_ff the paper's value needs an effective "
-                       f"inter-node bandwidth of {r['ib_bandwidth_for_paper'] / 1e9:.1f} Gbit/s, not 100")
+            out.append(
+                f"{r['model']} on 100GbIB: S_max = {r['100GbIB']['paper']} needs t_ag > t_ff; at line rate "
+                f"that means t_ff <= {r['ib_t_ff_for_paper'] * 1e3:.1f} ms, but the same GPUs and batch give "
+                f"{r['t_ff'] * 1e3:.1f} ms on 10GbE; with that t_ff the paper's value needs an effective "
+                f"inter-node bandwidth of {r['ib_bandwidth_for_paper'] / 1e9:.1f} Gbit/s, not 100"
+            )
     out.append(f"without any fit (t_ff = batch x forward MACs / {RATE / 1e12:.1f} TMAC/s for every model):")
     for r in rows:
-        out.append(f"  {r['model']:<14} 10GbE {r['one_rate']['10GbE']:5.1f} (paper {r['10GbE']['paper']:4.1f}, "
-                   f"{r['one_rate']['10GbE'] / r['10GbE']['paper'] - 1:+.1%})   100GbIB "
-                   f"{r['one_rate']['100GbIB']:5.1f} (paper {r['100GbIB']['paper']:4.1f}, "
-                   f"{r['one_rate']['100GbIB'] / r['100GbIB']['paper'] - 1:+.1%})")
+        out.append(
+            f"  {r['model']:<14} 10GbE {r['one_rate']['10GbE']:5.1f} (paper {r['10GbE']['paper']:4.1f}, "
+            f"{r['one_rate']['10GbE'] / r['10GbE']['paper'] - 1:+.1%})   100GbIB "
+            f"{r['one_rate']['100GbIB']:5.1f} (paper {r['100GbIB']['paper']:4.1f}, "
+            f"{r['one_rate']['100GbIB'] / r['100GbIB']['paper'] - 1:+.1%})"
+        )
     return "\n".join(out)
 
 

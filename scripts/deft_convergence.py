@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+
 def fixed_profile(model, world: int, forward: float, backward: float, comm: float):
     """A :class:`dearopt.sim.Profile` that gives every bucket (one per parameter, ``buffer_size=1``) these
     forward, backward and all-reduce seconds: what ``deft_times`` reads."""
@@ -50,12 +51,22 @@ def fixed_profile(model, world: int, forward: float, backward: float, comm: floa
     params = [p for p in model.parameters() if p.requires_grad]
     n = len(params)
     steps = CommCost("all_reduce", 1.0, 0.0).time(0, world)  # latency steps of one all-reduce on `world` ranks
-    return Profile(params=[ParamSpec(f"p{i}", p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
-                           for i, p in enumerate(params)],
-                   forward_segments=[([i], forward) for i in range(n)], forward_tail=0.0,
-                   ready=[(n - i) * backward for i in range(n)], t_bp=n * backward, update_per_element=0.0,
-                   update_per_call=0.0, comm={"all_reduce": CommCost("all_reduce", comm / steps, 0.0)},
-                   comm_samples={}, contention={}, world=world)
+    return Profile(
+        params=[
+            ParamSpec(f"p{i}", p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
+            for i, p in enumerate(params)
+        ],
+        forward_segments=[([i], forward) for i in range(n)],
+        forward_tail=0.0,
+        ready=[(n - i) * backward for i in range(n)],
+        t_bp=n * backward,
+        update_per_element=0.0,
+        update_per_call=0.0,
+        comm={"all_reduce": CommCost("all_reduce", comm / steps, 0.0)},
+        comm_samples={},
+        contention={},
+        world=world,
+    )
 
 
 def _optimizer(name, model, world, lr):
@@ -69,7 +80,7 @@ def _optimizer(name, model, world, lr):
     inner = torch.optim.Adam(model.parameters(), lr=lr)
     kwargs = {}
     if name.endswith("-group"):
-        name, kwargs["deft_apply"] = name[:-len("-group")], "group"
+        name, kwargs["deft_apply"] = name[: -len("-group")], "group"
     if name == "deft-late":
         kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [2.0] * n_params, [0.5] * n_params)
     elif name == "deft-merged":
@@ -77,18 +88,26 @@ def _optimizer(name, model, world, lr):
     elif name in ("deft-preserved", "deft-progress"):
         kwargs["profile"] = fixed_profile(model, world, 1.0, 1.0, 2.5)
         kwargs["preserver"] = Preserver(statistic="progress" if name == "deft-progress" else "loss")
-    return dearopt.DistOptim(inner, model, schedule="deft" if name.startswith("deft") else "dear",
-                             buffer_size=1, **kwargs)
+    return dearopt.DistOptim(
+        inner, model, schedule="deft" if name.startswith("deft") else "dear", buffer_size=1, **kwargs
+    )
 
 
 def _summary(opt, steps) -> dict:
     schedule, kept = opt.deft_schedule, opt.deft_preserved
-    out = {"steps": steps, "updates": len(opt.applied_steps) if opt.applied_steps is not None else steps,
-           "updates_per_step": schedule.updates_per_iteration if schedule is not None else 1.0,
-           "period": len(schedule.period) if schedule is not None else 1}
+    out = {
+        "steps": steps,
+        "updates": len(opt.applied_steps) if opt.applied_steps is not None else steps,
+        "updates_per_step": schedule.updates_per_iteration if schedule is not None else 1.0,
+        "period": len(schedule.period) if schedule is not None else 1,
+    }
     if kept is not None:
-        out["preserver"] = {"ratio": kept.ratio, "capacity_factor": kept.capacity_factor,
-                            "resolves": kept.resolves, "passed": kept.passed}
+        out["preserver"] = {
+            "ratio": kept.ratio,
+            "capacity_factor": kept.capacity_factor,
+            "resolves": kept.resolves,
+            "passed": kept.passed,
+        }
     return out
 
 
@@ -102,8 +121,14 @@ def _rank_digits(args) -> dict:
         runs = []
         for seed in range(args.seeds):
             test_loss = []
-            accuracy, steps, opt = train_digits(lambda model: _optimizer(name, model, world, 2e-3), args.epochs,
-                                                rank, world, seed=seed, test_loss=test_loss)
+            accuracy, steps, opt = train_digits(
+                lambda model: _optimizer(name, model, world, 2e-3),
+                args.epochs,
+                rank,
+                world,
+                seed=seed,
+                test_loss=test_loss,
+            )
             runs.append({"seed": seed, "accuracy": accuracy, "test_loss": test_loss, **_summary(opt, steps)})
             opt.close()
         out[name] = runs
@@ -127,8 +152,10 @@ def _describe(name, r) -> str:
     text = f"({r['updates']} updates in {r['steps']} steps; {r['updates_per_step']:.2f} per step, period {r['period']}"
     if "preserver" in r:
         k = r["preserver"]
-        text += (f"; Preserver: ratio {k['ratio']:.4f}, capacities x{k['capacity_factor']:.3g} after "
-                 f"{k['resolves']} re-solves, {'passed' if k['passed'] else 'FAILED'}")
+        text += (
+            f"; Preserver: ratio {k['ratio']:.4f}, capacities x{k['capacity_factor']:.3g} after "
+            f"{k['resolves']} re-solves, {'passed' if k['passed'] else 'FAILED'}"
+        )
     return text + ")"
 
 
@@ -137,11 +164,18 @@ def main() -> int:
     ap.add_argument("--task", choices=("digits", "lm", "both"), default="both")
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lm-steps", type=int, default=400)
-    ap.add_argument("--seeds", type=int, default=1, help="digits: runs per schedule, seeds 0..N-1 (initial weights "
-                    "and sample order)")
-    ap.add_argument("--schedules", default="dear,deft-late,deft-merged,deft-preserved",
-                    help="which of dear, deft-late (digits only), deft-merged, deft-preserved, deft-progress "
-                         "(each deft-* also with -group: the whole group applied at once)")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="digits: runs per schedule, seeds 0..N-1 (initial weights and sample order)",
+    )
+    ap.add_argument(
+        "--schedules",
+        default="dear,deft-late,deft-merged,deft-preserved",
+        help="which of dear, deft-late (digits only), deft-merged, deft-preserved, deft-progress "
+        "(each deft-* also with -group: the whole group applied at once)",
+    )
     ap.add_argument("--out", default="bench-out/deft")
     args = ap.parse_args()
     args.schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
@@ -159,9 +193,11 @@ def main() -> int:
             mean = [sum(r["accuracy"][e] for r in runs) / len(runs) for e in range(args.epochs)]
             finals = [r["accuracy"][-1] for r in runs]
             losses = [r["test_loss"][-1] for r in runs]
-            print(f"{name:>15}: {' '.join(f'{a:5.1f}' for a in mean)}   final {min(finals):.1f}-{max(finals):.1f}, "
-                  f"test loss {sum(losses) / len(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})   "
-                  f"{'; '.join(sorted(set(_describe(name, r) for r in runs)))}")
+            print(
+                f"{name:>15}: {' '.join(f'{a:5.1f}' for a in mean)}   final {min(finals):.1f}-{max(finals):.1f}, "
+                f"test loss {sum(losses) / len(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})   "
+                f"{'; '.join(sorted(set(_describe(name, r) for r in runs)))}"
+            )
         with open(os.path.join(args.out, "convergence.json"), "w") as f:
             json.dump(result, f, indent=1)
     if args.task in ("lm", "both"):

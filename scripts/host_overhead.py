@@ -33,8 +33,15 @@ def _model():
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=12, num_attention_heads=2,
-                        intermediate_size=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=12,
+        num_attention_heads=2,
+        intermediate_size=256,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForMaskedLM(config)
 
 
@@ -66,8 +73,14 @@ def _iterate(model, opt, step, rank):
 
 
 def _worker(rank, world, port, configs, rounds, iters, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     import dearopt
 
@@ -112,16 +125,23 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", default="host_overhead.json")
-    parser.add_argument("--src", help="import dearopt from this source tree (another commit's worktree, to "
-                                      "measure it side by side with this one)")
+    parser.add_argument(
+        "--src",
+        help="import dearopt from this source tree (another commit's worktree, to "
+        "measure it side by side with this one)",
+    )
     args = parser.parse_args(argv)
     if args.src:
         sys.path.insert(0, os.path.abspath(args.src))  # spawned ranks inherit sys.path
     from dearopt.launch import free_port
 
     configs = tuple(args.configs.split(","))
-    mp.start_processes(_worker, args=(args.ranks, free_port(), configs, args.rounds, args.iters, args.out),
-                       nprocs=args.ranks, start_method="spawn")
+    mp.start_processes(
+        _worker,
+        args=(args.ranks, free_port(), configs, args.rounds, args.iters, args.out),
+        nprocs=args.ranks,
+        start_method="spawn",
+    )
     with open(args.out) as f:
         result = json.load(f)
     med = {k: statistics.median(v) * 1e3 for k, v in result["times"].items()}
@@ -129,12 +149,19 @@ def main(argv=None) -> int:
     import dearopt
 
     print(f"dearopt from {os.path.dirname(os.path.dirname(dearopt.__file__))}")
-    print(f"{result['world']} rank(s), {result['tensors']} parameter tensors, median of {args.rounds} rounds "
-          f"x {args.iters} iterations [ms/iteration]")
+    print(
+        f"{result['world']} rank(s), {result['tensors']} parameter tensors, median of {args.rounds} rounds "
+        f"x {args.iters} iterations [ms/iteration]"
+    )
     for name in configs:
-        extra = "" if plain is None or name == "plain" else (
-            f"  +{med[name] - plain:.2f} ms above plain ({(med[name] - plain) * 1e3 / result['tensors']:.1f} us "
-            f"per tensor)")
+        extra = (
+            ""
+            if plain is None or name == "plain"
+            else (
+                f"  +{med[name] - plain:.2f} ms above plain ({(med[name] - plain) * 1e3 / result['tensors']:.1f} us "
+                f"per tensor)"
+            )
+        )
         ratio = ""
         if plain is not None and "ddp" in med and name not in ("plain", "ddp") and med["ddp"] > plain:
             ratio = f"  {(med[name] - plain) / (med['ddp'] - plain):.2f}x DDP's excess"

@@ -58,8 +58,24 @@ def _rank(args) -> dict:
                 opt.synchronize()
             backend.all_reduce(torch.zeros(1)).wait()
             if rank == 0:
-                subprocess.run(["tc", "qdisc", "change", "dev", "lo", "root", "tbf", "rate", args.then,
-                                "burst", f"{_burst_kb(args.then)}kb", "latency", "100ms"], check=True)
+                subprocess.run(
+                    [
+                        "tc",
+                        "qdisc",
+                        "change",
+                        "dev",
+                        "lo",
+                        "root",
+                        "tbf",
+                        "rate",
+                        args.then,
+                        "burst",
+                        f"{_burst_kb(args.then)}kb",
+                        "latency",
+                        "100ms",
+                    ],
+                    check=True,
+                )
             backend.all_reduce(torch.zeros(1)).wait()
         for name, (work, opt) in runs.items():
             t0 = time.perf_counter()
@@ -67,13 +83,15 @@ def _rank(args) -> dict:
             work.loss(work.model(batch[0]), batch[1]).backward()
             opt.step()
             times[name].append(time.perf_counter() - t0)  # combined over ranks at the end: a collective
-            blocks[name].append(len(opt.plan.buckets))       # here would queue behind the gathers in flight
+            blocks[name].append(len(opt.plan.buckets))  # here would queue behind the gathers in flight
     for name in runs:
         slowest = torch.tensor(times[name])
         backend.all_reduce(slowest, "max").wait()  # per step, the slower rank's time sets the pace
         times[name] = slowest.tolist()
-    out = {name: {"times": times[name], "blocks": blocks[name], "link_changes": opt.link_changes}
-           for name, (_, opt) in runs.items()}
+    out = {
+        name: {"times": times[name], "blocks": blocks[name], "link_changes": opt.link_changes}
+        for name, (_, opt) in runs.items()
+    }
     for _, opt in runs.values():
         opt.close()
     return out
@@ -85,9 +103,11 @@ def _summary(result: dict, change_at: int, steps: int) -> dict:
     from dearopt.profiling import ReadyProfile
 
     blocks_from = ReadyProfile.STEP + ReadyProfile.STEPS + 1  # the step after the first re-plan to the blocks
-    windows = {"before the change": (blocks_from, change_at),
-               "after it, before the re-plan": (change_at + 1, replan_at),
-               "after the re-plan": (replan_at + 1, steps)}
+    windows = {
+        "before the change": (blocks_from, change_at),
+        "after it, before the re-plan": (change_at + 1, replan_at),
+        "after the re-plan": (replan_at + 1, steps),
+    }
     table = {}
     for label, (a, b) in windows.items():
         table[label] = {name: (statistics.median(r["times"][a:b]) if b > a else None) for name, r in result.items()}
@@ -110,8 +130,10 @@ def main() -> int:
 
     result = spawn(_rank, 2, args)[0]
     change_at = args.steps // 2
-    print(f"{args.model}, 2 ranks, link {args.rate} -> {args.then} before step {change_at}; prophet with the "
-          f"link monitor (every {args.every} steps)")
+    print(
+        f"{args.model}, 2 ranks, link {args.rate} -> {args.then} before step {change_at}; prophet with the "
+        f"link monitor (every {args.every} steps)"
+    )
     print("step  iteration [s] blocks")
     for s in range(args.steps):
         m = result["monitored"]

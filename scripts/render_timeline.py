@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Render one iteration of dearopt Chrome traces (one file per rank) as a PNG.
 
-    python scripts/render_timeline.py out/timeline.rank0.json out/timeline.rank1.json -o timeline.png [--iteration N]
+python scripts/render_timeline.py out/timeline.rank0.json out/timeline.rank1.json -o timeline.png [--iteration N]
 """
+
 import argparse
 import sys
 

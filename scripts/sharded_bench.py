@@ -72,8 +72,11 @@ def _build(schedule: str, args):
     if schedule == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        units = list(model.layers) if hasattr(model, "layers") else [
-            m for m in (getattr(model, f"layer{i}", None) for i in range(1, 5)) if m is not None]
+        units = (
+            list(model.layers)
+            if hasattr(model, "layers")
+            else [m for m in (getattr(model, f"layer{i}", None) for i in range(1, 5)) if m is not None]
+        )
         for unit in units:
             fully_shard(unit, reshard_after_forward=False)
         fully_shard(model, reshard_after_forward=False)
@@ -122,9 +125,12 @@ def _rank(args) -> dict:
             times[schedule] += slowest.tolist()
             state[schedule] = max(state[schedule], _state_bytes(holder))
             if rank == 0:
-                print(f"[{time.strftime('%H:%M:%S')}] round {r} {schedule:>12}: {i} untimed, median "
-                      f"{statistics.median(slowest.tolist()):.3f} s, optimizer state {state[schedule] / 2**20:.1f} "
-                      f"MiB on rank 0", flush=True)
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] round {r} {schedule:>12}: {i} untimed, median "
+                    f"{statistics.median(slowest.tolist()):.3f} s, optimizer state {state[schedule] / 2**20:.1f} "
+                    f"MiB on rank 0",
+                    flush=True,
+                )
             if ours is not None:
                 ours.close()
             # one model alive at a time (None, not del: the closure iteration() above names these)
@@ -160,8 +166,10 @@ def main() -> int:
     medians = {s: statistics.median(result["times"][s]) for s in schedules}
     base = medians.get("ddp")
     dear = medians.get("dear")
-    print(f"\n{args.model}, AdamW, 2 ranks, link {args.rate or 'unshaped'}; {args.rounds} rounds x {args.steps} "
-          f"timed iterations (slower rank per iteration, median)")
+    print(
+        f"\n{args.model}, AdamW, 2 ranks, link {args.rate or 'unshaped'}; {args.rounds} rounds x {args.steps} "
+        f"timed iterations (slower rank per iteration, median)"
+    )
     print("| schedule | iter [s] | vs DDP | vs dear | optimizer state / rank [MiB] |")
     print("|---|---:|---:|---:|---:|")
     for s in schedules:

@@ -35,8 +35,13 @@ def _optimizer(name, model, args, lr):
         inner = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         inner = torch.optim.SGD(model.parameters(), lr=lr * 50, momentum=0.0 if dgc else 0.9)
-    hook = None if RUNS[name] is None else dearopt.Sparsify(RUNS[name][1], selection=RUNS[name][0],
-                                                            warmup_steps=args.warmup, momentum=0.9 if dgc else 0.0)
+    hook = (
+        None
+        if RUNS[name] is None
+        else dearopt.Sparsify(
+            RUNS[name][1], selection=RUNS[name][0], warmup_steps=args.warmup, momentum=0.9 if dgc else 0.0
+        )
+    )
     return dearopt.DistOptim(inner, model, schedule="dear", comm_hook=hook)
 
 
@@ -71,9 +76,13 @@ def main() -> int:
     ap.add_argument("--task", choices=("digits", "lm", "both"), default="both")
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lm-steps", type=int, default=600)
-    ap.add_argument("--optimizer", choices=("adam", "sgd", "sgd-dgc"), default="adam",
-                    help="sgd-dgc: SGD whose momentum 0.9 is applied by Sparsify(momentum=0.9) before the selection "
-                         "(DGC's momentum correction) in the sparse runs, by SGD in the dense one")
+    ap.add_argument(
+        "--optimizer",
+        choices=("adam", "sgd", "sgd-dgc"),
+        default="adam",
+        help="sgd-dgc: SGD whose momentum 0.9 is applied by Sparsify(momentum=0.9) before the selection "
+        "(DGC's momentum correction) in the sparse runs, by SGD in the dense one",
+    )
     ap.add_argument("--warmup", type=int, default=0, help="dense steps first (Sparsify(warmup_steps=...))")
     ap.add_argument("--out", default="bench-out/sparsify")
     args = ap.parse_args()
@@ -84,8 +93,9 @@ def main() -> int:
         result = spawn(_rank_digits, 2, args)[0]
         print(f"digits: test accuracy [%] after each epoch, 2 ranks, CNN, {args.optimizer}")
         for name, r in result.items():
-            print(f"{name:>9}: {' '.join(f'{a:5.1f}' for a in r['accuracy'])}   wire (rank 0, last step): "
-                  f"{r['traffic']}")
+            print(
+                f"{name:>9}: {' '.join(f'{a:5.1f}' for a in r['accuracy'])}   wire (rank 0, last step): {r['traffic']}"
+            )
         with open(os.path.join(args.out, f"digits_{args.optimizer}_e{args.epochs}_w{args.warmup}.json"), "w") as f:
             json.dump(result, f, indent=1)
     if args.task in ("lm", "both"):

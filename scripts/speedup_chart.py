@@ -17,7 +17,7 @@ def grid_rows(page: str):
     lines = open(page).read().split("\n")
     start = next(i for i, line in enumerate(lines) if line.startswith("## The grid"))
     table = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("|"):
             table.append([c.strip() for c in line.strip().strip("|").split("|")])
         elif table:

@@ -66,12 +66,16 @@ def _run(cfg):
                 print(f"  round {r + 1}/{cfg['rounds']}, grid {size_mb:>6} MB: {t:.3f} s/iteration so far", flush=True)
     for size_mb, times in samples.items():
         t = statistics.median(times)
-        results["grid"][size_mb] = {"iteration_s": t, "samples_per_s": workload.batch_size * dearopt.size() / t,
-                                    "samples_s": times}
+        results["grid"][size_mb] = {
+            "iteration_s": t,
+            "samples_per_s": workload.batch_size * dearopt.size() / t,
+            "samples_s": times,
+        }
     workload, inner = make()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
-    opt = dearopt.DistOptim(inner, workload.model, buffer_size="auto", tuning_steps=cfg["tuning_steps"],
-                            allreduce=cfg["allreduce"])
+    opt = dearopt.DistOptim(
+        inner, workload.model, buffer_size="auto", tuning_steps=cfg["tuning_steps"], allreduce=cfg["allreduce"]
+    )
     boundary_costs, steps = [], 0
     while not opt.tuning.finished and steps < 400:
         x, y = workload.make_batch(1000 + steps)
@@ -87,10 +91,15 @@ def _run(cfg):
     history = [(k["buffer_size"] / MB, thr) for k, thr in opt.tuning.history]
     t = _timed(opt, workload.model, workload, cfg["iterations"], cfg["warmup"], 5000)
     opt.close()
-    results["tuner"] = {"chosen_mb": chosen / MB, "trials": len(history), "tuning_steps_total": steps,
-                        "history": history, "iteration_s": t,
-                        "samples_per_s": workload.batch_size * dearopt.size() / t,
-                        "boundary_step_s_median": statistics.median(boundary_costs) if boundary_costs else None}
+    results["tuner"] = {
+        "chosen_mb": chosen / MB,
+        "trials": len(history),
+        "tuning_steps_total": steps,
+        "history": history,
+        "iteration_s": t,
+        "samples_per_s": workload.batch_size * dearopt.size() / t,
+        "boundary_step_s_median": statistics.median(boundary_costs) if boundary_costs else None,
+    }
     return results
 
 
@@ -107,9 +116,13 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the grid")
     parser.add_argument("--tuning-steps", type=int, default=3, help="measured iterations per trial")
-    parser.add_argument("--allreduce", type=float, default=0.0,
-                        help="dear's all-reduced share, fixed for every size (default 0: DeAR's plan, as the paper "
-                             "tunes it; allreduce='auto' would measure plans inside the timed iterations)")
+    parser.add_argument(
+        "--allreduce",
+        type=float,
+        default=0.0,
+        help="dear's all-reduced share, fixed for every size (default 0: DeAR's plan, as the paper "
+        "tunes it; allreduce='auto' would measure plans inside the timed iterations)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.rate and not os.environ.get(SHAPED_ENV):
@@ -117,8 +130,15 @@ def main(argv=None):
         if reason is None:
             return run_shaped(args.rate, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])])
         print(f"note: cannot emulate {args.rate} ({reason}); running unshaped", flush=True)
-    cfg = {"model": args.model, "grid": [float(g) for g in args.grid.split(",")], "iterations": args.iterations,
-           "warmup": args.warmup, "rounds": args.rounds, "tuning_steps": args.tuning_steps, "allreduce": args.allreduce}
+    cfg = {
+        "model": args.model,
+        "grid": [float(g) for g in args.grid.split(",")],
+        "iterations": args.iterations,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "tuning_steps": args.tuning_steps,
+        "allreduce": args.allreduce,
+    }
     link = os.environ.get(SHAPED_ENV, "unshaped loopback")
     print(f"tuner benchmark: {args.model}, {args.ranks} ranks, link {link}", flush=True)
     res = spawn(_run, args.ranks, cfg)[0]
@@ -129,11 +149,15 @@ def main(argv=None):
         print(f"| {mb:g} MB | {row['iteration_s']:.3f} | {row['samples_per_s']:.2f} |")
     tuner = res["tuner"]
     print(f"| tuner: {tuner['chosen_mb']:.1f} MB | {tuner['iteration_s']:.3f} | {tuner['samples_per_s']:.2f} |")
-    print(f"\ntuner chose {tuner['chosen_mb']:.1f} MB after {tuner['trials']} trials ({tuner['tuning_steps_total']} "
-          f"iterations); its throughput is {tuner['samples_per_s'] / best:.3f} of the grid's best ({best_mb:g} MB)")
+    print(
+        f"\ntuner chose {tuner['chosen_mb']:.1f} MB after {tuner['trials']} trials ({tuner['tuning_steps_total']} "
+        f"iterations); its throughput is {tuner['samples_per_s'] / best:.3f} of the grid's best ({best_mb:g} MB)"
+    )
     if tuner["boundary_step_s_median"] is not None:
-        print(f"median step() time at a trial boundary (suggestion + broadcast + re-plan): "
-              f"{1000 * tuner['boundary_step_s_median']:.0f} ms")
+        print(
+            f"median step() time at a trial boundary (suggestion + broadcast + re-plan): "
+            f"{1000 * tuner['boundary_step_s_median']:.0f} ms"
+        )
     print("trials:", ", ".join(f"{mb:.1f} MB -> {thr:.3f} steps/s" for mb, thr in tuner["history"]))
     if args.json:
         with open(args.json, "w") as fh:

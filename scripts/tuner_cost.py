@@ -47,13 +47,20 @@ def main():
 
     cases = {
         "buffer_size": ([buffer_size_knob()], f1),
-        "partition_size+credit": ([Knob("partition_size", 1 * MB, 64 * MB, log=True, initial=4 * MB, integer=True),
-                                   Knob("credit", 1, 8, initial=2, integer=True)], f2),
+        "partition_size+credit": (
+            [
+                Knob("partition_size", 1 * MB, 64 * MB, log=True, initial=4 * MB, integer=True),
+                Knob("credit", 1, 8, initial=2, integer=True),
+            ],
+            f2,
+        ),
     }
     for name, (knobs, f) in cases.items():
         ms = [one(knobs, f, seed) for seed in range(args.repeats)]
-        print(f"{name}: one suggestion after 10 observations: median {statistics.median(ms):.1f} ms "
-              f"(min {min(ms):.1f}, max {max(ms):.1f}, {args.repeats} seeds)")
+        print(
+            f"{name}: one suggestion after 10 observations: median {statistics.median(ms):.1f} ms "
+            f"(min {min(ms):.1f}, max {max(ms):.1f}, {args.repeats} seeds)"
+        )
 
 
 if __name__ == "__main__":

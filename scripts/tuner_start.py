@@ -52,8 +52,16 @@ def replay(f, initial: int, high: int, seed: int, best: float, within: float):
             first_good = len(tuner.history) + 1
         tuner.observe(knobs, true * (1 + 0.02 * rng.randn()))
     chosen = tuner.best[0]["buffer_size"]
-    return {"first_good": first_good, "trials": len(tuner.history), "chosen_mb": chosen / MB,
-            "chosen_fraction": f(chosen) / best}
+    return {
+        "first_good": first_good,
+        "trials": len(tuner.history),
+        "chosen_mb": chosen / MB,
+        "chosen_fraction": f(chosen) / best,
+    }
+
+
+def _predicted(profile, args, mb):
+    return sim.predict(profile, args.schedule, buffer_size=int(mb * MB), allreduce=args.allreduce)
 
 
 def main(argv=None) -> int:
@@ -76,28 +84,34 @@ def main(argv=None) -> int:
     high = min(100 * MB, max(model_bytes, 2 * MB))
     candidates = [int(MB * 2 ** (i / 2)) for i in range(0, 15) if MB * 2 ** (i / 2) <= high]
     start_sim = sim.best_buffer_size(profile, args.schedule, candidates, allreduce=args.allreduce)
-    print(f"measured grid ({doc.get('link', '?')}): "
-          + ", ".join(f"{mb:g} MB {v:.2f}/s" for mb, v in sorted(grid.items()))
-          + f"; best {best_mb:g} MB")
-    print("simulated: " + ", ".join(
-        f"{mb:g} MB "
-        f"{1 / sim.predict(profile, args.schedule, buffer_size=int(mb * MB), allreduce=args.allreduce).iteration:.3f}"
-        f" it/s"
-        for mb in sorted(grid)) + f"; simulator's best size {start_sim / MB:.1f} MB "
-        f"(measured throughput there {f(start_sim) / best:.3f} of the grid's best)")
+    print(
+        f"measured grid ({doc.get('link', '?')}): "
+        + ", ".join(f"{mb:g} MB {v:.2f}/s" for mb, v in sorted(grid.items()))
+        + f"; best {best_mb:g} MB"
+    )
+    print(
+        "simulated: "
+        + ", ".join(f"{mb:g} MB {1 / _predicted(profile, args, mb).iteration:.3f} it/s" for mb in sorted(grid))
+        + f"; simulator's best size {start_sim / MB:.1f} MB "
+        f"(measured throughput there {f(start_sim) / best:.3f} of the grid's best)"
+    )
     rows = {}
     for label, initial in (("25 MB start", min(25 * MB, high)), ("simulator start", start_sim)):
         runs = [replay(f, initial, high, seed, best, args.within) for seed in range(args.seeds)]
         good = [r["first_good"] for r in runs if r["first_good"] is not None]
         rows[label] = runs
-        print(f"{label:>16} ({initial / MB:5.1f} MB): first trial within {args.within:.0%} of best: "
-              f"median {statistics.median(good) if good else float('nan'):.1f}, mean "
-              f"{statistics.mean(good) if good else float('nan'):.2f} (never in {args.seeds - len(good)} of "
-              f"{args.seeds}); trials until the tuner stops: mean {statistics.mean(r['trials'] for r in runs):.2f}; "
-              f"final choice {statistics.mean(r['chosen_fraction'] for r in runs):.3f} of best")
+        print(
+            f"{label:>16} ({initial / MB:5.1f} MB): first trial within {args.within:.0%} of best: "
+            f"median {statistics.median(good) if good else float('nan'):.1f}, mean "
+            f"{statistics.mean(good) if good else float('nan'):.2f} (never in {args.seeds - len(good)} of "
+            f"{args.seeds}); trials until the tuner stops: mean {statistics.mean(r['trials'] for r in runs):.2f}; "
+            f"final choice {statistics.mean(r['chosen_fraction'] for r in runs):.3f} of best"
+        )
     a, b = ([r["first_good"] or 11 for r in rows[k]] for k in rows)
-    print(f"trials saved to reach a good size: {statistics.mean(a) - statistics.mean(b):+.2f} (mean over "
-          f"{args.seeds} seeds; 'never' counted as 11)")
+    print(
+        f"trials saved to reach a good size: {statistics.mean(a) - statistics.mean(b):+.2f} (mean over "
+        f"{args.seeds} seeds; 'never' counted as 11)"
+    )
     return 0
 
 

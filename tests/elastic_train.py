@@ -52,8 +52,9 @@ def with_dearopt(root):
     rank, world = dearopt.rank(), dearopt.size()
     data = dataset()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, buffer_size=64,
-                            shard_optimizer=True)
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, buffer_size=64, shard_optimizer=True
+    )
     sampler = ckpt.ElasticSampler(data, shuffle=True, seed=0)
     step = 0
     found = ckpt.latest(root)

@@ -50,14 +50,16 @@ class Outcome:
 
 
 def _entry(target, rank, world_size, port, args, kwargs, queue, env, init_kwargs):
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-    })
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
     os.environ.update(env or {})
     import torch
     import dearopt
@@ -72,8 +74,18 @@ def _entry(target, rank, world_size, port, args, kwargs, queue, env, init_kwargs
         torch.save(value, buffer)  # plain bytes: no shared-memory tensors that die with the process
         queue.put((rank, buffer.getvalue(), None, (), "", "", time.monotonic() - start, time.time()))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
-        queue.put((rank, None, type(exc).__name__, tuple(c.__name__ for c in type(exc).__mro__),
-                   str(exc), traceback.format_exc(), time.monotonic() - start, time.time()))
+        queue.put(
+            (
+                rank,
+                None,
+                type(exc).__name__,
+                tuple(c.__name__ for c in type(exc).__mro__),
+                str(exc),
+                traceback.format_exc(),
+                time.monotonic() - start,
+                time.time(),
+            )
+        )
     finally:
         try:
             dearopt.shutdown()
@@ -104,8 +116,9 @@ def run_workers(
     port = free_port()
     queue = _CTX.Queue()
     procs = [
-        _CTX.Process(target=_entry, args=(target, r, world_size, port, args, kwargs, queue, env, init_kwargs),
-                     daemon=True)
+        _CTX.Process(
+            target=_entry, args=(target, r, world_size, port, args, kwargs, queue, env, init_kwargs), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -136,8 +149,9 @@ def run_workers(
     if not expect_errors:
         failed = [o for o in outcomes.values() if not o.ok]
         if failed:
-            raise AssertionError("\n".join(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}"
-                                           for o in failed))
+            raise AssertionError(
+                "\n".join(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}" for o in failed)
+            )
     return [outcomes[r] for r in range(world_size)]
 
 

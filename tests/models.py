@@ -81,8 +81,14 @@ class WithBatchNorm(nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
-MODELS = {"mlp": MLP, "reordered": Reordered, "unused": WithUnused, "tied": Tied, "frozen": Frozen,
-          "batchnorm": WithBatchNorm}
+MODELS = {
+    "mlp": MLP,
+    "reordered": Reordered,
+    "unused": WithUnused,
+    "tied": Tied,
+    "frozen": Frozen,
+    "batchnorm": WithBatchNorm,
+}
 
 
 def make_model(kind: str, seed: int = 0) -> nn.Module:
@@ -134,8 +140,9 @@ EXTRA_OPTIMIZERS = {  # for single tests; not in every optimizer loop
 def make_optimizer(name, model):
     if name == "groups+scheduler":
         params = list(model.parameters())
-        opt = torch.optim.SGD([{"params": params[:2], "lr": 0.2}, {"params": params[2:], "lr": 0.05}],
-                              lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(
+            [{"params": params[:2], "lr": 0.2}, {"params": params[2:], "lr": 0.05}], lr=0.1, momentum=0.9
+        )
         return opt
     return {**OPTIMIZERS, **EXTRA_OPTIMIZERS}[name]([p for p in model.parameters()])
 

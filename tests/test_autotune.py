@@ -17,12 +17,13 @@ STEPS = 12
 def _train_tuned(opt_name, schedule, knob_names):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    knobs = {"buffer_size": Knob("buffer_size", 64, 2048, log=True, initial=256, integer=True),
-             "partition_size": Knob("partition_size", 32, 512, log=True, initial=128, integer=True),
-             "credit": Knob("credit", 128, 4096, log=True, initial=512, integer=True)}
+    knobs = {
+        "buffer_size": Knob("buffer_size", 64, 2048, log=True, initial=256, integer=True),
+        "partition_size": Knob("partition_size", 32, 512, log=True, initial=128, integer=True),
+        "credit": Knob("credit", 128, 4096, log=True, initial=512, integer=True),
+    }
     tuner = BayesianTuner([knobs[k] for k in knob_names], budget=5, seed=0)
-    opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule,
-                            tuner=tuner, tuning_steps=1)
+    opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, tuner=tuner, tuning_steps=1)
     plans = []
     old, current, plan = [], [], None  # weak references to the buffers of the plans replaced, of the one in force
     for step in range(STEPS):
@@ -33,7 +34,8 @@ def _train_tuned(opt_name, schedule, knob_names):
             plan = opt.plan
         executor = opt._executor
         current = [weakref.ref(b.buffer) for b in executor.buckets] + [
-            weakref.ref(t) for kept in getattr(executor.backend, "_workspace", {}).values() for t in kept]
+            weakref.ref(t) for kept in getattr(executor.backend, "_workspace", {}).values() for t in kept
+        ]
     opt.synchronize()
     live = {id(b.buffer) for b in opt._executor.buckets}  # a bucket laid out alike is kept, with its buffer
     kept = sum(ref() is not None and id(ref()) not in live for ref in old)  # the others' buffers are freed
@@ -41,12 +43,15 @@ def _train_tuned(opt_name, schedule, knob_names):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world, schedule, knob_names", [
-    (2, "dear", ("buffer_size",)),
-    (3, "dear", ("buffer_size",)),
-    (2, "wfbp", ("buffer_size",)),
-    (3, "dear", ("partition_size", "credit")),
-])
+@pytest.mark.parametrize(
+    "world, schedule, knob_names",
+    [
+        (2, "dear", ("buffer_size",)),
+        (3, "dear", ("buffer_size",)),
+        (2, "wfbp", ("buffer_size",)),
+        (3, "dear", ("partition_size", "credit")),
+    ],
+)
 def test_tuning_replans_exactly(world, schedule, knob_names):
     outcomes = run_workers(_train_tuned, world, "adamw", schedule, knob_names, timeout=150)
     want, _ = reference("mlp", "adamw", world, steps=STEPS)
@@ -88,8 +93,16 @@ def _train_with_plan_choice(opt_name, steps):
     choice = opt.plan_choice
     opt._executor.replan(blocks=False)  # the candidates as they were listed, from the size-fused plan
     choices = opt._executor.plan_choices()
-    return ([p.detach().clone() for p in model.parameters()], plans, settled, choice.history, choice.finished,
-            choice.current, choices, len(opt.plan.buckets))
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        plans,
+        settled,
+        choice.history,
+        choice.finished,
+        choice.current,
+        choices,
+        len(opt.plan.buckets),
+    )
 
 
 @pytest.mark.timeout(180)
@@ -113,17 +126,18 @@ def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
         assert finished and len(choices) >= 2
         labels = [tuple(sorted(knobs.items())) for knobs, _ in choices]
         tried = [tuple(sorted(k.items())) for k, _ in history]
-        assert tried[:len(labels)] == labels, "each candidate once, in order"
+        assert tried[: len(labels)] == labels, "each candidate once, in order"
         once = dict(zip(labels, (t for _, t in history)))
         close = [c for c in labels if once[c] >= (1 - PLAN_CHOICE_REMATCH) * max(once.values())]
-        assert tried[len(labels):] == (close[::-1] if len(close) > 1 else []), "the close ones again, reversed"
+        assert tried[len(labels) :] == (close[::-1] if len(close) > 1 else []), "the close ones again, reversed"
         rules = [knobs for knobs, _ in choices]
         assert rules[0] == {"allreduce": "predicted"}
         whole = tuple(range(n_buckets))
         sized = [planned for knobs, planned in choices if not knobs.get("blocks")]
         assert {(), whole} <= set(sized) and len(set(sized)) == len(sized), "DeAR's and DDP's plans, each once"
-        assert all(knobs == {"allreduce": 0.0, "blocks": True} for knobs in rules[len(sized):]), \
+        assert all(knobs == {"allreduce": 0.0, "blocks": True} for knobs in rules[len(sized) :]), (
             "then DeAR's ops on Prophet's blocks, where they differ from the buckets by size"
+        )
         mean = {c: sum(t for k, t in history if tuple(sorted(k.items())) == c) / tried.count(c) for c in labels}
         kept = tuple(sorted(current.items()))
         assert kept == max(labels, key=lambda c: mean[c]), "the fastest (mean of its trials) is kept"
@@ -146,14 +160,24 @@ def _train_on_blocks(steps, switch):
         if step == switch:
             sized = [list(b.params) for b in opt.plan.buckets]
             n = len(opt.plan.params)  # a profile (the same on every rank) whose gradients come far apart
-            opt._executor.profile.result = Measurement(ready=[0.1 * (n - i) for i in range(n)], bandwidth=1e5,
-                                                       backward=0.1 * n + 0.1, latency=1e-3, forward=0.2)
+            opt._executor.profile.result = Measurement(
+                ready=[0.1 * (n - i) for i in range(n)],
+                bandwidth=1e5,
+                backward=0.1 * n + 0.1,
+                latency=1e-3,
+                forward=0.2,
+            )
             opt._executor.replan(blocks=True)
         train_step(opt, model, step, rank, world)
     opt.synchronize()
     measured = opt._executor.profile.result
-    want = profile_blocks(opt.plan.params, buffer_size=4096, ready_times=measured.ready,
-                          bandwidth=measured.bandwidth, latency=measured.latency)
+    want = profile_blocks(
+        opt.plan.params,
+        buffer_size=4096,
+        ready_times=measured.ready,
+        bandwidth=measured.bandwidth,
+        latency=measured.latency,
+    )
     return [p.detach().clone() for p in model.parameters()], [list(b.params) for b in opt.plan.buckets], want, sized
 
 
@@ -176,16 +200,23 @@ def test_choice_tuner_under_the_controller_tries_each_candidate_once_and_keeps_t
 
     clock = iter([0.0, 1.0, 3.0, 3.5, 4.0, 4.5, 4.6, 5.6, 8.6])  # step ends; after each switch one step is discarded
     tuner = ChoiceTuner([{"r": "a"}, {"r": "b"}, {"r": "c"}])
-    ctl = TuningController(tuner, warmup_steps=1, measure_steps=2, is_root=True, broadcast=lambda d: d,
-                           clock=lambda: next(clock))
+    ctl = TuningController(
+        tuner, warmup_steps=1, measure_steps=2, is_root=True, broadcast=lambda d: d, clock=lambda: next(clock)
+    )
     switches = [ctl.on_step_end() for _ in range(9)]
     assert switches == [None, None, {"r": "b"}, None, None, {"r": "c"}, None, None, {"r": "b"}]
     assert [k["r"] for k, _ in ctl.history] == ["a", "b", "c"] and ctl.finished
     assert [round(t, 6) for _, t in ctl.history] == [round(2 / 3.0, 6), 2.0, 0.5]  # 2 steps over 3, 1 and 4 s
     # one slow step (a collection, first touches of new buffers) does not decide: the median step counts
     clock = iter([0.0, 1.0, 2.0, 3.0, 3.5, 4.0, 4.5, 14.5])  # "a": 1 s steps; "b": 0.5, 0.5 and one of 10 s
-    ctl = TuningController(ChoiceTuner([{"r": "a"}, {"r": "b"}]), warmup_steps=1, measure_steps=3, is_root=True,
-                           broadcast=lambda d: d, clock=lambda: next(clock))
+    ctl = TuningController(
+        ChoiceTuner([{"r": "a"}, {"r": "b"}]),
+        warmup_steps=1,
+        measure_steps=3,
+        is_root=True,
+        broadcast=lambda d: d,
+        clock=lambda: next(clock),
+    )
     assert [ctl.on_step_end() for _ in range(8)][-1] is None and ctl.finished  # already on "b", the best
     assert [t for _, t in ctl.history] == [1.0, 2.0] and ctl.best == ({"r": "b"}, 2.0)
     tie = ChoiceTuner([{"r": 1}, {"r": 2}])

@@ -11,6 +11,7 @@ import torch
 import dearopt
 from harness import run_workers
 
+
 def bound_from(schedule, p):
     """Eq. 7 (dear), Eq. 8 (all-reduce schedules), Eq. 8 with t_rs + t_ag (rsag), written out independently."""
     if schedule in ("dear", "dear+pc"):
@@ -26,10 +27,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(120)
 def test_bench_end_to_end_tiny(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "dearopt.bench", "--model", "tiny", "--ranks", "2", "--iterations", "2",
-           "--warmup", "1", "--rounds", "2", "--schedules", "ddp,wfbp,dear,dear+pc,bytescheduler", "--rsag",
-           "--out", str(out),
-           "--timeline"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dearopt.bench",
+        "--model",
+        "tiny",
+        "--ranks",
+        "2",
+        "--iterations",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--schedules",
+        "ddp,wfbp,dear,dear+pc,bytescheduler",
+        "--rsag",
+        "--out",
+        str(out),
+        "--timeline",
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -58,12 +76,17 @@ def test_bench_end_to_end_tiny(tmp_path):
         assert row["samples_per_s"] == pytest.approx(doc["global_batch"] / row["iter_time"], rel=1e-12)
     assert doc["global_batch"] == 2 * doc["batch_per_rank"]
     for name, row in doc["schedules"].items():  # best-sample statistics, same formulas on the fastest parts
-        assert row["bound_min"] == pytest.approx(
-            bound_from(name, doc["parts_min"]), rel=1e-12)
+        assert row["bound_min"] == pytest.approx(bound_from(name, doc["parts_min"]), rel=1e-12)
         assert row["fraction_of_bound_min"] == pytest.approx(row["bound_min"] / row["iter_time_min"], rel=1e-12)
     # re-rendering from the stored samples reproduces the numbers
-    rerun = subprocess.run([sys.executable, "-m", "dearopt.bench", "--rerender", str(out)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=60)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "dearopt.bench", "--rerender", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert rerun.returncode == 0, rerun.stderr
     again = json.loads((out / "results.json").read_text())
     for name in doc["schedules"]:
@@ -72,13 +95,19 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert (out / "chart.png").stat().st_size > 1000
     assert (out / "timeline.png").stat().st_size > 1000
     # the README's summary row: every schedule's median, dear vs DDP and dear's fraction of its bound
-    summary = subprocess.run([sys.executable, "-m", "dearopt.bench", "--summary", str(out)], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=60)
+    summary = subprocess.run(
+        [sys.executable, "-m", "dearopt.bench", "--summary", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert summary.returncode == 0, summary.stderr
     row = summary.stdout.strip().splitlines()[-1].strip("|").split("|")
     rows = doc["schedules"]
     assert int(row[2]) == doc["ranks"] and float(row[3]) == round(doc["cr"], 2)
-    assert [float(c) for c in row[4:4 + len(rows)]] == [round(r["iter_time"], 3) for r in rows.values()]
+    assert [float(c) for c in row[4 : 4 + len(rows)]] == [round(r["iter_time"], 3) for r in rows.values()]
     assert row[-3].strip() == f"{rows['ddp']['iter_time'] / rows['dear']['iter_time']:.3f}x"
     assert float(row[-2]) == round(rows["dear"]["bound"] / rows["dear"]["iter_time"], 3)
     # the plan dear ran in each round (after its measured choice), recorded and shown
@@ -86,8 +115,9 @@ def test_bench_end_to_end_tiny(tmp_path):
     # (the measured choice may keep Prophet's blocks, whose count is not the buckets': timing decides)
     assert len(ran) == 2 and all(r["buckets"] == len(doc["buckets_bytes"]) for r in ran if r["kept"] != "blocks")
     assert all(r["kept"] in [rule for rule, _ in r["measured"]] for r in ran)
-    cells = [f"{r['buckets']} blocks" if r["kept"] == "blocks" else f"{len(r['allreduce'])}/{r['buckets']}"
-             for r in ran]
+    cells = [
+        f"{r['buckets']} blocks" if r["kept"] == "blocks" else f"{len(r['allreduce'])}/{r['buckets']}" for r in ran
+    ]
     assert row[-1].strip() == ", ".join(dict.fromkeys(cells))
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
 
@@ -101,8 +131,12 @@ def test_a_run_of_a_variant_no_longer_defined_is_still_predicted_where_it_can_be
 
     prof = _deft_profile(2.5)
     prof.comm.update({k: CommCost(k, alpha=0.5, beta=0.0) for k in ("reduce_scatter", "all_gather")})
-    doc = {"profile": prof.to_json(), "bucket_mb": 1.0, "plans": {},
-           "schedules": {"ddp": {}, "dear+gone": {}}}  # a dear variant of an older version, with nothing recorded
+    doc = {
+        "profile": prof.to_json(),
+        "bucket_mb": 1.0,
+        "plans": {},
+        "schedules": {"ddp": {}, "dear+gone": {}},
+    }  # a dear variant of an older version, with nothing recorded
     got = predictions(doc)
     assert set(got) == {"ddp"}  # the unknown variant is left out, not an error
     assert got["ddp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
@@ -112,15 +146,30 @@ def test_the_summary_counts_the_predictions_within_10_and_5_percent():
     from dearopt.bench.report import summary
 
     def run(link, measured, predicted):
-        schedules = {name: {"iter_time": t, "speedup_vs_ddp": measured["ddp"] / t, "fraction_of_bound": 0.9,
-                            "predicted": {"iter": predicted[name]}, "prediction_error": predicted[name] / t - 1}
-                     for name, t in measured.items()}
-        return {"model": "resnet50", "describe": "ResNet-50, batch 16/rank", "link": link, "ranks": 2, "cr": 1.0,
-                "schedules": schedules}
+        schedules = {
+            name: {
+                "iter_time": t,
+                "speedup_vs_ddp": measured["ddp"] / t,
+                "fraction_of_bound": 0.9,
+                "predicted": {"iter": predicted[name]},
+                "prediction_error": predicted[name] / t - 1,
+            }
+            for name, t in measured.items()
+        }
+        return {
+            "model": "resnet50",
+            "describe": "ResNet-50, batch 16/rank",
+            "link": link,
+            "ranks": 2,
+            "cr": 1.0,
+            "schedules": schedules,
+        }
 
     # errors by hand: +2 %, -4 %, +9 % | -12 %, +4 %, 0 %: within 10 %: 5 of 6; within 5 %: 4
-    docs = [run("3gbit", {"ddp": 1.0, "wfbp": 1.0, "dear": 1.0}, {"ddp": 1.02, "wfbp": 0.96, "dear": 1.09}),
-            run("1gbit", {"ddp": 2.0, "wfbp": 2.0, "dear": 1.6}, {"ddp": 1.76, "wfbp": 2.08, "dear": 1.6})]
+    docs = [
+        run("3gbit", {"ddp": 1.0, "wfbp": 1.0, "dear": 1.0}, {"ddp": 1.02, "wfbp": 0.96, "dear": 1.09}),
+        run("1gbit", {"ddp": 2.0, "wfbp": 2.0, "dear": 1.6}, {"ddp": 1.76, "wfbp": 2.08, "dear": 1.6}),
+    ]
     last = summary(docs).splitlines()[-1]
     assert last.startswith("5 of 6 predictions within 10 %, 4 within 5 %; the largest error -12.0% (ddp, ")
     assert last.endswith(", 1gbit, 2 ranks)")
@@ -140,7 +189,7 @@ def test_bound_ranks_run_on_cores_of_their_own():
     bound = spawn(_affinity, 2, bind=True)
     if len(cores) >= 2:  # each rank on its share of the cores, the shares disjoint and together all of them
         assert all(len(b) == len(cores) // 2 for b in bound) and not set(bound[0]) & set(bound[1])
-        assert sorted(bound[0] + bound[1]) == cores[:2 * (len(cores) // 2)]
+        assert sorted(bound[0] + bound[1]) == cores[: 2 * (len(cores) // 2)]
     else:
         assert bound == [cores, cores]
     assert spawn(_affinity, 2) == [cores, cores]  # unbound: both may run anywhere, as before
@@ -186,8 +235,13 @@ def test_iteration_time_is_the_jobs_pace_not_the_slowest_rank_per_iteration():
     assert _paced([[1.0, 2.0, 3.0], [1.5, 2.0, 2.0]], [3]) == [1.5, 2.0, 2.5]  # clocks 1.5, 3.5 (r1), 6.0 (r0)
     assert _paced([[1.0, 2.0], [1.0, 2.0]], [1, 1]) == [1.0, 2.0]
     parts = {k: [[1.0], [1.0]] for k in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag")}
-    doc = {"parts_samples": parts, "global_batch": 4, "rounds": 1, "iterations": 4,
-           "schedules": {"ddp": {"samples": [[1.0] * 4, [1.0] * 4]}, "bytescheduler": {"samples": out_of_phase}}}
+    doc = {
+        "parts_samples": parts,
+        "global_batch": 4,
+        "rounds": 1,
+        "iterations": 4,
+        "schedules": {"ddp": {"samples": [[1.0] * 4, [1.0] * 4]}, "bytescheduler": {"samples": out_of_phase}},
+    }
     derive(doc)
     assert doc["schedules"]["bytescheduler"]["iter_time"] == pytest.approx(0.75)
     assert doc["schedules"]["bytescheduler"]["speedup_vs_ddp"] == pytest.approx(1.0 / 0.75)
@@ -204,8 +258,13 @@ def test_exact_schedules_bound_counts_the_links_idle_window(monkeypatch):
     p = {"t_ff": 0.1, "t_bp": 0.3, "t_ag": 1.0, "t_rs": 1.0, "t_ar": 2.0}
     assert exact_bound(p, 0.3) == pytest.approx(2.3)
     assert exact_bound(dict(p, t_ag=0.05, t_rs=0.05), 0.3) == pytest.approx(0.4)  # compute-bound: Eq. 7 stays
-    doc = {"parts_samples": {k: [[v], [v]] for k, v in p.items()}, "global_batch": 4, "rounds": 1,
-           "iterations": 2, "schedules": {"ddp": {"samples": [[3.0] * 2] * 2}, "dear": {"samples": [[2.5] * 2] * 2}}}
+    doc = {
+        "parts_samples": {k: [[v], [v]] for k, v in p.items()},
+        "global_batch": 4,
+        "rounds": 1,
+        "iterations": 2,
+        "schedules": {"ddp": {"samples": [[3.0] * 2] * 2}, "dear": {"samples": [[2.5] * 2] * 2}},
+    }
     derive(doc)
     assert "bound_exact" not in doc["schedules"]["dear"]  # no profile recorded: no window
     from dearopt.bench import report
@@ -229,8 +288,13 @@ def test_each_rounds_throughput_is_its_block_time_over_its_iterations():
     assert _round_means([1.0, 2.0, 3.0], [2, 2]) == [1.5, 3.0]  # a short last block still counts
     steps = [2.5, 2.5, 1.6, 2.5, 1.6, 2.5]
     parts = {k: [[1.0], [1.0]] for k in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag")}
-    doc = {"parts_samples": parts, "global_batch": 4, "rounds": 2, "iterations": 6,
-           "schedules": {"ddp": {"samples": [[3.3] * 6, [3.3] * 6]}, "deft": {"samples": [steps, steps]}}}
+    doc = {
+        "parts_samples": parts,
+        "global_batch": 4,
+        "rounds": 2,
+        "iterations": 6,
+        "schedules": {"ddp": {"samples": [[3.3] * 6, [3.3] * 6]}, "deft": {"samples": [steps, steps]}},
+    }
     derive(doc)
     deft = doc["schedules"]["deft"]
     assert deft["iter_time"] == pytest.approx(2.5)
@@ -246,8 +310,14 @@ def _timeline_run(path, steps):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     # ~2 KB buckets: several buckets for a model of ~6 KB
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="dear",
-                            buffer_size=2048, timeline=path, allreduce=0.0)  # DeAR's spans in every bucket
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        schedule="dear",
+        buffer_size=2048,
+        timeline=path,
+        allreduce=0.0,
+    )  # DeAR's spans in every bucket
     g = torch.Generator().manual_seed(dearopt.rank())
     for _ in range(steps):
         opt.zero_grad()
@@ -293,10 +363,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_single_device_bench_on_cpu(tmp_path):
     """python -m dearopt.bench.single on the tiny model: every variant runs; dear's buckets and the sharded
     update's shards appear in the breakdown; a DDP run's gradients are its own."""
-    proc = subprocess.run([sys.executable, "-m", "dearopt.bench.single", "--model", "tiny", "--device", "cpu",
-                           "--variants", "plain,ddp,dear,dear-sharded", "--iterations", "3", "--warmup", "2",
-                           "--profile", "--out", str(tmp_path)], capture_output=True, text=True, timeout=110,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dearopt.bench.single",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--variants",
+            "plain,ddp,dear,dear-sharded",
+            "--iterations",
+            "3",
+            "--warmup",
+            "2",
+            "--profile",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "result-tiny.json").read_text())
     rows = {r["variant"]: r for r in doc["rows"]}
@@ -313,8 +404,12 @@ def test_single_device_bench_on_cpu(tmp_path):
 def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: scripts/gpu_check would run")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "gpu_check"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "no GPU" in proc.stderr and "Nothing was run" in proc.stderr
     assert not any(tmp_path.iterdir())
@@ -323,9 +418,27 @@ def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
 @pytest.mark.timeout(180)
 def test_memory_bench_on_cpu(tmp_path):
     """python -m dearopt.bench --memory: a peak per variant beside DDP's and rank 0's buffers by kind."""
-    proc = subprocess.run([sys.executable, "-m", "dearopt.bench", "--memory", "--model", "tiny", "--steps", "2",
-                           "--variants", "ddp,dear-sharded", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=170, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dearopt.bench",
+            "--memory",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--variants",
+            "ddp,dear-sharded",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["variant"]: r for r in json.loads((tmp_path / "memory.json").read_text())["rows"]}
     assert set(rows) == {"ddp", "dear-sharded"} and all(r["peak_mib"] > 0 for r in rows.values())

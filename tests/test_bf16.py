@@ -21,8 +21,9 @@ def _train(comm_hook, schedule):
     rank, world = dearopt.rank(), dearopt.size()
     model = _bf16_model()
     kwargs = {} if comm_hook == "default" else {"comm_hook": comm_hook}
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=LR), model, schedule=schedule, buffer_size=64,
-                            **kwargs)
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=LR), model, schedule=schedule, buffer_size=64, **kwargs
+    )
     x, y = global_batch(0, "mlp")
     loss_fn("mlp", model(shard(x, rank, world).bfloat16()), shard(y, rank, world).bfloat16()).backward()
     opt.step()

@@ -36,14 +36,20 @@ def _inputs_and_plans():
     out["same fingerprint"] = ex.bound.plan.fingerprint() == out["fingerprint"]
     out["buckets kept"] = all(a is b for a, b in zip(ex.bound.buckets, first.buckets))
     ex.replan(buffer_size=64)  # a knob
-    out["knob"] = (ex.bound.inputs.knobs.buffer_size, ex.bound.plan.fingerprint() != out["fingerprint"],
-                   len(ex.bound.buckets) > len(first.buckets))
+    out["knob"] = (
+        ex.bound.inputs.knobs.buffer_size,
+        ex.bound.plan.fingerprint() != out["fingerprint"],
+        len(ex.bound.buckets) > len(first.buckets),
+    )
     generation = ex.planner.generation
     model.fc1.weight.requires_grad_(False)  # the trainable set
     model.fc1.weight.grad = None
     _step(opt, model, 1)
-    out["frozen set"] = (ex.bound.inputs.groups != first.inputs.groups, ex.planner.generation == generation + 1,
-                         id(model.fc1.weight) not in ex.bound.where)
+    out["frozen set"] = (
+        ex.bound.inputs.groups != first.inputs.groups,
+        ex.planner.generation == generation + 1,
+        id(model.fc1.weight) not in ex.bound.where,
+    )
     extra = torch.nn.Linear(2, 2)
     model.extra = extra  # a new parameter group (of the model's)
     opt.add_param_group({"params": extra.parameters(), "lr": 0.01})

@@ -24,8 +24,7 @@ def test_priority_sequence_prefers_input_side_once_ready():
     # t=1 both 0 and 1 wait, and bucket 0 (nearer the input) goes first
     order = priority_sequence(first, ready=[0.2, 0.1, 0.0], bandwidth=400.0 * 1.0)
     assert [op.bucket for op in order] == [2, 0, 1]
-    planned = build_plan(specs, 400, 1, "bytescheduler", priority=True, ready_times=[0.2, 0.1, 0.0],
-                         bandwidth=400.0)
+    planned = build_plan(specs, 400, 1, "bytescheduler", priority=True, ready_times=[0.2, 0.1, 0.0], bandwidth=400.0)
     assert [op.bucket for op in planned.first_ops] == [2, 0, 1]
 
 
@@ -44,8 +43,13 @@ def test_partitions_are_at_most_partition_size_and_cover_the_buffer():
 def _train(schedule, steps=5, sleepy_rank=None, **knobs):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), model,
-                            schedule=schedule, buffer_size=256, **knobs)
+    opt = dearopt.DistOptim(
+        torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+        model,
+        schedule=schedule,
+        buffer_size=256,
+        **knobs,
+    )
     if rank == sleepy_rank:
         rng = random.Random(1234)
 

@@ -47,7 +47,7 @@ def test_reduce_scatter_equals_summed_shard(world_size, numel, dtype_name):
     n = padded // world_size
     for o in outcomes:
         shard, gathered = o.value
-        torch.testing.assert_close(shard, expected[o.rank * n:(o.rank + 1) * n], rtol=0, atol=0)
+        torch.testing.assert_close(shard, expected[o.rank * n : (o.rank + 1) * n], rtol=0, atol=0)
         torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
 
 
@@ -65,6 +65,7 @@ def _reductions():
     results["metric"] = dearopt.allreduce(float(r))
     # a sum as reduce-scatter then all-gather on a second communicator, several in flight at once
     from dearopt.collectives import ReduceScatterThenGather
+
     chain = ReduceScatterThenGather(backend, backend.fork())
     w = dearopt.size()
     fulls = [torch.arange(padded_numel(n, w), dtype=torch.float64) * (r + 1) + n for n in (1, 10, 1001)]
@@ -110,9 +111,11 @@ def _broadcast_state(seed_offset):
     dearopt.broadcast_parameters(model, root_rank=0)
     dearopt.broadcast_optimizer_state(opt, root_rank=0)
     state = opt.state_dict()
-    return {k: v.clone() for k, v in model.state_dict().items()}, state["param_groups"][0]["lr"], [
-        s["exp_avg"].clone() for s in state["state"].values()
-    ]
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        state["param_groups"][0]["lr"],
+        [s["exp_avg"].clone() for s in state["state"].values()],
+    )
 
 
 @pytest.mark.timeout(60)
@@ -138,6 +141,7 @@ def _timeout_on_lonely_collective():
         backend.all_reduce(t, bucket=3, step=7).wait(timeout=1.0)
     else:
         import time
+
         time.sleep(3)
     return None
 
@@ -154,12 +158,14 @@ def test_wait_times_out_with_named_error():
 
 def _lonely_chained_sum():
     from dearopt.collectives import ReduceScatterThenGather
+
     backend = dearopt.get_backend()
     chain = ReduceScatterThenGather(backend, backend.fork())
     if dearopt.rank() == 0:
         chain.start(torch.ones(4), torch.empty(2), bucket=5, step=2).wait(timeout=1.0)
     else:
         import time
+
         time.sleep(3)
 
 
@@ -207,7 +213,7 @@ def _int16_everything():
     backend.reduce_scatter(shard, base.clone()).wait(timeout=20)
     out["shard"] = shard
     gathered = torch.empty(4, dtype=torch.int16)
-    backend.all_gather(gathered, base[r * 2:(r + 1) * 2].clone()).wait(timeout=20)
+    backend.all_gather(gathered, base[r * 2 : (r + 1) * 2].clone()).wait(timeout=20)
     out["gathered"] = gathered
     return out
 
@@ -224,9 +230,8 @@ def test_int16_travels_exactly_on_gloo():
         assert torch.equal(got["sum"], total)
         assert torch.equal(got["max"], torch.maximum(per_rank[0], per_rank[1]))
         assert torch.equal(got["broadcast"], per_rank[1])
-        assert torch.equal(got["shard"], total[o.rank * 2:(o.rank + 1) * 2])
+        assert torch.equal(got["shard"], total[o.rank * 2 : (o.rank + 1) * 2])
         assert torch.equal(got["gathered"], torch.cat([per_rank[0][:2], per_rank[1][2:]]))
-
 
 
 def test_an_op_named_by_its_caller_fails_with_a_named_error_not_a_key_error():

@@ -51,9 +51,15 @@ def _loop(model, opt, case, world, rank=None):
     norms, scales = [], []
     for step in range(STEPS):
         opt.zero_grad()
-        x, y = _batch(step, world, rank) if scaler else (
-            global_batch(step, "mlp") if rank is None else
-            tuple(shard(t, rank, world) for t in global_batch(step, "mlp")))
+        x, y = (
+            _batch(step, world, rank)
+            if scaler
+            else (
+                global_batch(step, "mlp")
+                if rank is None
+                else tuple(shard(t, rank, world) for t in global_batch(step, "mlp"))
+            )
+        )
         loss = loss_fn("mlp", model(x), y)
         if scaler:
             scaler.scale(loss).backward()
@@ -93,8 +99,16 @@ def _loop(model, opt, case, world, rank=None):
     return norms, scales
 
 
-CASES = ["torch clip norm", "torch clip value", "our clip value", "scaler", "scaler+torch unscale+clip",
-         "scaler+our unscale+clip", "clamp after step", "eval forward, torch clip norm"]
+CASES = [
+    "torch clip norm",
+    "torch clip value",
+    "our clip value",
+    "scaler",
+    "scaler+torch unscale+clip",
+    "scaler+our unscale+clip",
+    "clamp after step",
+    "eval forward, torch clip norm",
+]
 TORCH_TOOLS = {"torch clip norm", "torch clip value", "scaler+torch unscale+clip", "eval forward, torch clip norm"}
 
 
@@ -114,8 +128,12 @@ def _distributed(cases):
             try:
                 norms, scales = _loop(model, opt, case, world, rank)
                 opt.synchronize()
-                out[(schedule, case)] = ([p.detach().clone() for p in model.parameters()], norms, scales,
-                                         opt.skipped_steps)
+                out[(schedule, case)] = (
+                    [p.detach().clone() for p in model.parameters()],
+                    norms,
+                    scales,
+                    opt.skipped_steps,
+                )
             except dearopt.DearoptError as exc:
                 out[(schedule, case)] = f"{type(exc).__name__}: {exc}"
             opt.close()

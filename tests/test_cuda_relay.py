@@ -50,8 +50,9 @@ def _train(schedules, on_cpu: bool, backend_name: str = "cuda-relay"):
         model = make_model("mlp").to(dev)
         opt = make_optimizer("adamw", model)
         if schedule == DEFT:
-            opt = dearopt.DistOptim(opt, model, schedule="deft", buffer_size=64,
-                                    deft_schedule=DEFT_SCHEDULES["given: one step late"])
+            opt = dearopt.DistOptim(
+                opt, model, schedule="deft", buffer_size=64, deft_schedule=DEFT_SCHEDULES["given: one step late"]
+            )
         else:
             opt = _wrap(opt, model, schedule, buffer_size=64)
         for step in range(STEPS):
@@ -78,8 +79,9 @@ def _check(outcomes, world, schedules, rtol=None, atol=None):
                 assert_params_match(got, want)
             else:
                 for i, (g, w) in enumerate(zip(got, want)):
-                    torch.testing.assert_close(g, w, rtol=rtol, atol=atol,
-                                               msg=lambda m: f"{schedule}, rank {o.rank}, parameter {i}: {m}")
+                    torch.testing.assert_close(
+                        g, w, rtol=rtol, atol=atol, msg=lambda m: f"{schedule}, rank {o.rank}, parameter {i}: {m}"
+                    )
 
 
 # ---------------------------------------------------------------- CPU: the relay's logic
@@ -123,7 +125,7 @@ def test_relay_on_cpu_matches_ops_in_issue_order_and_times_out():
         sums, shard_out, error = o.value
         assert sums == [float(0 + k + 1 + k) for k in range(20)]
         full = sum(torch.arange(6.0) + r for r in range(2))
-        torch.testing.assert_close(shard_out, full[3 * o.rank:3 * o.rank + 3])
+        torch.testing.assert_close(shard_out, full[3 * o.rank : 3 * o.rank + 3])
     assert "all_reduce" in outcomes[0].value[2]
 
 

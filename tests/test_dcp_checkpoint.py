@@ -72,13 +72,16 @@ def _save_at_2(root):
         dcp.save = real_save
     optim = {k: v for k, v in handed.items() if k.startswith("optim.")}
     live = {i: v for i, v in enumerate(v for entry in opt.state.values() for v in entry.values())}
-    out["memory"] = {"handed": _bytes(optim), "shard": _bytes(dict(enumerate(opt.state.values()))),
-                     "copied": _ptrs(optim) - _ptrs(live),
-                     "shard elementwise": _bytes(dict(enumerate(opt.state.values())), elementwise=True),
-                     "whole elementwise": _bytes(opt.state_dict()["state"], elementwise=True),
-                     "elements": sum(p.numel() for p in model.parameters()),
-                     "model handed": _bytes({k: v for k, v in handed.items() if k.startswith("model.")}),
-                     "model": _bytes(model.state_dict())}
+    out["memory"] = {
+        "handed": _bytes(optim),
+        "shard": _bytes(dict(enumerate(opt.state.values()))),
+        "copied": _ptrs(optim) - _ptrs(live),
+        "shard elementwise": _bytes(dict(enumerate(opt.state.values())), elementwise=True),
+        "whole elementwise": _bytes(opt.state_dict()["state"], elementwise=True),
+        "elements": sum(p.numel() for p in model.parameters()),
+        "model handed": _bytes({k: v for k, v in handed.items() if k.startswith("model.")}),
+        "model": _bytes(model.state_dict()),
+    }
     opt.close()
 
     model = make_model("mlp")
@@ -90,8 +93,13 @@ def _save_at_2(root):
     opt.close()
 
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule="deft", buffer_size=64,
-                            deft_schedule=SCHEDULES["given: one step late"])
+    opt = dearopt.DistOptim(
+        make_optimizer("sgd", model),
+        model,
+        schedule="deft",
+        buffer_size=64,
+        deft_schedule=SCHEDULES["given: one step late"],
+    )
     _train(opt, model, 0, 3)
     ckpt.save(os.path.join(root, "a_deft"), model, opt, extra={"step": 3})
     _train(opt, model, 3, 6)
@@ -144,8 +152,7 @@ def _load_at_3(root):
             out[f"deft->{schedule}"] = None
         except dearopt.DearoptError as exc:
             out[f"deft->{schedule}"] = (type(exc).__name__, str(exc))
-        out[f"deft->{schedule} untouched"] = all(torch.equal(a, b) for a, b in zip(_params(model),
-                                                                                   _params(_model())))
+        out[f"deft->{schedule} untouched"] = all(torch.equal(a, b) for a, b in zip(_params(model), _params(_model())))
         opt.close()
     return out
 
@@ -172,8 +179,13 @@ def _load_at_2(root):
     opt.close()
     # deft at the same world size resumes where it was, group in flight included
     model = _model()
-    opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule="deft", buffer_size=64,
-                            deft_schedule=SCHEDULES["given: one step late"])
+    opt = dearopt.DistOptim(
+        make_optimizer("sgd", model),
+        model,
+        schedule="deft",
+        buffer_size=64,
+        deft_schedule=SCHEDULES["given: one step late"],
+    )
     step = ckpt.load(os.path.join(root, "a_deft"), model, opt)["step"]
     _train(opt, model, step, 6)
     out["deft resumed"] = _params(model)

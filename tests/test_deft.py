@@ -1,7 +1,6 @@
 """``schedule="deft"`` (issue 16): delayed, merged updates carried out across iterations, against a
 single-process emulation of exactly those updates (1e-5), with a given schedule and with the solver's own."""
 
-
 import pytest
 import torch
 
@@ -17,8 +16,11 @@ N_BUCKETS = 6  # the MLP's six parameters, one bucket each at buffer_size=64
 
 SCHEDULES = {
     # every group is sent whole in the next forward and applied at the end of that step: one step late
-    "given: one step late": DeftSchedule(N_BUCKETS, (DeftIteration(4, (), (), (), False, None, 0),),
-                                         (DeftIteration(4, tuple(range(N_BUCKETS)), (), (), False, 1, 1),)),
+    "given: one step late": DeftSchedule(
+        N_BUCKETS,
+        (DeftIteration(4, (), (), (), False, None, 0),),
+        (DeftIteration(4, tuple(range(N_BUCKETS)), (), (), False, 1, 1),),
+    ),
     # the solver, compute-rich: the output side in its own backward, bucket 0 in the next forward
     "solver: compute-rich": deft_schedule([1.0] * N_BUCKETS, [2.0] * N_BUCKETS, [0.5] * N_BUCKETS),
     # the solver, communication-bound: every second step's gradients are held and merged into the next group
@@ -50,8 +52,19 @@ CLIP = 0.05  # the clipped runs' max_norm: below most averages' norms here, so i
 CLIP_VALUE = 0.004  # and clip_grad_value_'s bound: below the largest entries of most averages
 
 
-def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=None, apply="group", units=None,
-            buckets=None, micro=1, world=1):
+def emulate(
+    schedule,
+    opt_name,
+    steps=STEPS,
+    clip=None,
+    norms=None,
+    clip_value=None,
+    apply="group",
+    units=None,
+    buckets=None,
+    micro=1,
+    world=1,
+):
     """One process, global batch: the gradients of each step grouped, held and applied as ``schedule`` says;
     with ``clip``, each applied average clipped to that norm by torch (its norms appended to ``norms``); with
     ``clip_value``, clamped to that bound by torch.  ``apply="group"``: a group as one update at the step the
@@ -93,7 +106,7 @@ def emulate(schedule, opt_name, steps=STEPS, clip=None, norms=None, clip_value=N
                 new = (new[0], new[1], set(it.backward_new), set())
             for grp in (group, new):  # the old group's due buckets first, then the new group's
                 due = []
-                for b in ([] if grp is None else range(len(buckets))):
+                for b in [] if grp is None else range(len(buckets)):
                     if b not in grp[3] and all(u in grp[2] for u, (ub, _) in enumerate(units) if ub == b):
                         grp[3].add(b)
                         due += [(i, grp[0][i] / grp[1]) for i in buckets[b]]
@@ -139,10 +152,16 @@ def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
     for name, opt_name, clip in runs:
         model = make_model("mlp")
         schedule = pieces_schedule(world) if name == PIECES else SCHEDULES[name]
-        opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule="deft", buffer_size=64,
-                                partition_size=64 if name == PIECES else None, deft_schedule=schedule,
-                                deft_links=2 if schedule.mu else 1,
-                                deft_apply="bucket" if clip == "bucket" else "group")
+        opt = dearopt.DistOptim(
+            make_optimizer(opt_name, model),
+            model,
+            schedule="deft",
+            buffer_size=64,
+            partition_size=64 if name == PIECES else None,
+            deft_schedule=schedule,
+            deft_links=2 if schedule.mu else 1,
+            deft_apply="bucket" if clip == "bucket" else "group",
+        )
         norms = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -154,7 +173,11 @@ def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
                 opt.clip_grad_value_(CLIP_VALUE)
             opt.step()
         out[(name, opt_name, clip)] = (
-            [p.detach().clone() for p in model.parameters()], opt.applied_steps, len(opt.plan.buckets), norms)
+            [p.detach().clone() for p in model.parameters()],
+            opt.applied_steps,
+            len(opt.plan.buckets),
+            norms,
+        )
         opt.close()
     return out
 
@@ -173,8 +196,12 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
     for name in names:
         for opt_name in opt_names:
             for apply in ("bucket", "group"):
-                want, want_applied = emulate(pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name,
-                                             apply=apply, units=pieces_units(world) if name == PIECES else None)
+                want, want_applied = emulate(
+                    pieces_schedule(world) if name == PIECES else SCHEDULES[name],
+                    opt_name,
+                    apply=apply,
+                    units=pieces_units(world) if name == PIECES else None,
+                )
                 for o in outcomes:
                     params, applied, n_buckets, _ = o.value[(name, opt_name, apply)]
                     assert n_buckets == N_BUCKETS
@@ -189,8 +216,9 @@ def test_deft_equals_the_single_process_emulation_of_its_schedule(world):
     for name in clipped:
         for opt_name in opt_names:
             want_norms = []
-            want, want_applied = emulate(pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name,
-                                         clip=CLIP, norms=want_norms)
+            want, want_applied = emulate(
+                pieces_schedule(world) if name == PIECES else SCHEDULES[name], opt_name, clip=CLIP, norms=want_norms
+            )
             assert max(want_norms) > CLIP  # it binds
             for o in outcomes:
                 params, applied, _, norms = o.value[(name, opt_name, "clip")]
@@ -220,9 +248,15 @@ def _accumulating_runs():
     for name, how in (("solver: communication-bound", "no_sync"), ("solver: compute-rich", "bpps")):
         for apply in ("bucket", "group"):
             model = make_model("mlp")
-            opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=64,
-                                    deft_schedule=SCHEDULES[name], deft_apply=apply,
-                                    backward_passes_per_step=2 if how == "bpps" else 1)
+            opt = dearopt.DistOptim(
+                make_optimizer("adamw", model),
+                model,
+                schedule="deft",
+                buffer_size=64,
+                deft_schedule=SCHEDULES[name],
+                deft_apply=apply,
+                backward_passes_per_step=2 if how == "bpps" else 1,
+            )
             for step in range(STEPS):
                 opt.zero_grad()
                 x, y = global_batch(step, "mlp")
@@ -256,16 +290,37 @@ def _synthetic_profile(halves=False):
     from dearopt.sim.cost import CommCost
     from dearopt.sim.profile import Profile
 
-    sizes = [("fc1.weight", 48), ("fc1.bias", 8), ("fc2.weight", 64), ("fc2.bias", 8), ("fc3.weight", 24),
-             ("fc3.bias", 3)]
-    return Profile(params=[ParamSpec(n, k, "float32", 4) for n, k in sizes],
-                   forward_segments=[([0, 1], 0.01), ([2, 3], 0.01), ([4, 5], 0.01)], forward_tail=0.001,
-                   ready=[0.05, 0.05, 0.03, 0.03, 0.01, 0.01], t_bp=0.06, update_per_element=0.0,
-                   update_per_call=0.0, comm={"all_reduce": CommCost("all_reduce", 0.004, 1e-5),
-                                              **({"reduce_scatter": CommCost("reduce_scatter", 0.0039, 1e-5),
-                                                  "all_gather": CommCost("all_gather", 0.0039, 1e-5)}
-                                                 if halves else {})},
-                   comm_samples={}, contention={}, world=2)
+    sizes = [
+        ("fc1.weight", 48),
+        ("fc1.bias", 8),
+        ("fc2.weight", 64),
+        ("fc2.bias", 8),
+        ("fc3.weight", 24),
+        ("fc3.bias", 3),
+    ]
+    return Profile(
+        params=[ParamSpec(n, k, "float32", 4) for n, k in sizes],
+        forward_segments=[([0, 1], 0.01), ([2, 3], 0.01), ([4, 5], 0.01)],
+        forward_tail=0.001,
+        ready=[0.05, 0.05, 0.03, 0.03, 0.01, 0.01],
+        t_bp=0.06,
+        update_per_element=0.0,
+        update_per_call=0.0,
+        comm={
+            "all_reduce": CommCost("all_reduce", 0.004, 1e-5),
+            **(
+                {
+                    "reduce_scatter": CommCost("reduce_scatter", 0.0039, 1e-5),
+                    "all_gather": CommCost("all_gather", 0.0039, 1e-5),
+                }
+                if halves
+                else {}
+            ),
+        },
+        comm_samples={},
+        contention={},
+        world=2,
+    )
 
 
 def test_bucket_times_from_a_profile_by_hand():
@@ -301,17 +356,28 @@ def _from_profile_and_resume():
 
     def run(steps, start=0, load=None):
         params, saved, opt = resumable_run(
-            lambda model: dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
-                                            profile=profile, preserver=False),
-            steps, rank, world, start, load)
+            lambda model: dearopt.DistOptim(
+                make_optimizer("adam", model), model, schedule="deft", buffer_size=64, profile=profile, preserver=False
+            ),
+            steps,
+            rank,
+            world,
+            start,
+            load,
+        )
         schedule, reduction = opt.deft_schedule, opt.deft_reduction
         opt.close()
         return params, saved, (schedule, reduction)
 
     whole, at3, (schedule, reduction) = run(STEPS)
     resumed, _, (_, resumed_reduction) = run(STEPS - 3, 3, at3)
-    return whole, resumed, schedule, at3[1]["dearopt_deft"]["held"] is not None or at3[1]["dearopt_deft"]["group"], \
-        (reduction, resumed_reduction, at3[1]["dearopt_deft"]["reduction"])
+    return (
+        whole,
+        resumed,
+        schedule,
+        at3[1]["dearopt_deft"]["held"] is not None or at3[1]["dearopt_deft"]["group"],
+        (reduction, resumed_reduction, at3[1]["dearopt_deft"]["reduction"]),
+    )
 
 
 @pytest.mark.timeout(120)
@@ -334,9 +400,15 @@ def _pieces_resume():
     rank, world = dearopt.rank(), dearopt.size()
 
     def make(apply):
-        return lambda model: dearopt.DistOptim(make_optimizer("adam", model), model, schedule="deft", buffer_size=64,
-                                               partition_size=64, deft_schedule=pieces_schedule(world),
-                                               deft_apply=apply)
+        return lambda model: dearopt.DistOptim(
+            make_optimizer("adam", model),
+            model,
+            schedule="deft",
+            buffer_size=64,
+            partition_size=64,
+            deft_schedule=pieces_schedule(world),
+            deft_apply=apply,
+        )
 
     out = {}
     for save_at in (0, 3):
@@ -368,10 +440,19 @@ def _refusals():
     out = Attempts()
     attempt = out.attempt
 
-    attempt("auto buffer", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                     schedule="deft", buffer_size="auto"))
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64,
-                            deft_schedule=SCHEDULES["given: one step late"])
+    attempt(
+        "auto buffer",
+        lambda: dearopt.DistOptim(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size="auto"
+        ),
+    )
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        schedule="deft",
+        buffer_size=64,
+        deft_schedule=SCHEDULES["given: one step late"],
+    )
     x, y = global_batch(0, "mlp")
     loss_fn("mlp", model(x), y).backward()
     attempt("unscale", lambda: opt.unscale_(128.0))
@@ -380,25 +461,51 @@ def _refusals():
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     attempt("torch clip", opt.step)
     opt.close()
-    attempt("apply how", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                   schedule="deft", deft_apply="now"))
-    attempt("apply not deft", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                        deft_apply="group"))
+    attempt(
+        "apply how",
+        lambda: dearopt.DistOptim(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", deft_apply="now"
+        ),
+    )
+    attempt(
+        "apply not deft",
+        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, deft_apply="group"),
+    )
     model = make_model("mlp")
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=4096,
-                            deft_schedule=SCHEDULES["given: one step late"])
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        schedule="deft",
+        buffer_size=4096,
+        deft_schedule=SCHEDULES["given: one step late"],
+    )
     attempt("wrong bucket count", lambda: loss_fn("mlp", model(x), y).backward())
     opt.close()
-    attempt("second link not asked for", lambda: dearopt.DistOptim(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft",
-        deft_schedule=SCHEDULES["solver: two links"]))
-    attempt("three links", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                     schedule="deft", deft_links=3))
-    attempt("preserver type", lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                        schedule="deft", preserver="yes"))
+    attempt(
+        "second link not asked for",
+        lambda: dearopt.DistOptim(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model,
+            schedule="deft",
+            deft_schedule=SCHEDULES["solver: two links"],
+        ),
+    )
+    attempt(
+        "three links",
+        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", deft_links=3),
+    )
+    attempt(
+        "preserver type",
+        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", preserver="yes"),
+    )
     model = make_model("mlp")  # the Preserver on (the default), a profile for the times, no loss reported
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64,
-                            profile=_synthetic_profile())
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        schedule="deft",
+        buffer_size=64,
+        profile=_synthetic_profile(),
+    )
 
     def three_steps():
         for step in range(3):
@@ -411,8 +518,9 @@ def _refusals():
     opt.close()
     model = make_model("mlp")  # a given schedule that forms a group every step and applies none
     never = DeftSchedule(N_BUCKETS, (), (DeftIteration(4, (), (), (N_BUCKETS - 1,), False, None, 0),))
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64,
-                            deft_schedule=never)
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64, deft_schedule=never
+    )
     loss_fn("mlp", model(x), y).backward()
     opt.step()
     opt.zero_grad()
@@ -423,18 +531,26 @@ def _refusals():
 @pytest.mark.timeout(60)
 def test_what_deft_cannot_do_is_refused_by_name():
     got = run_workers(_refusals, 2, timeout=50)[0].value
-    Attempts.expect(got, {
-        "auto buffer": ("ValueError", "cannot re-plan"), "unscale": ("UsageError", "unscaling them"),
-        "reduce now": ("UsageError", "reduce_gradients() are not supported"),
-        "torch clip": ("UsageError", "already taken into a delayed group"),
-        "clip per bucket": ("UsageError", "pass deft_apply='group'"), "apply how": ("ValueError", "deft_apply"),
-        "apply not deft": ("ValueError", "are for schedule='deft'"),
-        "wrong bucket count": ("UsageError", "6 buckets"), "preserver type": ("TypeError", "preserver="),
-        "second link not asked for": ("UsageError", "deft_links=2"), "three links": ("ValueError", "deft_links"),
-        # named at the step that solves the schedule: the third, after the exact measuring steps
-        "no loss": ("UsageError", "optimizer.step(loss=loss)"),
-        # refused at the backward that would start a second group, before anything of it is sent
-        "group never applied": ("UsageError", "forms a new group at step 1")})
+    Attempts.expect(
+        got,
+        {
+            "auto buffer": ("ValueError", "cannot re-plan"),
+            "unscale": ("UsageError", "unscaling them"),
+            "reduce now": ("UsageError", "reduce_gradients() are not supported"),
+            "torch clip": ("UsageError", "already taken into a delayed group"),
+            "clip per bucket": ("UsageError", "pass deft_apply='group'"),
+            "apply how": ("ValueError", "deft_apply"),
+            "apply not deft": ("ValueError", "are for schedule='deft'"),
+            "wrong bucket count": ("UsageError", "6 buckets"),
+            "preserver type": ("TypeError", "preserver="),
+            "second link not asked for": ("UsageError", "deft_links=2"),
+            "three links": ("ValueError", "deft_links"),
+            # named at the step that solves the schedule: the third, after the exact measuring steps
+            "no loss": ("UsageError", "optimizer.step(loss=loss)"),
+            # refused at the backward that would start a second group, before anything of it is sent
+            "group never applied": ("UsageError", "forms a new group at step 1"),
+        },
+    )
     assert got["steps before"] == 2
 
 
@@ -469,8 +585,12 @@ def preserver_inputs(opt_name, world, steps=3):
         for p, *gs in zip(model.parameters(), *own):
             p.grad = sum(gs) / world
         opt.step()
-        d = [sum(float((g.double() * (p.detach() - b).double()).sum()) for g, p, b in
-                 zip(gr, model.parameters(), before)) for gr in own]
+        d = [
+            sum(
+                float((g.double() * (p.detach() - b).double()).sum()) for g, p, b in zip(gr, model.parameters(), before)
+            )
+            for gr in own
+        ]
         mean = sum(d) / world
         dots.append(mean)
         variances.append(sum((v - mean) ** 2 for v in d) / (world - 1))
@@ -480,8 +600,15 @@ def preserver_inputs(opt_name, world, steps=3):
 def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micro=1):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="deft", buffer_size=buffer_size,
-                            preserver=preserver, deft_links=links, backward_passes_per_step=micro)
+    opt = dearopt.DistOptim(
+        make_optimizer("adamw", model),
+        model,
+        schedule="deft",
+        buffer_size=buffer_size,
+        preserver=preserver,
+        deft_links=links,
+        backward_passes_per_step=micro,
+    )
     executor = opt._executor.rounds  # deft's part of the engine
     measured = executor.measurement.measured_times
     real = {}
@@ -504,10 +631,24 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
             loss = loss_fn("mlp", model(parts[0]), parts[1])
             loss.backward()
         opt.step(loss=loss)
-    out = ([p.detach().clone() for p in model.parameters()], executor.offset, opt.deft_schedule, real.get("times"),
-           executor.measured, opt.applied_steps, opt.deft_repartitions, len(executor.units), opt.deft_preserved,
-           executor.mu, len(opt._executor.buckets), [executor._unit_nbytes(u) for u in range(len(executor.units))],
-           opt.deft_reduction, opt.deft_times, [list(b.params) for b in opt.plan.buckets], list(executor.units))
+    out = (
+        [p.detach().clone() for p in model.parameters()],
+        executor.offset,
+        opt.deft_schedule,
+        real.get("times"),
+        executor.measured,
+        opt.applied_steps,
+        opt.deft_repartitions,
+        len(executor.units),
+        opt.deft_preserved,
+        executor.mu,
+        len(opt._executor.buckets),
+        [executor._unit_nbytes(u) for u in range(len(executor.units))],
+        opt.deft_reduction,
+        opt.deft_times,
+        [list(b.params) for b in opt.plan.buckets],
+        list(executor.units),
+    )
     opt.close()
     return out
 
@@ -521,12 +662,16 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
     assert (mu is None) == (links == 1) and all(o.value[9] == mu for o in outcomes)
     assert mu is None or mu > 0
     assert len({o.value[12] for o in outcomes}) == 1  # the reduction rank 0 measured faster, on every rank
-    want_preserved = Preserver().solve([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, loss=loss,
-                                       drift=drift, noise=noise, mu=mu)
+    want_preserved = Preserver().solve(
+        [1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS, loss=loss, drift=drift, noise=noise, mu=mu
+    )
     assert want_preserved.passed
     if links == 1:  # the solver alone merges steps; the Preserver raised the capacities until the loss kept up
-        assert want_preserved.resolves > 0 and want_preserved.schedule.updates_per_iteration > deft_schedule(
-            [1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS).updates_per_iteration
+        assert (
+            want_preserved.resolves > 0
+            and want_preserved.schedule.updates_per_iteration
+            > deft_schedule([1.0] * N_BUCKETS, [1.0] * N_BUCKETS, [2.5] * N_BUCKETS).updates_per_iteration
+        )
     elif mu < 2.0:  # (measured on this machine) the second link takes a 2.5 s bucket within a 6 s stage
         assert any(it.second_old or it.second_new for it in want_preserved.schedule.period)
     for o in outcomes:
@@ -542,8 +687,14 @@ def test_without_a_profile_the_job_measures_itself_exactly_first_and_the_preserv
             assert len(forward) == len(backward) == len(comm) == N_BUCKETS
             assert all(t >= 0 for t in forward + backward) and all(c > 0 for c in comm)
             assert sum(forward) > 0 and sum(backward) > 0
-        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2, apply="bucket",
-                                     buckets=o.value[14], units=o.value[15])
+        want, want_applied = emulate(
+            _AfterMeasuring(offset, schedule),
+            "adamw",
+            STEPS + 2,
+            apply="bucket",
+            buckets=o.value[14],
+            units=o.value[15],
+        )
         assert applied == want_applied
         assert_params_match(params, want)
 
@@ -556,8 +707,16 @@ def test_a_job_that_accumulates_measures_itself_and_follows_its_schedule():
         if o.rank == 0:  # the forward stage measured from the step's first forward to its communicating backward
             forward, backward, comm = real
             assert sum(forward) > 0 and sum(backward) > 0 and all(c > 0 for c in comm)
-        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", STEPS + 2, apply="bucket",
-                                     buckets=o.value[14], units=o.value[15], micro=2, world=2)
+        want, want_applied = emulate(
+            _AfterMeasuring(offset, schedule),
+            "adamw",
+            STEPS + 2,
+            apply="bucket",
+            buckets=o.value[14],
+            units=o.value[15],
+            micro=2,
+            world=2,
+        )
         assert applied == want_applied
         assert_params_match(params, want)
 
@@ -566,8 +725,24 @@ def test_a_job_that_accumulates_measures_itself_and_follows_its_schedule():
 def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measured_again():
     steps = 11  # (and the units are summed by reduce-scatter + all-gather, as if measured faster)
     for o in run_workers(_measured, 2, 4096, steps, False, 1, RSAG, timeout=100):
-        params, offset, schedule, _, shared, applied, repartitions, n_units, preserved, _, n_buckets, nbytes, \
-            reduction, times, buckets, units = o.value
+        (
+            params,
+            offset,
+            schedule,
+            _,
+            shared,
+            applied,
+            repartitions,
+            n_units,
+            preserved,
+            _,
+            n_buckets,
+            nbytes,
+            reduction,
+            times,
+            buckets,
+            units,
+        ) = o.value
         assert reduction == RSAG
         assert preserved is None  # preserver=False
         assert schedule == deft_schedule(*shared)
@@ -583,8 +758,9 @@ def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measu
         assert n_units > n_buckets and max(nbytes) <= size and len(nbytes) == n_units
         assert offset == 6 and applied[:6] == list(range(6))  # measured twice, exact meanwhile
         assert shared == ([1.0] * n_units, [1.0] * n_units, [2.5] * n_units)
-        want, want_applied = emulate(_AfterMeasuring(offset, schedule), "adamw", steps, apply="bucket",
-                                     buckets=buckets, units=units)
+        want, want_applied = emulate(
+            _AfterMeasuring(offset, schedule), "adamw", steps, apply="bucket", buckets=buckets, units=units
+        )
         assert applied == want_applied
         assert_params_match(params, want)
 
@@ -592,8 +768,14 @@ def test_a_bucket_longer_than_a_stage_is_split_into_buckets_and_pieces_and_measu
 def _timeline_run(path):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule="deft", buffer_size=64,
-                            deft_schedule=SCHEDULES["solver: communication-bound"], timeline=path)
+    opt = dearopt.DistOptim(
+        make_optimizer("sgd", model),
+        model,
+        schedule="deft",
+        buffer_size=64,
+        deft_schedule=SCHEDULES["solver: communication-bound"],
+        timeline=path,
+    )
     schedule = SCHEDULES["solver: communication-bound"]
     for step in range(STEPS):
         train_step(opt, model, step, rank, world)
@@ -626,7 +808,8 @@ def test_the_timeline_shows_every_send_of_the_schedule(tmp_path):
         with open(timeline_path_for_rank(path, rank)) as fh:
             events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
         sends = [e for e in events if e["cat"] == "comm"]
-        assert all(e["tid"] == 1 and e["dur"] >= 0 and e["name"] == f"all_reduce unit {e['args']['unit']}"
-                   for e in sends)
+        assert all(
+            e["tid"] == 1 and e["dur"] >= 0 and e["name"] == f"all_reduce unit {e['args']['unit']}" for e in sends
+        )
         assert sorted((e["args"]["step"], e["args"]["unit"], e["args"]["group"]) for e in sends) == sorted(want)
         assert sum(1 for e in events if e["name"] == "step") == STEPS

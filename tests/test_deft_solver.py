@@ -7,8 +7,15 @@ import random
 
 import pytest
 
-from dearopt.schedules.deft import (RESOLUTION, check_partition, deft_schedule, knapsack, link_knapsack,
-                                    ready_knapsack, recursive_knapsack)
+from dearopt.schedules.deft import (
+    RESOLUTION,
+    check_partition,
+    deft_schedule,
+    knapsack,
+    link_knapsack,
+    ready_knapsack,
+    recursive_knapsack,
+)
 
 
 def _brute_force(weights, capacity):
@@ -89,8 +96,10 @@ def test_a_second_link_carries_what_the_first_cannot():
     assert steady.link(1, new=False) == 1 and steady.link(0, new=False) == 0 and steady.link(2, new=True) == 0
     assert steady.applies == 1 and steady.covers == 1
     # 2.5 s a bucket: 3.25 s on the second link, more than any stage: it carries nothing, as one link
-    assert deft_schedule([1, 1, 1], [1, 1, 1], [2.5] * 3, mu=1.3).period == deft_schedule(
-        [1, 1, 1], [1, 1, 1], [2.5] * 3).period
+    assert (
+        deft_schedule([1, 1, 1], [1, 1, 1], [2.5] * 3, mu=1.3).period
+        == deft_schedule([1, 1, 1], [1, 1, 1], [2.5] * 3).period
+    )
     with pytest.raises(ValueError, match="mu"):
         deft_schedule([1], [1], [0.5], mu=0.0)
 
@@ -143,8 +152,9 @@ def test_the_ready_knapsack_equals_brute_force_on_small_instances():
         for b in got:
             free = max(free, ready_at[b]) + comm[b]
         assert free <= deadline + 1e-9 or not got
-        assert sum(comm[b] for b in got) == pytest.approx(_serial_link_brute_force(items, comm, backward, start,
-                                                                                   deadline), abs=1e-9)
+        assert sum(comm[b] for b in got) == pytest.approx(
+            _serial_link_brute_force(items, comm, backward, start, deadline), abs=1e-9
+        )
 
 
 def test_the_ready_knapsack_refuses_what_algorithm_1_overfills():
@@ -214,8 +224,14 @@ def test_equation_1_by_hand():
 
 
 def test_the_preserver_raises_the_capacity_until_updates_keep_up():
-    from dearopt.schedules.deft import (Preserver, _period_losses, expected_loss, preserved_schedule, preserver_check,
-                                        preserver_ratio)
+    from dearopt.schedules.deft import (
+        Preserver,
+        _period_losses,
+        expected_loss,
+        preserved_schedule,
+        preserver_check,
+        preserver_ratio,
+    )
 
     stats = dict(loss=2.0, lr=0.1, mean=0.5, std=1.0, batch=32)
     merged = deft_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3)  # half the updates, each of two steps' gradients
@@ -229,7 +245,7 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
     for statistic in ("loss", "progress"):
         assert preserver_ratio(every_step, **stats, statistic=statistic) == pytest.approx(1.0)
         kept = preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **stats, statistic=statistic)
-        assert kept.passed and kept.resolves >= 1 and kept.capacity_factor == 1.5 ** kept.resolves
+        assert kept.passed and kept.resolves >= 1 and kept.capacity_factor == 1.5**kept.resolves
         assert kept.schedule.updates_per_iteration == 1.0
         # every solve in turn: the first merges (refused with the ratio above), the last is the one kept
         assert kept.tried[0] == (1.0, 0.5, preserver_ratio(merged, **stats, statistic=statistic), False)
@@ -266,8 +282,10 @@ def test_the_preserver_raises_the_capacity_until_updates_keep_up():
     ratio, passed = preserver_check(merged, **near, statistic="progress")
     assert ratio == pytest.approx(baseline / expected_loss(0.01, 0.1, 0.01, 5.0, 2)) and ratio > 1.01
     assert not passed and (ratio, passed) == preserver_check(merged, **near, statistic="loss")
-    assert preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **near, statistic="progress").schedule \
-        .updates_per_iteration == 1.0
+    assert (
+        preserved_schedule([1.0] * 3, [1.0] * 3, [2.5] * 3, **near, statistic="progress").schedule.updates_per_iteration
+        == 1.0
+    )
     # outside the model: exact training's first-order decrease over the period (2 steps of lr * mean = 3.0) passes
     # the objective from the loss 1.5 (ResNet-50's first steps on the bench: drift 209.5 per step, loss 7.11).
     # The walk's verdict there is arbitrary: with little noise exact training rebounds to |1.5 - 3| = 1.5 and back

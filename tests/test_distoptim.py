@@ -38,14 +38,32 @@ def reference(kind, opt_name, world, steps=STEPS, *, bpps=1, set_to_none=True, c
     return [p.detach().clone() for p in model.parameters()], norms
 
 
-def _train(kind, opt_names, schedule, steps=STEPS, buffer_size=64, bpps=1, use_no_sync=False, set_to_none=True,
-           clip=None, skip_middle_at=(), read_with="synchronize", **options):
+def _train(
+    kind,
+    opt_names,
+    schedule,
+    steps=STEPS,
+    buffer_size=64,
+    bpps=1,
+    use_no_sync=False,
+    set_to_none=True,
+    clip=None,
+    skip_middle_at=(),
+    read_with="synchronize",
+    **options,
+):
     rank, world = dearopt.rank(), dearopt.size()
     results = {}
     for opt_name in opt_names:
         model = make_model(kind)
-        opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, buffer_size=buffer_size,
-                                backward_passes_per_step=1 if use_no_sync else bpps, **options)
+        opt = dearopt.DistOptim(
+            make_optimizer(opt_name, model),
+            model,
+            schedule=schedule,
+            buffer_size=buffer_size,
+            backward_passes_per_step=1 if use_no_sync else bpps,
+            **options,
+        )
         sched = make_scheduler(opt_name, opt)
         norms = []
         for step in range(steps):
@@ -199,8 +217,12 @@ def _against_ddp(schedule):
         loss_fn("mlp", ddp(x), y).backward()
         ddp_opt.step()
     opt.synchronize()
-    return ([p.detach().clone() for p in ours.parameters()], [p.detach().clone() for p in theirs.parameters()],
-            [b.clone() for b in ours.buffers()], [b.clone() for b in theirs.buffers()])
+    return (
+        [p.detach().clone() for p in ours.parameters()],
+        [p.detach().clone() for p in theirs.parameters()],
+        [b.clone() for b in ours.buffers()],
+        [b.clone() for b in theirs.buffers()],
+    )
 
 
 @pytest.mark.timeout(120)

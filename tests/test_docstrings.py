@@ -11,8 +11,14 @@ import inspect
 
 import pytest
 
-PACKAGES = ["dearopt", "dearopt.horovod", "dearopt.sim", "dearopt.lightning", "dearopt.checkpoint",
-            "dearopt.horovod.elastic"]
+PACKAGES = [
+    "dearopt",
+    "dearopt.horovod",
+    "dearopt.sim",
+    "dearopt.lightning",
+    "dearopt.checkpoint",
+    "dearopt.horovod.elastic",
+]
 
 
 def _public_names(module):

@@ -28,14 +28,24 @@ CRASH_AT = 3
 
 
 def _agent(root, port, mode, is_host, crash_at=None):
-    env = dict(launcher_free_env(), DEAROPT_ELASTIC_DIR=root, PYTHONPATH=os.path.dirname(HERE),
-               OMP_NUM_THREADS="1")
+    env = dict(launcher_free_env(), DEAROPT_ELASTIC_DIR=root, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
     if crash_at is not None:
         env["ELASTIC_CRASH_AT"] = str(crash_at)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-               f"--rdzv-conf=is_host={'true' if is_host else 'false'},{RDZV_CONF}", "--max-restarts=1",
-               "--monitor-interval=0.2", os.path.join(HERE, "elastic_train.py"), mode]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=elastic-test",
+        f"--rdzv-conf=is_host={'true' if is_host else 'false'},{RDZV_CONF}",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        os.path.join(HERE, "elastic_train.py"),
+        mode,
+    ]
     out = open(os.path.join(root, f"agent_{'host' if is_host else 'lost'}.out"), "w")
     return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
 
@@ -87,15 +97,17 @@ def _start_job(root, mode):
 
 
 def _check_job(root, host_rc, lost_rc):
-    outputs = {name: open(os.path.join(root, name)).read()[-3000:] for name in os.listdir(root)
-               if name.startswith("agent_")}
+    outputs = {
+        name: open(os.path.join(root, name)).read()[-3000:] for name in os.listdir(root) if name.startswith("agent_")
+    }
     assert lost_rc == -9 and host_rc == 0, outputs  # the lost node's agent was killed; the other finished
     resumed, batches = _global_batches(_logs(root))
     assert 0 < resumed <= CRASH_AT and resumed % elastic_train.COMMIT_EVERY == 0
     # the sampler continued the epoch: every sample trained once, at 2 ranks and then at 1
     assert sorted(s for batch in batches for s in batch) == list(range(elastic_train.SAMPLES))
-    assert [len(b) for b in batches] == ([2 * elastic_train.BATCH] * resumed
-                                         + [elastic_train.BATCH] * (len(batches) - resumed))
+    assert [len(b) for b in batches] == (
+        [2 * elastic_train.BATCH] * resumed + [elastic_train.BATCH] * (len(batches) - resumed)
+    )
     got = torch.load(os.path.join(root, "final.pt"))
     for g, w in zip(got, _one_process(batches)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
@@ -159,8 +171,7 @@ def test_torch_state_commits_restores_and_syncs_in_one_process(tmp_path, monkeyp
 
     for directory in (None, str(tmp_path)):
         model, opt, sampler = job()
-        state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, checkpoint_dir=directory,
-                                       epoch=0)
+        state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, checkpoint_dir=directory, epoch=0)
         for commit in range(3):
             train(model, opt)
             state.epoch += 1
@@ -176,8 +187,7 @@ def test_torch_state_commits_restores_and_syncs_in_one_process(tmp_path, monkeyp
     # a new process's state (a restarted job) syncs to the latest commit on disk; two commits are kept
     assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000003"]
     model, opt, sampler = job()
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, checkpoint_dir=str(tmp_path),
-                                   epoch=0)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, checkpoint_dir=str(tmp_path), epoch=0)
     state.sync()
     assert state.epoch == 3 and sampler.state_dict() == committed[1]
     assert_params_match([p.detach() for p in model.parameters()], committed[0])

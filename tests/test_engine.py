@@ -20,8 +20,12 @@ class AtBackwardEnd(Schedule):
     name = "test-at-backward-end"
 
     def ops(self, layout):
-        return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=BACKWARD_END,
-                                    due=STEP, average=True) for b, k in layout.reduction_order])
+        return mark_updates(
+            [
+                CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=BACKWARD_END, due=STEP, average=True)
+                for b, k in layout.reduction_order
+            ]
+        )
 
 
 if AtBackwardEnd.name not in dearopt.schedules.names():
@@ -39,8 +43,13 @@ def _train_every_schedule(steps=STEPS):
         # dear with half of the buckets all-reduced in backward: both kinds of bucket, and a plan fixed from
         # step 0 (allreduce="auto" re-plans after a profile of step 1)
         extra = {"allreduce": 0.5} if schedule == "dear" else {}
-        opt = dearopt.DistOptim(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), model,
-                                schedule=schedule, buffer_size=64, **extra)
+        opt = dearopt.DistOptim(
+            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+            model,
+            schedule=schedule,
+            buffer_size=64,
+            **extra,
+        )
         for step in range(steps):
             opt.zero_grad()
             x, y = global_batch(step, "mlp")
@@ -51,8 +60,7 @@ def _train_every_schedule(steps=STEPS):
         if schedule == "dear":
             assert {op.kind for op in opt.plan.ops} == {"all_reduce", "reduce_scatter", "all_gather"}
         issued = [entry[1:] for entry in opt._executor.launch_log]
-        out[schedule] = ([p.detach().clone() for p in model.parameters()], planned, issued,
-                         len(opt.plan.buckets))
+        out[schedule] = ([p.detach().clone() for p in model.parameters()], planned, issued, len(opt.plan.buckets))
         opt.close()
     return out
 
@@ -82,6 +90,7 @@ def _hooks(schedule):
     def count(key):
         def hook(optimizer, args, kwargs):
             calls[key] += 1
+
         return hook
 
     opt.register_step_pre_hook(count("pre"))
@@ -90,8 +99,10 @@ def _hooks(schedule):
     opt.register_step_post_hook(lambda *a: seen_after_step.append([p.detach().clone() for p in model.parameters()]))
     inner.register_step_pre_hook(count("inner pre"))
     inner.register_step_post_hook(count("inner post"))
-    handles = [torch_optimizer.register_optimizer_step_pre_hook(count("global pre")),
-               torch_optimizer.register_optimizer_step_post_hook(count("global post"))]
+    handles = [
+        torch_optimizer.register_optimizer_step_pre_hook(count("global pre")),
+        torch_optimizer.register_optimizer_step_post_hook(count("global post")),
+    ]
     raw = []  # the wrapped optimizer's own step() runs: SGD prepares its one param group once per run
     prepare = inner._init_group
     inner._init_group = lambda *a, **k: (raw.append(1), prepare(*a, **k))[1]
@@ -153,8 +164,13 @@ def _train_with_hook(cases, steps=STEPS):
     out = {}
     for schedule, hook in cases:
         model = make_model("mlp")
-        opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
-                                schedule=schedule, buffer_size=64, comm_hook=hook)
+        opt = dearopt.DistOptim(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            model,
+            schedule=schedule,
+            buffer_size=64,
+            comm_hook=hook,
+        )
         for step in range(steps):
             opt.zero_grad()
             x, y = global_batch(step, "mlp")
@@ -166,8 +182,14 @@ def _train_with_hook(cases, steps=STEPS):
     return out
 
 
-HOOK_CASES = [("dear", "fp16"), ("dear", "bf16"), ("wfbp", "fp16"), ("wfbp", "bf16"), ("rsag", "bf16"),
-              ("bytescheduler", "fp16")]
+HOOK_CASES = [
+    ("dear", "fp16"),
+    ("dear", "bf16"),
+    ("wfbp", "fp16"),
+    ("wfbp", "bf16"),
+    ("rsag", "bf16"),
+    ("bytescheduler", "fp16"),
+]
 
 
 @pytest.mark.timeout(120)
@@ -253,19 +275,23 @@ def _lm_distributed(steps=STEPS):
         for schedule in ["dear", "wfbp", "rsag", "bytescheduler"]:
             torch.manual_seed(0)
             model = TiedLM(**variant)
-            opt = dearopt.DistOptim(torch.optim.Adam(model.parameters(), lr=0.01), model, schedule=schedule,
-                                    buffer_size=256)
+            opt = dearopt.DistOptim(
+                torch.optim.Adam(model.parameters(), lr=0.01), model, schedule=schedule, buffer_size=256
+            )
             for step in range(steps):
                 opt.zero_grad()
                 x, y = _lm_batch(step)
                 _lm_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
                 opt.step()
             opt.synchronize()
-            out[(name, schedule)] = ([p.detach().clone() for p in model.parameters()],
-                                     dict(opt._executor.issuer.rows_reductions),
-                                     [b.spec.twin_of is not None for b in opt._executor.buckets].count(True),
-                                     type(model.decoder.weight) is torch.nn.Parameter and model.decoder.weight is
-                                     model.embed.weight if variant.get("tied", True) else True)
+            out[(name, schedule)] = (
+                [p.detach().clone() for p in model.parameters()],
+                dict(opt._executor.issuer.rows_reductions),
+                [b.spec.twin_of is not None for b in opt._executor.buckets].count(True),
+                type(model.decoder.weight) is torch.nn.Parameter and model.decoder.weight is model.embed.weight
+                if variant.get("tied", True)
+                else True,
+            )
             opt.close()
     return out
 

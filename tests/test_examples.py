@@ -18,8 +18,11 @@ def test_distributed_example_adds_at_most_four_lines():
         plain = fh.read().splitlines()
     with open(os.path.join(EXAMPLES, "digits_dearopt.py")) as fh:
         distributed = fh.read().splitlines()
-    diff = [line for line in difflib.unified_diff(plain, distributed, lineterm="", n=0)
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    diff = [
+        line
+        for line in difflib.unified_diff(plain, distributed, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
     removed = [line for line in diff if line.startswith("-")]
     added = [line for line in diff if line.startswith("+")]
     assert not removed, removed
@@ -35,12 +38,25 @@ def _accuracy(output: str) -> float:
 
 @pytest.mark.timeout(240)
 def test_two_ranks_reach_single_process_accuracy():
-    single = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_single.py")], capture_output=True,
-                            text=True, timeout=200)
+    single = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "digits_single.py")], capture_output=True, text=True, timeout=200
+    )
     assert single.returncode == 0, single.stderr[-2000:]
-    dist = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), os.path.join(EXAMPLES, "digits_dearopt.py")],
-                          capture_output=True, text=True, timeout=200)
+    dist = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            os.path.join(EXAMPLES, "digits_dearopt.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert dist.returncode == 0, dist.stderr[-3000:]
     reference, ours = _accuracy(single.stdout), _accuracy(dist.stdout)
     print(f"single process {reference:.2f}%, 2 ranks with dearopt {ours:.2f}%")

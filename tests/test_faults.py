@@ -62,8 +62,9 @@ def _fault_to_error(outcome, fault_dir):
 @pytest.mark.parametrize("where, world", [("forward", 2), ("backward", 2), ("step", 2), ("backward", 3)])
 def test_peer_death_is_a_named_error_on_every_survivor(where, world, tmp_path):
     start = time.monotonic()
-    outcomes = run_workers(_train_and_fault, world, where, str(tmp_path), expect_errors=True, timeout=60,
-                           init_kwargs={"timeout": 30.0})
+    outcomes = run_workers(
+        _train_and_fault, world, where, str(tmp_path), expect_errors=True, timeout=60, init_kwargs={"timeout": 30.0}
+    )
     elapsed = time.monotonic() - start
     assert outcomes[1].exitcode == 17
     for o in outcomes:
@@ -95,8 +96,9 @@ def _slow_rank(fault_dir):
 
 @pytest.mark.timeout(90)
 def test_a_hung_peer_ends_in_a_timeout_that_names_rank_op_bucket_step(tmp_path):
-    outcomes = run_workers(_slow_rank, 2, str(tmp_path), expect_errors=True, timeout=60,
-                           init_kwargs={"timeout": TIMEOUT})
+    outcomes = run_workers(
+        _slow_rank, 2, str(tmp_path), expect_errors=True, timeout=60, init_kwargs={"timeout": TIMEOUT}
+    )
     o = outcomes[0]
     assert o.error_type == "CollectiveTimeoutError", o.message
     # step 0's all-gather of bucket 0 started in step() on both ranks; bucket 1's is the one
@@ -126,14 +128,17 @@ def _skip_one_step(schedule):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("schedule, world", [("dear", 2), ("wfbp", 2), ("dear", 3)])
 def test_skipped_step_is_caught_before_gradients_are_mixed(schedule, world):
-    outcomes = run_workers(_skip_one_step, world, schedule, expect_errors=True, timeout=60,
-                           init_kwargs={"timeout": 20.0})
+    outcomes = run_workers(
+        _skip_one_step, world, schedule, expect_errors=True, timeout=60, init_kwargs={"timeout": 20.0}
+    )
     for o in outcomes:
         assert o.error_type == "StepMismatchError", f"rank {o.rank}: {o.error_type}: {o.message}"
         assert f"rank {o.rank}" in o.message and "No update of this step was applied" in o.message
         assert o.seconds < 15
-        print(f"skipped step ({schedule}, {world} ranks): rank {o.rank} raised {o.error_type} "
-              f"{o.seconds:.3f} s into its run")
+        print(
+            f"skipped step ({schedule}, {world} ranks): rank {o.rank} raised {o.error_type} "
+            f"{o.seconds:.3f} s into its run"
+        )
 
 
 def _extra_helper_collective():
@@ -145,8 +150,7 @@ def _extra_helper_collective():
 
 @pytest.mark.timeout(60)
 def test_an_extra_collective_on_one_rank_is_a_named_error_on_every_rank():
-    outcomes = run_workers(_extra_helper_collective, 2, expect_errors=True, timeout=40,
-                           init_kwargs={"timeout": 10.0})
+    outcomes = run_workers(_extra_helper_collective, 2, expect_errors=True, timeout=40, init_kwargs={"timeout": 10.0})
     for o in outcomes:
         assert o.error_type == "StepMismatchError", f"rank {o.rank}: {o.error_type}: {o.message}"
         assert "extra or a different" in o.message and f"rank {o.rank}" in o.message
@@ -166,8 +170,9 @@ def _nonfinite(policy, bad_step=2, steps=4, scale=None, allreduce=0.0):
     model = make_model("mlp")
     # allreduce=0.0: every bucket keeps this rank's own gradient until the next forward (DeAR as in the paper),
     # which is what lets the error name the rank a non-finite gradient came from
-    opt = dearopt.DistOptim(_nonfinite_optimizer(model, scale), model, buffer_size=64, nonfinite=policy,
-                            allreduce=allreduce)
+    opt = dearopt.DistOptim(
+        _nonfinite_optimizer(model, scale), model, buffer_size=64, nonfinite=policy, allreduce=allreduce
+    )
     for step in range(steps):
         x, y = global_batch(step, "mlp")
         x = shard(x, rank, world).clone()
@@ -229,11 +234,17 @@ def _nonfinite_written_after_averaging():
     through .data, which no version counter sees), or made by unscale_ with a tiny scale."""
     rank, world = dearopt.rank(), dearopt.size()
     seen = {}
-    for case, knobs in [("written", dict(schedule="wfbp")), ("written .data", dict(allreduce=1.0)),
-                        ("unscaled", dict(allreduce=1.0)), ("clean", dict(allreduce=1.0)), ("clean rs", {})]:
+    for case, knobs in [
+        ("written", dict(schedule="wfbp")),
+        ("written .data", dict(allreduce=1.0)),
+        ("unscaled", dict(allreduce=1.0)),
+        ("clean", dict(allreduce=1.0)),
+        ("clean rs", {}),
+    ]:
         model = make_model("mlp")
-        opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64,
-                                nonfinite="raise", **knobs)
+        opt = dearopt.DistOptim(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, buffer_size=64, nonfinite="raise", **knobs
+        )
         x, y = global_batch(0, "mlp")
         loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
         if case == "written":
@@ -313,8 +324,11 @@ def test_collectives_before_init_are_a_named_error():
 def _resume(optimizer_name, checkpoint, phase, total=6, split=3):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer_name == "sgd"
-             else torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1))
+    inner = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if optimizer_name == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    )
     start, stop = {"whole": (0, total), "first": (0, split), "second": (split, total)}[phase]
     if phase == "second":
         state = torch.load(checkpoint, weights_only=False)
@@ -370,8 +384,16 @@ def test_survivors_exit_by_themselves_under_launchers(launcher, tmp_path):
     script = tmp_path / "dying.py"
     script.write_text(DYING_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(script)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ]
     else:
         mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
         if not os.path.exists(mpirun):
@@ -414,11 +436,15 @@ def _differing_models(odd):
                 model.fc2.double()
         if case == "groups":
             if rank == odd:
-                params = [{"params": list(model.fc1.parameters())},
-                          {"params": list(model.fc2.parameters()) + list(model.fc3.parameters()), "lr": 0.01}]
+                params = [
+                    {"params": list(model.fc1.parameters())},
+                    {"params": list(model.fc2.parameters()) + list(model.fc3.parameters()), "lr": 0.01},
+                ]
             else:
-                params = [{"params": list(model.fc1.parameters()) + list(model.fc2.parameters())},
-                          {"params": list(model.fc3.parameters()), "lr": 0.01}]
+                params = [
+                    {"params": list(model.fc1.parameters()) + list(model.fc2.parameters())},
+                    {"params": list(model.fc3.parameters()), "lr": 0.01},
+                ]
         if case == "optimizer" and rank == odd:
             return dearopt.DistOptim(torch.optim.Adam(params, lr=0.1), model)
         return dearopt.DistOptim(torch.optim.SGD(params, lr=0.1), model)
@@ -442,17 +468,29 @@ def test_models_that_differ_across_ranks_are_a_plan_mismatch_at_construction(wor
     outcomes = run_workers(_differing_models, world, odd, timeout=60, init_kwargs={"timeout": 20.0})
     where = f"ranks [{odd}] differ from rank 0"
     for o in outcomes:
-        Attempts.expect(o.value, {
-            "count": ("PlanMismatchError", f"{where}: rank {odd}'s model has 8 parameters and buffers, rank 0's "
-                                           f"has 6; 'extra.weight', 'extra.bias' only on rank {odd}"),
-            "shape": ("PlanMismatchError", f"'fc3.weight' is (4, 8) float32 trained on rank {odd} and (3, 8) "
-                                           f"float32 trained on rank 0"),
-            "dtype": ("PlanMismatchError", f"'fc2.weight' is (8, 8) float64 trained on rank {odd} and (8, 8) "
-                                           f"float32 trained on rank 0"),
-            "groups": ("PlanMismatchError", f"the optimizer's param groups hold [2, 4] parameters on rank {odd} "
-                                            f"and [4, 2] on rank 0"),
-            "optimizer": ("PlanMismatchError", f"the optimizer is Adam on rank {odd} and SGD on rank 0"),
-        })
+        Attempts.expect(
+            o.value,
+            {
+                "count": (
+                    "PlanMismatchError",
+                    f"{where}: rank {odd}'s model has 8 parameters and buffers, rank 0's "
+                    f"has 6; 'extra.weight', 'extra.bias' only on rank {odd}",
+                ),
+                "shape": (
+                    "PlanMismatchError",
+                    f"'fc3.weight' is (4, 8) float32 trained on rank {odd} and (3, 8) float32 trained on rank 0",
+                ),
+                "dtype": (
+                    "PlanMismatchError",
+                    f"'fc2.weight' is (8, 8) float64 trained on rank {odd} and (8, 8) float32 trained on rank 0",
+                ),
+                "groups": (
+                    "PlanMismatchError",
+                    f"the optimizer's param groups hold [2, 4] parameters on rank {odd} and [4, 2] on rank 0",
+                ),
+                "optimizer": ("PlanMismatchError", f"the optimizer is Adam on rank {odd} and SGD on rank 0"),
+            },
+        )
         for case, (_, message) in o.value.items():
             assert f"[rank {o.rank}, op check_model]" in message, (case, message)
             assert where in message, (case, message)
@@ -505,8 +543,16 @@ def _internal_failure(where, fault_dir, keeps_running):
 @pytest.mark.parametrize("where", ["hook", "step"])
 @pytest.mark.parametrize("keeps_running", [False, True])
 def test_an_internal_error_is_named_on_its_rank_and_on_every_peer_promptly(where, keeps_running, tmp_path):
-    outcomes = run_workers(_internal_failure, 2, where, str(tmp_path), keeps_running, expect_errors=True, timeout=60,
-                           init_kwargs={"timeout": 30.0})
+    outcomes = run_workers(
+        _internal_failure,
+        2,
+        where,
+        str(tmp_path),
+        keeps_running,
+        expect_errors=True,
+        timeout=60,
+        init_kwargs={"timeout": 30.0},
+    )
     failed = outcomes[1]
     inside = {"hook": "Executor._module_pre_hook", "step": "DistOptim.step()"}[where]
     if keeps_running:
@@ -515,16 +561,20 @@ def test_an_internal_error_is_named_on_its_rank_and_on_every_peer_promptly(where
     else:
         kind, message = failed.error_type, failed.message
     assert kind == "InternalError", (kind, message)
-    assert (f"an unexpected IndexError was raised inside dearopt ({inside}): list index out of range (injected) "
-            f"[rank 1, step 2]") == message
+    assert (
+        f"an unexpected IndexError was raised inside dearopt ({inside}): list index out of range (injected) "
+        f"[rank 1, step 2]"
+    ) == message
     peer = outcomes[0]
     assert peer.error_type == "PeerFailedError", f"{peer.error_type}: {peer.message}"
     assert peer.message.startswith("rank 1 failed, so ") and f"InternalError: {message}" in peer.message
     # where rank 0 waited: the op it was in (an all-gather of step 1's update, or step 2's reduction)
     assert peer.message.rsplit("[", 1)[1].startswith("rank 0, op ") and " step " in peer.message.rsplit("[", 1)[1]
     delay = _fault_to_error(peer, str(tmp_path))
-    print(f"internal error in {where} (rank 1 {'keeps running' if keeps_running else 'exits'}): rank 0 raised "
-          f"PeerFailedError {delay:.3f} s after it")
+    print(
+        f"internal error in {where} (rank 1 {'keeps running' if keeps_running else 'exits'}): rank 0 raised "
+        f"PeerFailedError {delay:.3f} s after it"
+    )
     assert delay < 3.0, "rank 0 must not wait for the 30 s timeout"
 
 
@@ -543,8 +593,9 @@ def test_an_internal_error_on_one_rank_keeps_its_cause(monkeypatch):
         x, y = global_batch(0, "mlp")
         with pytest.raises(dearopt.InternalError) as info:
             loss_fn("mlp", model(x), y).backward()
-        assert str(info.value) == ("an unexpected RuntimeError was raised inside dearopt (Executor._on_grad_ready): "
-                                   "a bug [rank 0, step 0]")
+        assert str(info.value) == (
+            "an unexpected RuntimeError was raised inside dearopt (Executor._on_grad_ready): a bug [rank 0, step 0]"
+        )
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.rank == 0 and info.value.step == 0
         monkeypatch.undo()
         monkeypatch.setattr(Executor, "zero_grad", buggy)

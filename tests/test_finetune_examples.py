@@ -22,14 +22,25 @@ def _launch(script: str, *args: str, ranks: int = 1) -> dict:
     if ranks == 1:
         command = [sys.executable, path, *args]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_port", str(free_port()), path, *args]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(free_port()),
+            path,
+            *args,
+        ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=launcher_free_env())
     assert done.returncode == 0, f"{' '.join(command[1:])}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     line = re.findall(r"^final checksum: .*$", done.stdout, re.MULTILINE)
     assert line, done.stdout[-2000:]
-    values = dict((name, float(value)) for name, value in
-                  re.findall(r"(checksum|sum of squares|EMA checksum): (-?[0-9.]+)", line[-1]))
+    values = dict(
+        (name, float(value))
+        for name, value in re.findall(r"(checksum|sum of squares|EMA checksum): (-?[0-9.]+)", line[-1])
+    )
     print(f"{ranks} rank(s) {script} {' '.join(args)}: {values}")
     return values
 

@@ -25,9 +25,18 @@ VOCAB = 61
 
 def _model():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=SEQ,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 

@@ -34,15 +34,17 @@ def test_names_before_init_and_out_of_scope_features():
     assert c.dtype == torch.float16
     back = hvd.Compression.fp16.decompress(c, ctx)
     assert back.dtype == torch.float64
-    assert torch.all((back - t).abs() <= t.abs() * 2 ** -11 + 1e-7)
+    assert torch.all((back - t).abs() <= t.abs() * 2**-11 + 1e-7)
     ints = torch.arange(5)
     assert hvd.Compression.fp16.compress(ints)[0] is ints
     assert hvd.Compression.none.compress(t)[0] is t
     assert hvd.mpi_built() is False and hvd.mpi_enabled() is False and hvd.gloo_built() is True
     assert hvd.nccl_built() == (0 if not torch.distributed.is_nccl_available() else hvd.nccl_built())
-    for call, match in [(lambda: hvd.start_timeline("t.json"), "DEAROPT_TIMELINE"),
-                        (lambda: hvd.stop_timeline(), "DEAROPT_TIMELINE"),
-                        (lambda: hvd.init(comm=[0]), "comm")]:
+    for call, match in [
+        (lambda: hvd.start_timeline("t.json"), "DEAROPT_TIMELINE"),
+        (lambda: hvd.stop_timeline(), "DEAROPT_TIMELINE"),
+        (lambda: hvd.init(comm=[0]), "comm"),
+    ]:
         with pytest.raises(NotImplementedError, match=match):
             call()
     with pytest.raises(ValueError, match="hvd.init"):
@@ -100,11 +102,15 @@ def _reinit_then_allreduce():
     hvd.init()
     r = hvd.rank()
     x = torch.tensor([1.0, 10.0]) * (r + 1)  # rank 0: [1, 10], rank 1: [2, 20]
-    out = {"first": first, "left": left,
-           "again": (r, hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()),
-           "sum": hvd.allreduce(x, op=hvd.Sum).tolist(), "avg": hvd.allreduce(x).tolist(),
-           "gather": hvd.allgather(torch.tensor([r, r + 5])).tolist(),
-           "bcast": hvd.broadcast(x, root_rank=1).tolist()}
+    out = {
+        "first": first,
+        "left": left,
+        "again": (r, hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()),
+        "sum": hvd.allreduce(x, op=hvd.Sum).tolist(),
+        "avg": hvd.allreduce(x).tolist(),
+        "gather": hvd.allgather(torch.tensor([r, r + 5])).tolist(),
+        "bcast": hvd.broadcast(x, root_rank=1).tolist(),
+    }
     hvd.shutdown()
     hvd.init()  # a third generation: what the suite's tearDown (barrier, shutdown) and the next test do
     hvd.barrier()
@@ -115,8 +121,16 @@ def _reinit_then_allreduce():
 
 def _expected_reinit(r, cross=(0, 1)):
     me = (r, 2, r, 2) + cross
-    return {"first": me, "left": False, "again": me, "sum": [3.0, 30.0], "avg": [1.5, 15.0],
-            "gather": [0, 5, 1, 6], "bcast": [2.0, 20.0], "third": [1.0]}
+    return {
+        "first": me,
+        "left": False,
+        "again": me,
+        "sum": [3.0, 30.0],
+        "avg": [1.5, 15.0],
+        "gather": [0, 5, 1, 6],
+        "bcast": [2.0, 20.0],
+        "third": [1.0],
+    }
 
 
 @pytest.mark.timeout(60)
@@ -143,8 +157,15 @@ def test_shutdown_then_init_under_horovodrun_gloo_environment():
         for r in range(2):
             env = launcher_free_env()
             env.update(horovodrun_env(r, 2, server))
-            procs.append(subprocess.Popen([sys.executable, "-c", REINIT_SCRIPT], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", REINIT_SCRIPT],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
         try:
             outs = [p.communicate(timeout=50) for p in procs]
         finally:
@@ -198,8 +219,13 @@ def test_a_name_stays_taken_until_this_rank_has_seen_its_op_finish():
 # ------------------------------------------------------------- collectives
 def _collectives():
     r, n = hvd.rank(), hvd.size()
-    out = {"rank": r, "size": n, "local": (hvd.local_rank(), hvd.local_size()),
-           "cross": (hvd.cross_rank(), hvd.cross_size()), "gloo": hvd.gloo_enabled()}
+    out = {
+        "rank": r,
+        "size": n,
+        "local": (hvd.local_rank(), hvd.local_size()),
+        "cross": (hvd.cross_rank(), hvd.cross_size()),
+        "gloo": hvd.gloo_enabled(),
+    }
     x = torch.tensor([1.0, 2.0, 3.0]) * (r + 1)
     out["avg"] = hvd.allreduce(x)
     out["sum"] = hvd.allreduce(x, op=hvd.Sum)
@@ -300,7 +326,7 @@ def test_collectives_match_hand_computation(world):
         # fp16: each input rounds by <= 2^-11 relative, the sum and the average by one more rounding each
         exact = sum(torch.linspace(-1, 1, 1001) * (q + 1) + 0.1234567 for q in range(n)) / n
         assert o["fp16_dtype"] == "torch.float32"
-        assert float((o["fp16"] - exact).abs().max()) <= 3 * 2 ** -11 * float(exact.abs().max()) + 1e-6
+        assert float((o["fp16"] - exact).abs().max()) <= 3 * 2**-11 * float(exact.abs().max()) + 1e-6
         assert float((o["fp16"] - exact).abs().max()) > 0  # it did travel as float16
         close(o["grouped"][0], total)
         close(o["grouped"][1], torch.arange(4, dtype=torch.float64) * sum(range(1, n + 1)))
@@ -323,10 +349,10 @@ def test_collectives_match_hand_computation(world):
         data, received = o["alltoall"]
         assert received.tolist() == [r + 1] * n
         close(data, torch.cat([torch.full((r + 1,), 100.0 * q + r) for q in range(n)]))
-        close(o["alltoall_even"], torch.cat([torch.arange(2.0 * n)[2 * r:2 * r + 2] + 10 * q for q in range(n)]))
+        close(o["alltoall_even"], torch.cat([torch.arange(2.0 * n)[2 * r : 2 * r + 2] + 10 * q for q in range(n)]))
         rows = [3, 2] if n == 2 else [3, 2, 2]  # 2n+1 rows: the first rank gets the extra one
         full = torch.arange((2 * n + 1) * 2, dtype=torch.float32).view(2 * n + 1, 2) * sum(range(1, n + 1))
-        mine = full[sum(rows[:r]):sum(rows[:r + 1])]
+        mine = full[sum(rows[:r]) : sum(rows[: r + 1])]
         close(o["reducescatter"], mine / n)
         close(o["reducescatter_sum"], mine)
         assert o["bobj"] == {"rank": n - 1, "list": [n - 1] * 3}
@@ -393,9 +419,11 @@ def _handles_and_autograd():
             out["joined_allgather"] = str(exc)
         out["join"] = hvd.join()
     # mismatched calls raise on every rank (instead of hanging)
-    for what, call in [("shape", lambda: hvd.broadcast(torch.zeros(r + 2), 0)),
-                       ("root", lambda: hvd.broadcast(torch.zeros(2), r)),
-                       ("kind", lambda: hvd.allreduce(torch.zeros(2)) if r else hvd.allgather(torch.zeros(2)))]:
+    for what, call in [
+        ("shape", lambda: hvd.broadcast(torch.zeros(r + 2), 0)),
+        ("root", lambda: hvd.broadcast(torch.zeros(2), r)),
+        ("kind", lambda: hvd.allreduce(torch.zeros(2)) if r else hvd.allgather(torch.zeros(2))),
+    ]:
         try:
             call()
         except hvd.HorovodMismatchError as exc:
@@ -423,7 +451,7 @@ def test_handles_and_autograd():
         close(o["grad_allreduce_sum"], 2.0 * torch.tensor([1.0, 2.0]) * s)
         rows = torch.arange(1.0, 1.0 + s).unsqueeze(1).expand(-1, 2)
         offset = sum(range(1, r + 1))
-        close(o["grad_allgather"], (rows * s / n)[offset:offset + r + 1])  # Horovod 0.28: averaged
+        close(o["grad_allgather"], (rows * s / n)[offset : offset + r + 1])  # Horovod 0.28: averaged
         # Horovod's broadcast backward: the average of the upstream gradients, on the root only
         close(o["grad_broadcast"], torch.full((3,), s / n) if r == 1 else torch.zeros(3))
         close(o["grad_grouped"][0], torch.full((2,), float(s)))
@@ -474,8 +502,18 @@ def _set_frozen(model, step, freeze_at, unfreeze_at):
         model.fc2.weight.requires_grad_(True)
 
 
-def _train(opt_name="adam", bpps=1, clip=None, op=hvd.Average, predivide=1.0, compression="none", schedule="wfbp",
-           freeze_at=None, unfreeze_at=None, step_after_sync=False):
+def _train(
+    opt_name="adam",
+    bpps=1,
+    clip=None,
+    op=hvd.Average,
+    predivide=1.0,
+    compression="none",
+    schedule="wfbp",
+    freeze_at=None,
+    unfreeze_at=None,
+    step_after_sync=False,
+):
     r, n = hvd.rank(), hvd.size()
     torch.manual_seed(1 + r)
     model = make_model("mlp", seed=r)  # different on every rank until broadcast
@@ -484,9 +522,16 @@ def _train(opt_name="adam", bpps=1, clip=None, op=hvd.Average, predivide=1.0, co
     hvd.broadcast_optimizer_state(opt, root_rank=0)  # empty state: must work on every rank
     _set_frozen(model, -1, freeze_at, unfreeze_at)
     kwargs = {"model": model} if schedule == "dear" else {}
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=getattr(hvd.Compression, compression), backward_passes_per_step=bpps,
-                                   op=op, gradient_predivide_factor=predivide, schedule=schedule, **kwargs)
+    opt = hvd.DistributedOptimizer(
+        opt,
+        named_parameters=model.named_parameters(),
+        compression=getattr(hvd.Compression, compression),
+        backward_passes_per_step=bpps,
+        op=op,
+        gradient_predivide_factor=predivide,
+        schedule=schedule,
+        **kwargs,
+    )
     warned = []
     for step in range(STEPS):
         _set_frozen(model, step, freeze_at, unfreeze_at)
@@ -525,17 +570,28 @@ CASES = {
     "op=Sum": ({"op": hvd.Sum, "opt_name": "sgd"}, {"scale": 2.0, "opt_name": "sgd"}, 1e-5),
     "gradient_predivide_factor=2": ({"predivide": 2.0}, {}, 1e-5),
     "fp16 compression": ({"compression": "fp16", "opt_name": "sgd"}, {"opt_name": "sgd"}, 2e-3),
-    "fp16 + Sum": ({"compression": "fp16", "op": hvd.Sum, "opt_name": "sgd"},
-                   {"scale": 2.0, "opt_name": "sgd"}, 2e-3),
-    "fp16 + predivide + bpps=2 + clip": ({"compression": "fp16", "predivide": 2.0, "bpps": 2, "clip": 0.05},
-                                         {"bpps": 2, "clip": 0.05}, 2e-3),
+    "fp16 + Sum": ({"compression": "fp16", "op": hvd.Sum, "opt_name": "sgd"}, {"scale": 2.0, "opt_name": "sgd"}, 2e-3),
+    "fp16 + predivide + bpps=2 + clip": (
+        {"compression": "fp16", "predivide": 2.0, "bpps": 2, "clip": 0.05},
+        {"bpps": 2, "clip": 0.05},
+        2e-3,
+    ),
     "schedule=dear with model=": ({"schedule": "dear"}, {}, 1e-5),
-    "frozen at construction, unfrozen at step 2 (engine)": ({"freeze_at": -1, "unfreeze_at": 2},
-                                                             {"freeze_at": -1, "unfreeze_at": 2}, 1e-5),
-    "requires_grad toggled (hooks)": ({"freeze_at": 1, "unfreeze_at": 3, "compression": "fp16"},
-                                      {"freeze_at": 1, "unfreeze_at": 3}, 2e-3),
-    "frozen at construction, unfrozen at step 2 (hooks)": ({"freeze_at": -1, "unfreeze_at": 2, "compression": "fp16"},
-                                                            {"freeze_at": -1, "unfreeze_at": 2}, 2e-3),
+    "frozen at construction, unfrozen at step 2 (engine)": (
+        {"freeze_at": -1, "unfreeze_at": 2},
+        {"freeze_at": -1, "unfreeze_at": 2},
+        1e-5,
+    ),
+    "requires_grad toggled (hooks)": (
+        {"freeze_at": 1, "unfreeze_at": 3, "compression": "fp16"},
+        {"freeze_at": 1, "unfreeze_at": 3},
+        2e-3,
+    ),
+    "frozen at construction, unfrozen at step 2 (hooks)": (
+        {"freeze_at": -1, "unfreeze_at": 2, "compression": "fp16"},
+        {"freeze_at": -1, "unfreeze_at": 2},
+        2e-3,
+    ),
 }
 FROZEN_LATER_CASES = {
     # A planned parameter that gets no gradient on any rank for a while (frozen after construction, then
@@ -593,9 +649,11 @@ def _zero_grad_between_backward_and_step():
     model = make_model("mlp")
     errors = []
     for compression in ("none", "fp16"):
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       compression=getattr(hvd.Compression, compression))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=getattr(hvd.Compression, compression),
+        )
         model(torch.ones(2, 6) * r).sum().backward()
         try:
             opt.zero_grad()
@@ -621,8 +679,9 @@ def _accuracy(output):
 
 
 def _run_single():
-    out = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=100,
-                         env=launcher_free_env())
+    out = subprocess.run(
+        [sys.executable, EXAMPLE], capture_output=True, text=True, timeout=100, env=launcher_free_env()
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return _accuracy(out.stdout)
 
@@ -634,10 +693,21 @@ def test_example_under_horovodrun_environment_matches_one_process():
     procs = []
     for r in range(2):
         env = launcher_free_env()
-        env.update({"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
-                    "HOROVOD_LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, EXAMPLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))
+        env.update(
+            {
+                "HOROVOD_RANK": str(r),
+                "HOROVOD_SIZE": "2",
+                "HOROVOD_LOCAL_RANK": str(r),
+                "HOROVOD_LOCAL_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, EXAMPLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+        )
     outputs = []
     try:
         for p in procs:
@@ -662,16 +732,34 @@ _MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.paths
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(_MPIRUN is None, reason="no mpirun")
 def test_example_under_mpirun_with_fp16_and_clipping():
-    out = subprocess.run([_MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, EXAMPLE,
-                          "--fp16-allreduce", "--clip", "1.0"], capture_output=True, text=True, timeout=120,
-                         env=launcher_free_env())
+    out = subprocess.run(
+        [
+            _MPIRUN,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "2",
+            sys.executable,
+            EXAMPLE,
+            "--fp16-allreduce",
+            "--clip",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=launcher_free_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     distributed = _accuracy(out.stdout)
-    single = subprocess.run([sys.executable, EXAMPLE, "--clip", "1.0"], capture_output=True, text=True, timeout=100,
-                            env=launcher_free_env())
+    single = subprocess.run(
+        [sys.executable, EXAMPLE, "--clip", "1.0"], capture_output=True, text=True, timeout=100, env=launcher_free_env()
+    )
     assert single.returncode == 0, single.stderr[-3000:]
-    print(f"horovod_digits.py --clip 1.0: one process {_accuracy(single.stdout):.2f}%, "
-          f"mpirun -np 2 --fp16-allreduce {distributed:.2f}%")
+    print(
+        f"horovod_digits.py --clip 1.0: one process {_accuracy(single.stdout):.2f}%, "
+        f"mpirun -np 2 --fp16-allreduce {distributed:.2f}%"
+    )
     assert abs(distributed - _accuracy(single.stdout)) <= 1.5
 
 
@@ -681,8 +769,12 @@ def _process_sets():
     r = hvd.rank()
     outer = hvd.add_process_set([0, 2])
     lone = hvd.add_process_set(hvd.ProcessSet([1]))
-    out = {"ids": (outer.process_set_id, lone.process_set_id), "included": outer.included(), "size": outer.size(),
-           "set_rank": outer.rank()}
+    out = {
+        "ids": (outer.process_set_id, lone.process_set_id),
+        "included": outer.included(),
+        "size": outer.size(),
+        "set_rank": outer.rank(),
+    }
     try:
         hvd.add_process_set([2, 0])
     except ValueError as exc:
@@ -700,8 +792,11 @@ def _process_sets():
             out["outside"] = str(exc)
     # the optimizer averages over the set on its members; the rank outside applies its own gradients
     model = make_model("mlp")
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(), process_set=outer)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        process_set=outer,
+    )
     for step in range(3):
         x, y = global_batch(step, "mlp")
         opt.zero_grad()
@@ -760,8 +855,7 @@ def _add_group_run(rank=None, world=None):
     """The MLP's first layer joins the optimizer at step 2 (add_param_group on hvd.DistributedOptimizer)."""
     model = make_model("mlp")
     later = list(model.fc1.parameters())
-    inner = torch.optim.SGD([p for p in model.parameters() if all(p is not q for q in later)], lr=0.1,
-                            momentum=0.9)
+    inner = torch.optim.SGD([p for p in model.parameters() if all(p is not q for q in later)], lr=0.1, momentum=0.9)
     opt = inner if rank is None else hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     for step in range(5):
         if step == 2:

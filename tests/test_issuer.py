@@ -62,8 +62,10 @@ def make(schedule, numels, buffer_size, credit=None, partition_size=None):
     params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
     specs = [ParamSpec(f"p{i}", n, "float32", 4) for i, n in enumerate(numels)]
     plan = build_plan(specs, buffer_size, 2, schedule, credit=credit, partition_size=partition_size)
-    buckets = [BucketState(b, [params[i] for i in b.params], [specs[i].name for i in b.params],
-                           [0] * len(b.params), 1, 2, 0) for b in plan.buckets]
+    buckets = [
+        BucketState(b, [params[i] for i in b.params], [specs[i].name for i in b.params], [0] * len(b.params), 1, 2, 0)
+        for b in plan.buckets
+    ]
     backend = FakeBackend()
     issuer = Issuer(plan, buckets, backend, CreditWindow(credit), None, Timeline(None, 0), prepare=lambda b: None)
     issuer.start_round(0)

@@ -16,32 +16,57 @@ from harness import free_port, launcher_free_env, run_workers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, ("none", 0, 1, 0, 1)),
-    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-      "MASTER_ADDR": "h", "MASTER_PORT": "5"},
-     ("torchrun", 3, 4, 1, 2)),
-    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, ("openmpi", 2, 3, 0, 1)),
-    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, ("mpich", 1, 2, 1, 2)),
-    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"},
-     ("slurm", 5, 8, 1, 4)),
-    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"},
-     ("horovod", 1, 2, 1, 2)),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, ("none", 0, 1, 0, 1)),
+        (
+            {
+                "RANK": "3",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "5",
+            },
+            ("torchrun", 3, 4, 1, 2),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "2",
+                "OMPI_COMM_WORLD_SIZE": "3",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+            },
+            ("openmpi", 2, 3, 0, 1),
+        ),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, ("mpich", 1, 2, 1, 2)),
+        (
+            {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"},
+            ("slurm", 5, 8, 1, 4),
+        ),
+        (
+            {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"},
+            ("horovod", 1, 2, 1, 2),
+        ),
+    ],
+)
 def test_detect_launch(env, expected):
     info = detect_launch(env)
     assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size) == expected
 
 
-@pytest.mark.parametrize("env, missing", [
-    ({"WORLD_SIZE": "2"}, "RANK"),
-    ({"RANK": "0"}, "WORLD_SIZE"),
-    ({"LOCAL_RANK": "0"}, "RANK nor WORLD_SIZE"),
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK"),
-    ({"RANK": "4", "WORLD_SIZE": "2"}, "outside 0..1"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
-])
+@pytest.mark.parametrize(
+    "env, missing",
+    [
+        ({"WORLD_SIZE": "2"}, "RANK"),
+        ({"RANK": "0"}, "WORLD_SIZE"),
+        ({"LOCAL_RANK": "0"}, "RANK nor WORLD_SIZE"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK"),
+        ({"RANK": "4", "WORLD_SIZE": "2"}, "outside 0..1"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
+    ],
+)
 def test_inconsistent_environment_names_what_is_missing(env, missing):
     with pytest.raises(LaunchEnvironmentError, match=missing):
         detect_launch(env)
@@ -85,9 +110,17 @@ def test_init_is_idempotent_and_world_of_one():
 
 
 def test_horovodrun_variables_name_the_rendezvous_server():
-    env = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
-           "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.5",
-           "HOROVOD_GLOO_RENDEZVOUS_PORT": "4321", "HOROVOD_CONTROLLER": "gloo"}
+    env = {
+        "HOROVOD_RANK": "3",
+        "HOROVOD_SIZE": "4",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "2",
+        "HOROVOD_CROSS_RANK": "1",
+        "HOROVOD_CROSS_SIZE": "2",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.5",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": "4321",
+        "HOROVOD_CONTROLLER": "gloo",
+    }
     info = detect_launch(env)
     assert (info.launcher, info.rendezvous_server) == ("horovod", ("10.0.0.5", 4321))
     assert (info.cross_rank, info.cross_size) == (1, 2)
@@ -152,8 +185,9 @@ print("WORKERS_LEFT", gloo_workers())
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to count threads")
 def test_shutdown_frees_the_default_group_even_after_torch_binds_it_as_a_default_argument():
     # A fresh interpreter, so that torch._dynamo is first imported after init().
-    out = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=100,
-                         env=launcher_free_env())
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=100, env=launcher_free_env()
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "WORKERS_LEFT 0" in out.stdout, out.stdout
 
@@ -179,8 +213,11 @@ def _run_each(envs, timeout=100):
     for extra in envs:
         env = launcher_free_env()
         env.update(extra)
-        procs.append(subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+        )
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -192,13 +229,19 @@ def _run_each(envs, timeout=100):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                                 + os.environ.get("PATH", "")) is None,
-                    reason="no mpirun")
+@pytest.mark.skipif(
+    shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")) is None,
+    reason="no mpirun",
+)
 def test_mpirun_launch_init_reinit_and_one_collective():
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    out = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", PROBE],
-                         capture_output=True, text=True, timeout=100, env=launcher_free_env())
+    out = subprocess.run(
+        [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=launcher_free_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert _results(out.stdout) == [("0", "2", "0", "3.0"), ("1", "2", "1", "3.0")]
 
@@ -208,9 +251,22 @@ def test_torchrun_launch_init_reinit_and_one_collective(tmp_path):
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE.replace("; ", "\n"))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
-                          "--master_port", str(free_port()), str(script)],
-                         capture_output=True, text=True, timeout=100, env=launcher_free_env())
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "3",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=launcher_free_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert _results(out.stdout) == [(str(r), "3", str(r), "6.0") for r in range(3)]
 
@@ -219,8 +275,18 @@ def test_torchrun_launch_init_reinit_and_one_collective(tmp_path):
 def test_slurm_style_environment_with_explicit_rendezvous():
 
     port = free_port()
-    stdout = _run_each([{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(2)])
+    stdout = _run_each(
+        [
+            {
+                "SLURM_PROCID": str(r),
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            for r in range(2)
+        ]
+    )
     assert _results(stdout) == [("0", "2", "0", "3.0"), ("1", "2", "1", "3.0")]
 
 

@@ -46,8 +46,9 @@ def _data():
 
 def _net():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+    )
 
 
 def _optimizer(kind, params):
@@ -68,8 +69,9 @@ def _reference(kind, clip, algorithm, precision, steps):
         for m in range(ACCUMULATE):
             k = (step * ACCUMULATE + m) % (N // micro)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                loss = torch.nn.functional.cross_entropy(net(x[k * micro:(k + 1) * micro]),
-                                                         y[k * micro:(k + 1) * micro])
+                loss = torch.nn.functional.cross_entropy(
+                    net(x[k * micro : (k + 1) * micro]), y[k * micro : (k + 1) * micro]
+                )
             (loss / ACCUMULATE).backward()
         if algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
@@ -116,18 +118,35 @@ def _fit(scenario, *, max_steps=-1, max_epochs=None, ckpt_dir=None, ckpt_path=No
     strategy_kwargs, kind, clip, algorithm, precision = scenario
     dataset = TensorDataset(*_data())
     rank = int(os.environ["RANK"])
-    loader = DataLoader(dataset, batch_size=PER_RANK,
-                        sampler=DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False))
+    loader = DataLoader(
+        dataset, batch_size=PER_RANK, sampler=DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
+    )
     callbacks = []
     if ckpt_dir is not None:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="first", save_top_k=-1,
-                                                      every_n_epochs=1, save_on_train_epoch_end=True))
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=ckpt_dir, filename="first", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True
+            )
+        )
     strategy = dearopt.lightning.DearStrategy(**strategy_kwargs)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=1, precision=precision,
-                         max_steps=max_steps, max_epochs=max_epochs, gradient_clip_val=clip,
-                         gradient_clip_algorithm=algorithm, accumulate_grad_batches=ACCUMULATE,
-                         enable_progress_bar=False, logger=False, enable_checkpointing=ckpt_dir is not None,
-                         enable_model_summary=False, callbacks=callbacks, use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        num_nodes=1,
+        precision=precision,
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=algorithm,
+        accumulate_grad_batches=ACCUMULATE,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        use_distributed_sampler=False,
+    )
     module = _module_class()(kind)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     assert trainer.global_step == (max_steps if max_steps > 0 else max_epochs * STEPS_PER_EPOCH)
@@ -279,10 +298,15 @@ def test_lightning_launcher(tmp_path):
     The script also checks that ``import dearopt`` alone does not import Lightning."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_SCRIPT))
-    env = dict(launcher_free_env(), PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=180)
+    env = dict(
+        launcher_free_env(),
+        PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     # the two ranks share the pipe: a rank's line may land in the middle of the other's output
     lines = sorted(list(m) for m in re.findall(r"RESULT (\d+) (\d+) (\d+) (\S+)", run.stdout))

@@ -27,9 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available()
 WITH_NCCL = os.environ.get("DEAROPT_WITH_NCCL", "").strip().lower()
 
+
 def _load_build_config():
-    spec = importlib.util.spec_from_file_location("dearopt_csrc_build_ext_test",
-                                                  os.path.join(ROOT, "csrc", "build_ext.py"))
+    spec = importlib.util.spec_from_file_location(
+        "dearopt_csrc_build_ext_test", os.path.join(ROOT, "csrc", "build_ext.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,8 +51,10 @@ def _extension():
         nccl, why_nccl = build.find_nccl()
         if cuda is None or nccl is None:
             pytest.skip(f"dearopt._nccl is not built and could not be: {why_cuda or why_nccl}")
-        pytest.fail(f"nvcc and NCCL are present, so dearopt._nccl should have been built, but it does not import: "
-                    f"{exc} (reinstall: pip install --no-build-isolation -e .)")
+        pytest.fail(
+            f"nvcc and NCCL are present, so dearopt._nccl should have been built, but it does not import: "
+            f"{exc} (reinstall: pip install --no-build-isolation -e .)"
+        )
     return _nccl
 
 
@@ -58,8 +62,14 @@ def _run_python(code: str, timeout: float = 90, env_update=None) -> subprocess.C
     env = launcher_free_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_update or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _describe(proc: subprocess.CompletedProcess) -> str:
@@ -120,7 +130,7 @@ def test_gpu_calls_raise_cleanly_in_a_subprocess():
     assert proc.returncode == 0, _describe(proc)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert line, _describe(proc)
-    out = json.loads(line[-1][len("RESULT "):])
+    out = json.loads(line[-1][len("RESULT ") :])
     assert out["uid_len"] == 128
     assert out["bad_id"] == "the NCCL unique id must be 128 bytes, got 5"
     assert out["bad_rank"] == "rank 3 is not a rank of a world of size 2"
@@ -223,7 +233,7 @@ def test_world_size_1_every_op(backend, dtype, numel, blocking):
     h = backend.reduce_scatter(shard, full, bucket=0, step=0)
     assert h.op == "reduce_scatter"
     h.wait(timeout=30, blocking=blocking)
-    torch.testing.assert_close(shard, expect_full[:padded // w], rtol=0, atol=0)
+    torch.testing.assert_close(shard, expect_full[: padded // w], rtol=0, atol=0)
 
     gathered = torch.full((padded,), 99, dtype=dtype, device=dev)
     backend.all_gather(gathered, shard, bucket=0, step=0).wait(timeout=30, blocking=blocking)
@@ -330,8 +340,10 @@ def test_communication_overlaps_compute(backend):
     handle.wait()  # the compute stream waits for the gather, the host does not
     z = dst[:10] + 1
     torch.cuda.synchronize(dev)
-    t = {name: origin.elapsed_time(e) for name, e in
-         (("mm_start", mm_start), ("mm_end", mm_end), ("comm_start", comm_start), ("comm_end", comm_end))}
+    t = {
+        name: origin.elapsed_time(e)
+        for name, e in (("mm_start", mm_start), ("mm_end", mm_end), ("comm_start", comm_start), ("comm_end", comm_end))
+    }
     assert t["mm_end"] - t["mm_start"] > 5.0, t  # the compute was long enough to measure
     # the gather ran while the matmuls did, not after them
     assert t["comm_start"] < t["mm_end"], t
@@ -404,8 +416,14 @@ def test_distoptim_on_one_gpu_matches_plain_training(schedule):
     _extension()
     env = launcher_free_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _DISTOPTIM_SCRIPT, schedule], capture_output=True, text=True,
-                          timeout=110, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DISTOPTIM_SCRIPT, schedule],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and "DISTOPTIM OK" in proc.stdout, _describe(proc)
 
 
@@ -444,7 +462,7 @@ def test_two_ranks_on_two_gpus(numel):
         total[:numel] += torch.arange(numel, dtype=torch.float32) % 7 + r * 3 + 1
     for o in outcomes:
         shard, gathered, t, b = o.value
-        torch.testing.assert_close(shard, total[o.rank * padded // w:(o.rank + 1) * padded // w])
+        torch.testing.assert_close(shard, total[o.rank * padded // w : (o.rank + 1) * padded // w])
         torch.testing.assert_close(gathered, total)
         assert t.tolist() == [2.0] * 5
         assert b.tolist() == [11.0] * 5

@@ -33,8 +33,7 @@ class Split(nn.Module):
 def _make():
     torch.manual_seed(0)
     model = Split()
-    body = torch.optim.AdamW(list(model.body.parameters()) + list(model.aux.parameters()), lr=0.01,
-                             weight_decay=0.1)
+    body = torch.optim.AdamW(list(model.body.parameters()) + list(model.aux.parameters()), lr=0.01, weight_decay=0.1)
     head = torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9)
     return model, body, head
 
@@ -72,8 +71,10 @@ SCHEDULES = ["dear", "wfbp", "rsag", "bytescheduler", "prophet", "prophet-allred
 def _distributed_one(schedule):
     model, body, head = _make()
     kwargs = dict(schedule="dear", shard_optimizer=True) if schedule == "dear-sharded" else dict(schedule=schedule)
-    optimizers = [dearopt.DistOptim(body, model, buffer_size=64, **kwargs),
-                  dearopt.DistOptim(head, model, buffer_size=64, **kwargs)]
+    optimizers = [
+        dearopt.DistOptim(body, model, buffer_size=64, **kwargs),
+        dearopt.DistOptim(head, model, buffer_size=64, **kwargs),
+    ]
     _loop(model, optimizers, dearopt.rank(), dearopt.size(), hold=dearopt.no_sync)
     for opt in optimizers:
         opt.synchronize()
@@ -96,8 +97,9 @@ def test_no_sync_of_the_model_accumulates_over_every_distoptim_exactly(world):
     for o in run_workers(_distributed, world, timeout=130):
         for schedule in SCHEDULES:
             for name, got in o.value[schedule].items():
-                torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{schedule} {name}: {m}")
+                torch.testing.assert_close(
+                    got, want[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{schedule} {name}: {m}"
+                )
 
 
 def _one_optimizer_held():
@@ -121,11 +123,15 @@ def test_the_refusal_names_the_distoptim_that_communicated():
     for o in run_workers(_one_optimizer_held, 2, timeout=40):
         message = o.value
         assert message is not None
-        assert message.startswith("backward() was called again after DistOptim 2 of 2 on this model (SGD over "
-                                  "'head.weight', 'head.bias') sent the gradients of this step"), message
+        assert message.startswith(
+            "backward() was called again after DistOptim 2 of 2 on this model (SGD over "
+            "'head.weight', 'head.bias') sent the gradients of this step"
+        ), message
         assert "`with dearopt.no_sync(model):`" in message
-        assert ("DistOptim 1 of 2 on this model (AdamW over 'body.0.weight', 'body.0.bias', 'body.2.weight' and 3 "
-                "more) accumulated inside its own no_sync(), this one did not") in message, message
+        assert (
+            "DistOptim 1 of 2 on this model (AdamW over 'body.0.weight', 'body.0.bias', 'body.2.weight' and 3 "
+            "more) accumulated inside its own no_sync(), this one did not"
+        ) in message, message
         assert message.endswith(f"[rank {o.rank}, step 0]")
 
 

@@ -5,8 +5,22 @@ import dataclasses
 import pytest
 
 import dearopt
-from dearopt.plan import (ALL_GATHER, ALL_REDUCE, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, ParamSpec,
-                          When, after, build_plan, forward_of, layout_buckets, padded_numel)
+from dearopt.plan import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BACKWARD_END,
+    GRADS_READY,
+    REDUCE_SCATTER,
+    STEP,
+    CommOp,
+    ParamSpec,
+    When,
+    after,
+    build_plan,
+    forward_of,
+    layout_buckets,
+    padded_numel,
+)
 from dearopt.schedules import Schedule, get_schedule, mark_updates, register
 
 
@@ -45,12 +59,20 @@ def test_partitions_are_multiples_of_the_world_and_cover_the_buffer():
 BASE = dict(params=specs(10, 20, 30, 40), buffer_size=200, world_size=2, schedule="dear")
 
 
-@pytest.mark.parametrize("change", [
-    {"buffer_size": 120}, {"world_size": 3}, {"schedule": "wfbp"}, {"partition_size": 64}, {"credit": 1000},
-    {"comm_hook": "cast-float16"}, {"params": specs(10, 20, 30, 41)}, {"params": specs(10, 20, 30, 40, dtype="float64",
-                                                                                        size=8)},
-    {"priority": True, "ready_times": [0.3, 0.2, 0.1, 0.0], "bandwidth": 1.0},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"buffer_size": 120},
+        {"world_size": 3},
+        {"schedule": "wfbp"},
+        {"partition_size": 64},
+        {"credit": 1000},
+        {"comm_hook": "cast-float16"},
+        {"params": specs(10, 20, 30, 41)},
+        {"params": specs(10, 20, 30, 40, dtype="float64", size=8)},
+        {"priority": True, "ready_times": [0.3, 0.2, 0.1, 0.0], "bandwidth": 1.0},
+    ],
+)
 def test_the_fingerprint_changes_with_every_input_that_matters(change):
     base = build_plan(**BASE)
     assert build_plan(**BASE).fingerprint() == base.fingerprint()  # deterministic
@@ -65,8 +87,9 @@ def test_parameter_names_are_part_of_the_fingerprint():
 
 
 def moments(plan):
-    return [(op.kind, op.bucket, str(op.start), str(op.due), op.average, op.update and str(op.update))
-            for op in plan.ops]
+    return [
+        (op.kind, op.bucket, str(op.start), str(op.due), op.average, op.update and str(op.update)) for op in plan.ops
+    ]
 
 
 def test_wfbp_all_reduces_in_backward_order_and_updates_at_step():
@@ -99,8 +122,11 @@ def test_dear_reduce_scatters_in_backward_and_gathers_one_bucket_ahead_in_forwar
 def test_rsag_gathers_each_piece_after_its_reduce_scatter():
     plan = build_plan(specs(10, 10), 40, 2, "rsag")
     assert [(op.kind, op.bucket, op.start) for op in plan.ops] == [
-        (REDUCE_SCATTER, 1, GRADS_READY), (ALL_GATHER, 1, after(0)),
-        (REDUCE_SCATTER, 0, GRADS_READY), (ALL_GATHER, 0, after(2))]
+        (REDUCE_SCATTER, 1, GRADS_READY),
+        (ALL_GATHER, 1, after(0)),
+        (REDUCE_SCATTER, 0, GRADS_READY),
+        (ALL_GATHER, 0, after(2)),
+    ]
     assert all(op.due == BACKWARD_END for op in plan.ops)  # p.grad is averaged when backward() returns
     assert [op.update for op in plan.ops] == [None, STEP, None, STEP]
     with pytest.raises(ValueError, match="rsag"):
@@ -120,8 +146,7 @@ def test_bytescheduler_finishes_each_bucket_just_before_its_forward():
 
 def test_priority_orders_the_reductions_from_the_profile():
     # bucket 2 ready at 0, 1 at 0.1, 0 at 0.2; each op takes 1 s: when the link frees, 0 (nearer the input) goes
-    plan = build_plan(specs(100, 100, 100), 400, 1, "wfbp", priority=True, ready_times=[0.2, 0.1, 0.0],
-                      bandwidth=400.0)
+    plan = build_plan(specs(100, 100, 100), 400, 1, "wfbp", priority=True, ready_times=[0.2, 0.1, 0.0], bandwidth=400.0)
     assert [op.bucket for op in plan.ops] == [2, 0, 1]
     assert [op.update for op in plan.ops] == [STEP, STEP, STEP]
 
@@ -136,8 +161,10 @@ class _GatherFirst(Schedule):
         ops = []
         for b, k in layout.reduction_order:
             nbytes = layout.buckets[b].piece_nbytes(k)
-            ops += [CommOp(ALL_GATHER, b, k, nbytes, start=GRADS_READY, due=STEP),
-                    CommOp(REDUCE_SCATTER, b, k, nbytes, start=GRADS_READY, due=STEP, average=True)]
+            ops += [
+                CommOp(ALL_GATHER, b, k, nbytes, start=GRADS_READY, due=STEP),
+                CommOp(REDUCE_SCATTER, b, k, nbytes, start=GRADS_READY, due=STEP, average=True),
+            ]
         return mark_updates(ops)
 
 
@@ -152,15 +179,22 @@ class _DueBeforeStart(Schedule):
     name = "test-due-before-start"
 
     def ops(self, layout):
-        return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=forward_of(0),
-                                    due=STEP) for b, k in layout.reduction_order])
+        return mark_updates(
+            [
+                CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=forward_of(0), due=STEP)
+                for b, k in layout.reduction_order
+            ]
+        )
 
 
-@pytest.mark.parametrize("schedule, message", [
-    (_GatherFirst(), "before any reduce-scatter"),
-    (_NoUpdate(), "names the bucket's update"),
-    (_DueBeforeStart(), "due before that"),
-])
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        (_GatherFirst(), "before any reduce-scatter"),
+        (_NoUpdate(), "names the bucket's update"),
+        (_DueBeforeStart(), "due before that"),
+    ],
+)
 def test_plans_a_schedule_cannot_carry_out_are_refused(schedule, message):
     register(schedule)
     with pytest.raises(ValueError, match=message):
@@ -186,15 +220,20 @@ def test_the_first_bucket_backward_fills_is_small():
 
 
 def test_an_embedding_is_reduced_as_rows_and_its_tied_use_is_complete_before_its_update():
-    params = [ParamSpec("embed.weight", 800, "float32", 4, row_numel=8)] + specs(10, 10) + [
-        ParamSpec("decoder.weight (tied use)", 800, "float32", 4, twin_of=0), ParamSpec("decoder.bias", 100,
-                                                                                        "float32", 4)]
+    params = (
+        [ParamSpec("embed.weight", 800, "float32", 4, row_numel=8)]
+        + specs(10, 10)
+        + [
+            ParamSpec("decoder.weight (tied use)", 800, "float32", 4, twin_of=0),
+            ParamSpec("decoder.bias", 100, "float32", 4),
+        ]
+    )
     for schedule in ("dear", "wfbp", "rsag", "bytescheduler"):
         plan = build_plan(params, 120, 2, schedule)
         by_bucket = {}
         for i, op in enumerate(plan.ops):
             by_bucket.setdefault(plan.buckets[op.bucket].params, []).append((i, op))
-        (_, rows), = by_bucket[(0,)]
+        ((_, rows),) = by_bucket[(0,)]
         assert rows.kind == "all_gather_rows" and rows.average and rows.start == GRADS_READY
         twin = [op for _, op in by_bucket[(3,)]]
         assert all(op.due in (BACKWARD_END, STEP) for op in twin), schedule  # averaged in full before the update
@@ -215,8 +254,10 @@ def test_dear_all_reduces_the_output_side_in_backward_when_asked():
             assert op.due == forward_of(op.bucket) and op.update == forward_of(op.bucket)
     forward_gathers = [op for op in plan.ops if op.kind == ALL_GATHER]
     assert [(op.bucket, op.start) for op in forward_gathers] == [(0, STEP), (1, forward_of(0))]
-    assert build_plan(specs(10, 10), 40, 2, "dear", allreduce=0.0).fingerprint() != \
-        build_plan(specs(10, 10), 40, 2, "dear", allreduce=1.0).fingerprint()
+    assert (
+        build_plan(specs(10, 10), 40, 2, "dear", allreduce=0.0).fingerprint()
+        != build_plan(specs(10, 10), 40, 2, "dear", allreduce=1.0).fingerprint()
+    )
     assert build_plan(specs(10, 10), 40, 2, "wfbp", allreduce=1.0).allreduce == ()  # dear's choice only
     # the buckets themselves (a plan that ran, replayed by the simulator): exactly those
     assert build_plan(specs(10, 10, 10, 10), 20, 2, "dear", allreduce=(0, 3)).allreduce == (0, 3)
@@ -236,17 +277,21 @@ def test_auto_all_reduces_only_into_the_links_idle_time_in_backward():
     assert build_plan(params, 40, 2, "dear", allreduce="auto").allreduce == ()  # no profile: DeAR
     # communication-bound: gradients ready at 0, 0.05, 0.1, 0.15; the reduce-scatters alone
     # keep the link busy until 0.4, so an all-reduce anywhere would make step() wait longer: none
-    assert build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=[0.15, 0.1, 0.05, 0.0],
-                      bandwidth=480.0).allreduce == ()
+    assert (
+        build_plan(
+            params, 40, 2, "dear", allreduce="auto", ready_times=[0.15, 0.1, 0.05, 0.0], bandwidth=480.0
+        ).allreduce
+        == ()
+    )
     # idle link time early in backward: bucket 3's all-reduce (0-0.2) fits before bucket 2 is ready (0.3), the
     # others (ready 0.3, 0.4, 0.5; reduce-scatters end at 0.6) would push the end past 0.6
-    assert build_plan(params, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0],
-                      bandwidth=480.0).allreduce == (3,)
+    assert build_plan(
+        params, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0], bandwidth=480.0
+    ).allreduce == (3,)
     # a twin (a tied decoder's use of p0, ready first) takes the link for its reduce-scatter and all-gather:
     # the idle time bucket 3's all-reduce used above is gone
     tied = params + [ParamSpec("decoder (tied use)", 10, "float32", 4, twin_of=0)]
-    plan = build_plan(tied, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0, 0.0],
-                      bandwidth=480.0)
+    plan = build_plan(tied, 40, 2, "dear", allreduce="auto", ready_times=[0.5, 0.4, 0.3, 0.0, 0.0], bandwidth=480.0)
     assert plan.allreduce == (), [b.params for b in plan.buckets]
 
 
@@ -276,8 +321,10 @@ def test_explicit_groups_replace_the_schedules_buckets():
     plan = build_plan(params, 10**6, 2, "prophet", groups=[[0, 1], [2], [3]])  # no profile: prophet would fuse
     assert [b.params for b in plan.buckets] == [(0, 1), (2,), (3,)]
     assert [op.bucket for op in plan.ops if op.kind == REDUCE_SCATTER] == [2, 1, 0]
-    assert build_plan(params, 10**6, 2, "dear", groups=[[0, 1], [2, 3]]).fingerprint() != \
-        build_plan(params, 10**6, 2, "dear").fingerprint()
+    assert (
+        build_plan(params, 10**6, 2, "dear", groups=[[0, 1], [2, 3]]).fingerprint()
+        != build_plan(params, 10**6, 2, "dear").fingerprint()
+    )
     with pytest.raises(ValueError, match="contiguous runs"):
         build_plan(params, 10**6, 2, "dear", groups=[[0, 2], [1, 3]])
 

@@ -59,13 +59,15 @@ def test_a_block_below_the_minimum_waits_for_the_next_gradients():
     assert prophet_blocks(ready, [10] * 8, 1000.0, min_bytes=30) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # the schedule takes the minimum as latency x bandwidth: the size whose transfer lasts as long as its fixed cost
     params = [ParamSpec(f"p{i}", 10, "float32", 4) for i in range(4)]  # 40 bytes each
-    groups = get_schedule("prophet").bucket_groups(params, buffer_size=10**6, ready_times=[0.3, 0.2, 0.1, 0.0],
-                                                   bandwidth=40_000.0, latency=0.002)  # minimum 80 bytes
+    groups = get_schedule("prophet").bucket_groups(
+        params, buffer_size=10**6, ready_times=[0.3, 0.2, 0.1, 0.0], bandwidth=40_000.0, latency=0.002
+    )  # minimum 80 bytes
     assert groups == [[0, 1], [2, 3]]
 
 
-@pytest.mark.parametrize("bad", [dict(bandwidth=0.0), dict(bandwidth=math.nan), dict(latency=-1.0),
-                                 dict(ready=[0.0, math.inf])])
+@pytest.mark.parametrize(
+    "bad", [dict(bandwidth=0.0), dict(bandwidth=math.nan), dict(latency=-1.0), dict(ready=[0.0, math.inf])]
+)
 def test_bad_profiles_are_refused_by_name(bad):
     args = dict(ready=[0.0, 0.0], nbytes=[4, 4], bandwidth=1.0)
     args.update(bad)
@@ -74,21 +76,28 @@ def test_bad_profiles_are_refused_by_name(bad):
 
 
 def test_the_plan_takes_the_blocks_with_a_profile_and_fuses_by_size_without():
-    params = [ParamSpec("embed.weight", 40, "float32", 4, row_numel=4)] + [
-        ParamSpec(f"p{i}", 25, "float32", 4) for i in range(4)] + [ParamSpec("head (tied use)", 40, "float32", 4,
-                                                                              twin_of=0)]
+    params = (
+        [ParamSpec("embed.weight", 40, "float32", 4, row_numel=4)]
+        + [ParamSpec(f"p{i}", 25, "float32", 4) for i in range(4)]
+        + [ParamSpec("head (tied use)", 40, "float32", 4, twin_of=0)]
+    )
     ready = [0.5, 0.3, 0.3, 0.1, 0.1, 0.0]
     for name in ("prophet", "prophet-allreduce"):
         assert [b.params for b in build_plan(params, 10**6, 2, name).buckets] == [(0,), (1, 2, 3, 4), (5,)]
         plan = build_plan(params, 10**6, 2, name, ready_times=ready, bandwidth=1e4)
         assert [b.params for b in plan.buckets] == [(0,), (1, 2), (3, 4), (5,)]  # bursts; twin and rows alone
-        expected = {"prophet": {"reduce_scatter", "all_gather", "all_reduce", "all_gather_rows"},
-                    "prophet-allreduce": {"all_reduce", "all_gather_rows"}}[name]
+        expected = {
+            "prophet": {"reduce_scatter", "all_gather", "all_reduce", "all_gather_rows"},
+            "prophet-allreduce": {"all_reduce", "all_gather_rows"},
+        }[name]
         assert {op.kind for op in plan.ops} == expected
         gathers = [op for op in plan.ops if op.kind == "all_gather"]
         # Prophet's forward phase: every gather starts at step(), back to back in the order forward needs them
-        assert all(op.start == STEP for op in gathers) and [op.bucket for op in gathers] == sorted(
-            op.bucket for op in gathers) and all(op.update == op.due for op in gathers)
+        assert (
+            all(op.start == STEP for op in gathers)
+            and [op.bucket for op in gathers] == sorted(op.bucket for op in gathers)
+            and all(op.update == op.due for op in gathers)
+        )
     with pytest.raises(ValueError, match="ready_times"):
         build_plan(params, 10**6, 2, "prophet", ready_times=ready[:-1], bandwidth=1e4)
 
@@ -96,9 +105,12 @@ def test_the_plan_takes_the_blocks_with_a_profile_and_fuses_by_size_without():
 STEPS = 6
 
 
-KNOBS = {"prophet": {}, "prophet-allreduce": {},
-         # ByteScheduler's knobs still apply to the blocks: priority order, partitions, a credit window
-         "prophet+pc": {"priority": True, "partition_size": 128, "credit": 512}}
+KNOBS = {
+    "prophet": {},
+    "prophet-allreduce": {},
+    # ByteScheduler's knobs still apply to the blocks: priority order, partitions, a credit window
+    "prophet+pc": {"priority": True, "partition_size": 128, "credit": 512},
+}
 
 
 def _prophet_training(opt_names, schedules):
@@ -108,8 +120,13 @@ def _prophet_training(opt_names, schedules):
     for schedule in schedules:
         for opt_name in opt_names:
             model = make_model("mlp")
-            opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule.split("+")[0],
-                                    buffer_size=4096, **KNOBS[schedule])
+            opt = dearopt.DistOptim(
+                make_optimizer(opt_name, model),
+                model,
+                schedule=schedule.split("+")[0],
+                buffer_size=4096,
+                **KNOBS[schedule],
+            )
             plans = []
             for step in range(STEPS):
                 train_step(opt, model, step, rank, world)
@@ -117,12 +134,20 @@ def _prophet_training(opt_names, schedules):
                 if step == 3:
                     opt._executor.replan(buffer_size=400)  # the re-plan path the tuner takes
             measured = opt._executor.profile.result  # rank 0's step-1 profile, shared
-            blocks = get_schedule(schedule.split("+")[0]).bucket_groups(opt.plan.params, buffer_size=400,
-                                                          ready_times=measured.ready, bandwidth=measured.bandwidth,
-                                                          latency=measured.latency)
+            blocks = get_schedule(schedule.split("+")[0]).bucket_groups(
+                opt.plan.params,
+                buffer_size=400,
+                ready_times=measured.ready,
+                bandwidth=measured.bandwidth,
+                latency=measured.latency,
+            )
             opt.synchronize()
-            out[(schedule, opt_name)] = ([p.detach().clone() for p in model.parameters()], plans, blocks,
-                                         opt.plan.fingerprint())
+            out[(schedule, opt_name)] = (
+                [p.detach().clone() for p in model.parameters()],
+                plans,
+                blocks,
+                opt.plan.fingerprint(),
+            )
             opt.close()
     return out
 
@@ -217,17 +242,32 @@ def _link_drops_midway(steps=14, slow_from=6):
     rank, world = dearopt.rank(), dearopt.size()
     delay = [0.0]
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="prophet", buffer_size=4096,
-                            link_check_every=2, backend=_SlowLink(dearopt.runtime.get_backend(), delay))
+    opt = dearopt.DistOptim(
+        make_optimizer("adamw", model),
+        model,
+        schedule="prophet",
+        buffer_size=4096,
+        link_check_every=2,
+        backend=_SlowLink(dearopt.runtime.get_backend(), delay),
+    )
     for step in range(steps):
         delay[0] = 0.05 if step >= slow_from else 0.0  # 50 ms more per collective: the link got much slower
         train_step(opt, model, step, rank, world)
     measured = opt._executor.profile.result  # the measurement the monitor adopted last
-    blocks = get_schedule("prophet").bucket_groups(opt.plan.params, buffer_size=4096, ready_times=measured.ready,
-                                                   bandwidth=measured.bandwidth, latency=measured.latency)
+    blocks = get_schedule("prophet").bucket_groups(
+        opt.plan.params,
+        buffer_size=4096,
+        ready_times=measured.ready,
+        bandwidth=measured.bandwidth,
+        latency=measured.latency,
+    )
     opt.synchronize()
-    out = ([p.detach().clone() for p in model.parameters()], opt.link_changes,
-           [list(b.params) for b in opt.plan.buckets], blocks)
+    out = (
+        [p.detach().clone() for p in model.parameters()],
+        opt.link_changes,
+        [list(b.params) for b in opt.plan.buckets],
+        blocks,
+    )
     opt.close()
     return out
 
@@ -276,6 +316,7 @@ def test_the_link_fit_does_not_depend_on_how_the_bytes_are_cut():
 
 class _Control:
     """A control channel of one rank: the broadcast leaves the tensor as it is; an all-reduce takes no time."""
+
     device = torch.device("cpu")
 
     def all_reduce(self, tensor, op="sum", **where):
@@ -285,6 +326,7 @@ class _Control:
         class Done:
             def wait(self, timeout=None):
                 return None
+
         return Done()
 
 
@@ -295,8 +337,12 @@ def test_the_profile_is_the_median_of_a_window_of_steps_and_is_shared_once_at_it
     monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
     profile = profiling.ReadyProfile(True, every=10, steps=3)
     # per step: (ready times of parameters 0, 1, backward's end, its reductions' (bytes, seconds))
-    steps = {1: ([0.9, 0.2], 1.0, [(100, 0.1)]), 2: ([0.5, 0.1], 0.6, [(100, 0.3)]), 3: ([0.7, 0.9], 2.0, [(200, 0.1)]),
-             **{step: ([0.4, 0.4], 0.5, [(300, 0.1)]) for step in (11, 12, 13)}}
+    steps = {
+        1: ([0.9, 0.2], 1.0, [(100, 0.1)]),
+        2: ([0.5, 0.1], 0.6, [(100, 0.3)]),
+        3: ([0.7, 0.9], 2.0, [(200, 0.1)]),
+        **{step: ([0.4, 0.4], 0.5, [(300, 0.1)]) for step in (11, 12, 13)},
+    }
     shared_at = []
     for step in range(16):
         clock[0] = 100.0 * step
@@ -386,7 +432,7 @@ def test_the_timeline_shows_each_block_as_predicted_beside_the_measured_reductio
         predicted = [e for e in events if e["name"] == "predicted reduce_scatter"]
         assert len(predicted) == planned * len(blocks) and all(e["tid"] == 2 for e in predicted)
         last_backward = max((e for e in events if e["name"] == "backward"), key=lambda e: e["ts"])
-        last = {e["args"]["bucket"]: e for e in predicted[-len(blocks):]}
+        last = {e["args"]["bucket"]: e for e in predicted[-len(blocks) :]}
         assert set(last) == set(range(len(blocks)))
         for b, (start, end) in enumerate(want):  # placed from that backward's start, as the link model says
             assert last[b]["ts"] - last_backward["ts"] == pytest.approx(start * 1e6, abs=1.0)

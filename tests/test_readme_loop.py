@@ -30,8 +30,7 @@ class Net(nn.Module):
 def _loader(rank, world):
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
-        batches = [(torch.randn(MICRO, 6, generator=g), torch.randn(MICRO, 3, generator=g))
-                   for _ in range(ACCUMULATE)]
+        batches = [(torch.randn(MICRO, 6, generator=g), torch.randn(MICRO, 3, generator=g)) for _ in range(ACCUMULATE)]
         yield [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
 
 
@@ -68,8 +67,10 @@ def _train(ckpt_dir, amp, ours, rank=0, world=1, distributed=True):
             backbone.requires_grad_(True)
             optimizer.add_param_group({"params": backbone.parameters(), "lr": 0.01})
         if rank_of() == 0:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                       os.path.join(ckpt_dir, f"ckpt-{distributed}.pt"))
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                os.path.join(ckpt_dir, f"ckpt-{distributed}.pt"),
+            )
     # ---- end ----
     if distributed:
         optimizer.synchronize()

@@ -29,14 +29,16 @@ def test_a_schedule_object_owns_and_validates_its_knobs():
     assert (deft.links, deft.preserver, deft.apply) == (2, None, "group")
     assert isinstance(dearopt.DeFT().preserver, dearopt.Preserver)  # True: the defaults
     assert dearopt.DeAR(allreduce=0.25).with_knobs(first_bucket_size="2MB").knobs()["allreduce"] == 0.25
-    for make, match in [(lambda: dearopt.DeAR(allreduce=2), "allreduce must be"),
-                        (lambda: dearopt.DeFT(links=3), "links must be 1 or 2"),
-                        (lambda: dearopt.DeFT(apply="later"), "apply must be one of"),
-                        (lambda: dearopt.DeFT(credit=100), "takes no credit or priority"),
-                        (lambda: dearopt.RSAG(priority=True), "rsag"),
-                        (lambda: dearopt.Prophet(link_check_every=0), "link_check_every must be"),
-                        (lambda: dearopt.ByteScheduler(credit="lots"), "credit"),
-                        (lambda: dearopt.DeFT(embedding_rows=True), "reduces embeddings densely")]:
+    for make, match in [
+        (lambda: dearopt.DeAR(allreduce=2), "allreduce must be"),
+        (lambda: dearopt.DeFT(links=3), "links must be 1 or 2"),
+        (lambda: dearopt.DeFT(apply="later"), "apply must be one of"),
+        (lambda: dearopt.DeFT(credit=100), "takes no credit or priority"),
+        (lambda: dearopt.RSAG(priority=True), "rsag"),
+        (lambda: dearopt.Prophet(link_check_every=0), "link_check_every must be"),
+        (lambda: dearopt.ByteScheduler(credit="lots"), "credit"),
+        (lambda: dearopt.DeFT(embedding_rows=True), "reduces embeddings densely"),
+    ]:
         with pytest.raises(ValueError, match=match):
             make()
     with pytest.raises(TypeError, match="preserver="):
@@ -51,8 +53,9 @@ def test_a_schedule_object_owns_and_validates_its_knobs():
 def test_old_flat_keywords_warn_naming_the_new_spelling_and_mean_the_same():
     new = dearopt.ByteScheduler(partition_size=128, credit=384, priority=True)
     with pytest.warns(DeprecationWarning) as caught:
-        policy, shared, steps = _moved_keywords("bytescheduler", dict(partition_size=128, credit=384, priority=True,
-                                                                      check_agreement=False, tuning_steps=4))
+        policy, shared, steps = _moved_keywords(
+            "bytescheduler", dict(partition_size=128, credit=384, priority=True, check_agreement=False, tuning_steps=4)
+        )
     messages = [str(w.message) for w in caught]
     assert any("dearopt.ByteScheduler(credit=...)" in m for m in messages)
     assert any("checks='off'" in m for m in messages) and any("steps_per_trial" in m for m in messages)
@@ -118,11 +121,22 @@ def _classes():
             continue
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef):
-                attrs = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-                         and isinstance(n.value, ast.Name) and n.value.id == "self"}
+                attrs = {
+                    n.attr
+                    for n in ast.walk(node)
+                    if isinstance(n, ast.Attribute)
+                    and isinstance(n.ctx, ast.Store)
+                    and isinstance(n.value, ast.Name)
+                    and n.value.id == "self"
+                }
                 methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
-                found[node.name] = (relative, node.end_lineno - node.lineno + 1, attrs, methods,
-                                    [ast.unparse(b) for b in node.bases])
+                found[node.name] = (
+                    relative,
+                    node.end_lineno - node.lineno + 1,
+                    attrs,
+                    methods,
+                    [ast.unparse(b) for b in node.bases],
+                )
     return found
 
 
@@ -138,8 +152,11 @@ def test_the_engine_shape_measured_from_the_code():
             if base in classes and base != "CollectiveBackend":
                 overridden = methods & classes[base][3]
                 assert len(overridden) <= 6, (name, base, sorted(overridden))
-    keyword = [n for n, p in inspect.signature(dearopt.DistOptim.__init__).parameters.items()
-               if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    keyword = [
+        n
+        for n, p in inspect.signature(dearopt.DistOptim.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
     assert len(keyword) <= 12, keyword
     names = set(dearopt.schedules.names()) | {"prophet-allreduce"}
     found = []
@@ -150,8 +167,13 @@ def test_the_engine_shape_measured_from_the_code():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
                 constants = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
-                constants += [e for c in node.comparators if isinstance(c, (ast.Tuple, ast.List, ast.Set))
-                              for e in c.elts if isinstance(e, ast.Constant)]
+                constants += [
+                    e
+                    for c in node.comparators
+                    if isinstance(c, (ast.Tuple, ast.List, ast.Set))
+                    for e in c.elts
+                    if isinstance(e, ast.Constant)
+                ]
                 if any(c.value in names for c in constants) and "schedule" in ast.unparse(node):
                     found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found

@@ -72,8 +72,12 @@ def _state_sizes(opt_name):
             train_step(opt, model, step, rank, world)
         grads_after_step = [p.grad is None for p in model.parameters()]
         opt.synchronize()
-        elements = sum(v.numel() for entry in opt.state.values() for v in entry.values()
-                       if isinstance(v, torch.Tensor) and v.dim() > 0)
+        elements = sum(
+            v.numel()
+            for entry in opt.state.values()
+            for v in entry.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
         out[sharded] = (elements, grads_after_step, opt.plan.describe())
         opt.close()
     return out
@@ -125,8 +129,11 @@ def _checkpoints(opt_name, torch_state, torch_params):
         for step in range(start, start + steps):
             train_step(opt, model, step, rank, world)
             if step == 2:
-                snapshots = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                             "optimizer": opt.state_dict(), "sharded": opt.sharded_state_dict()}
+                snapshots = {
+                    "model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "optimizer": opt.state_dict(),
+                    "sharded": opt.sharded_state_dict(),
+                }
         final = {"params": [p.detach().clone() for p in model.parameters()], "optimizer": opt.state_dict()}
         return opt, snapshots, final
 
@@ -143,8 +150,15 @@ def _checkpoints(opt_name, torch_state, torch_params):
         opt.load_sharded_state_dict(other)
     except dearopt.CheckpointMismatchError as exc:
         error = str(exc)
-    return {"at3": at3["optimizer"], "at3_params": [v for v in at3["model"].values()], "uninterrupted": uninterrupted,
-            "resumed": resumed, "resumed_sharded": resumed_sharded, "from_torch": from_torch, "error": error}
+    return {
+        "at3": at3["optimizer"],
+        "at3_params": [v for v in at3["model"].values()],
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "resumed_sharded": resumed_sharded,
+        "from_torch": from_torch,
+        "error": error,
+    }
 
 
 def _assert_states_close(got, want):
@@ -153,8 +167,9 @@ def _assert_states_close(got, want):
     for index, entry in want["state"].items():
         assert sorted(got["state"][index]) == sorted(entry)
         for key, value in entry.items():
-            torch.testing.assert_close(got["state"][index][key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"state {index}[{key!r}]: {m}")
+            torch.testing.assert_close(
+                got["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"state {index}[{key!r}]: {m}"
+            )
 
 
 def _assert_equal_runs(a, b):
@@ -170,8 +185,9 @@ def _assert_equal_runs(a, b):
 def test_state_dict_round_trips_and_resume_is_bit_identical(world, opt_name):
     torch_model, torch_opt = _single_process(opt_name, 3)
     torch_state = torch_opt.state_dict()
-    outcomes = run_workers(_checkpoints, world, opt_name, torch_state,
-                           [p.detach().clone() for p in torch_model.parameters()], timeout=180)
+    outcomes = run_workers(
+        _checkpoints, world, opt_name, torch_state, [p.detach().clone() for p in torch_model.parameters()], timeout=180
+    )
     want6_model, want6_opt = _single_process(opt_name, 6)
     for o in outcomes:
         got = o.value
@@ -211,12 +227,15 @@ def _refusals():
         except dearopt.DearoptError as exc:
             out[name] = (type(exc).__name__, str(exc))
 
-    attempt("adafactor", lambda: dearopt.DistOptim(torch.optim.Adafactor(model.parameters()), model,
-                                                   shard_optimizer=True))
+    attempt(
+        "adafactor", lambda: dearopt.DistOptim(torch.optim.Adafactor(model.parameters()), model, shard_optimizer=True)
+    )
     attempt("subclass", lambda: dearopt.DistOptim(_MyAdam(model.parameters()), model, shard_optimizer=True))
     dearopt.register_elementwise(_MyAdam)
-    attempt("registered subclass", lambda: dearopt.DistOptim(_MyAdam(model.parameters()), model,
-                                                             shard_optimizer=True).close())
+    attempt(
+        "registered subclass",
+        lambda: dearopt.DistOptim(_MyAdam(model.parameters()), model, shard_optimizer=True).close(),
+    )
     embedding = torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True))
     sparse_opt = dearopt.DistOptim(torch.optim.SGD(embedding.parameters(), lr=0.1), embedding, shard_optimizer=True)
 
@@ -225,16 +244,20 @@ def _refusals():
         sparse_opt.step()
 
     attempt("sparse gradients", sparse_step)
-    attempt("sharded_state_dict unsharded", lambda: dearopt.DistOptim(
-        torch.optim.SGD(model.parameters(), lr=0.1), model).sharded_state_dict())
+    attempt(
+        "sharded_state_dict unsharded",
+        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model).sharded_state_dict(),
+    )
     return out
 
 
 @pytest.mark.timeout(60)
 def test_what_cannot_be_sharded_is_refused_by_name():
-    for kwargs, match in [(dict(schedule="wfbp"), "needs schedule='dear'"),
-                          (dict(allreduce=0.5), "reduce-scatters every bucket"),
-                          (dict(embedding_rows=True), "reduces embeddings densely")]:
+    for kwargs, match in [
+        (dict(schedule="wfbp"), "needs schedule='dear'"),
+        (dict(allreduce=0.5), "reduce-scatters every bucket"),
+        (dict(embedding_rows=True), "reduces embeddings densely"),
+    ]:
         with pytest.raises(ValueError, match=match):
             dearopt.Options(shard_optimizer=True, **kwargs)
     options = dearopt.Options(shard_optimizer=True)
@@ -296,8 +319,9 @@ def _poisoned_batch(step, world, rank=None):
 def _nonfinite(policy):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("adam", model), model, buffer_size=64, shard_optimizer=True,
-                            nonfinite=policy)
+    opt = dearopt.DistOptim(
+        make_optimizer("adam", model), model, buffer_size=64, shard_optimizer=True, nonfinite=policy
+    )
     try:
         for step in range(STEPS):
             opt.zero_grad()

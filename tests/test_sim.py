@@ -17,9 +17,19 @@ PARAMS = [ParamSpec("p0", 997, "float32", 4), ParamSpec("p1", 997, "float32", 4)
 
 def profile(beta, gamma=0.0):
     comm = {k: CommCost(k, alpha=0.0, beta=beta) for k in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")}
-    return Profile(params=PARAMS, forward_segments=[([0], 0.1), ([1], 0.1)], forward_tail=0.2, ready=[0.3, 0.1],
-                   t_bp=0.4, update_per_element=0.0, update_per_call=0.0, comm=comm, comm_samples={},
-                   contention={"forward": gamma, "backward": gamma}, world=2)
+    return Profile(
+        params=PARAMS,
+        forward_segments=[([0], 0.1), ([1], 0.1)],
+        forward_tail=0.2,
+        ready=[0.3, 0.1],
+        t_bp=0.4,
+        update_per_element=0.0,
+        update_per_call=0.0,
+        comm=comm,
+        comm_samples={},
+        contention={"forward": gamma, "backward": gamma},
+        world=2,
+    )
 
 
 def plan(schedule):
@@ -86,8 +96,10 @@ def test_ranks_with_a_core_each_run_at_the_pace_of_the_one_that_loses_most():
     # forward max(1, 3), max(2, 2), max(5, 0) = 3, 2, 5; backward 1, 4, 2; one number for both phases, the
     # median of all six samples: median(1, 2, 2, 3, 4, 5) = 2.5 (units of 0.01 / 4000 s per byte)
     unit = 0.01 / 4000
-    losses = {"forward": [[1 * unit, 3 * unit], [2 * unit, 2 * unit], [5 * unit, 0.0]],
-              "backward": [[1 * unit, 0.0], [4 * unit, -1 * unit], [2 * unit, 2 * unit]]}
+    losses = {
+        "forward": [[1 * unit, 3 * unit], [2 * unit, 2 * unit], [5 * unit, 0.0]],
+        "backward": [[1 * unit, 0.0], [4 * unit, -1 * unit], [2 * unit, 2 * unit]],
+    }
     own = profile(beta=2.5e-5)
     own.lost_samples, own.cores_per_rank = losses, 1.0
     own.cpu_per_byte = {"forward": 2 * unit, "backward": 1.5 * unit}  # the means' medians, as recorded
@@ -145,8 +157,10 @@ def test_more_ranks_cost_what_the_ring_formulas_say():
 @pytest.mark.parametrize("kind, world", [("reduce_scatter", 2), ("all_gather", 3), ("all_reduce", 2), ("broadcast", 4)])
 def test_the_fit_recovers_alpha_and_beta_from_synthetic_timings(kind, world):
     truth = CommCost(kind, alpha=3e-5, beta=2.7e-10)
-    samples = [(n, truth.time(n, world) * (1 + noise)) for n, noise in
-               [(2**20, 0.01), (2**23, -0.01), (2**25, 0.005), (2**27, 0.0)]]
+    samples = [
+        (n, truth.time(n, world) * (1 + noise))
+        for n, noise in [(2**20, 0.01), (2**23, -0.01), (2**25, 0.005), (2**27, 0.0)]
+    ]
     got = fit(kind, samples, world)
     assert got.beta == pytest.approx(truth.beta, rel=0.02)
     assert got.time(2**26, 64) == pytest.approx(truth.time(2**26, 64), rel=0.05)
@@ -156,8 +170,12 @@ def test_the_fixed_cost_comes_from_the_smallest_message_where_the_line_cannot_te
     # 2 ranks, reduce-scatter: t = alpha + n / 2 * beta.  Large messages a little superlinear (a shaped link sends
     # small ones within its burst): the least-squares line's intercept is negative, the 64 KiB one shows alpha
     beta, alpha = 5e-9, 2e-4
-    samples = [(2**16, alpha + 2**15 * beta), (2**20, 2**19 * beta), (2**23, 2**22 * beta * 1.1),
-               (24 * 2**20, 12 * 2**20 * beta * 1.25)]
+    samples = [
+        (2**16, alpha + 2**15 * beta),
+        (2**20, 2**19 * beta),
+        (2**23, 2**22 * beta * 1.1),
+        (24 * 2**20, 12 * 2**20 * beta * 1.25),
+    ]
     got = fit("reduce_scatter", samples, 2)
     slope = got.beta / 2  # seconds per byte of the message
     assert got.alpha == pytest.approx(samples[0][1] - slope * 2**16)
@@ -202,8 +220,9 @@ def _record(kind):
     before = [p.detach().clone() for p in model.parameters()]
     x, y = (shard(t, dearopt.rank(), dearopt.size()) for t in global_batch(0, kind))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    prof = record_profile(model, lambda: loss_fn(kind, model(x), y), opt, sizes=(2**12, 2**16), repeats=2,
-                          bucket_bytes=2**12)
+    prof = record_profile(
+        model, lambda: loss_fn(kind, model(x), y), opt, sizes=(2**12, 2**16), repeats=2, bucket_bytes=2**12
+    )
     untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     no_grads = all(p.grad is None for p in model.parameters())
     return prof.to_json(), [p.numel() for p in model.parameters()], untouched, no_grads
@@ -254,9 +273,19 @@ def _deft_profile(comm_seconds, n=3):
     """n one-parameter buckets: 1 s of forward and 1 s of backward each, an all-reduce of ``comm_seconds``."""
     params = [ParamSpec(f"p{i}", 997, "float32", 4) for i in range(n)]
     comm = {"all_reduce": CommCost("all_reduce", alpha=comm_seconds / 2, beta=0.0)}  # 2 (P - 1) steps on 2 ranks
-    return Profile(params=params, forward_segments=[([i], 1.0) for i in range(n)], forward_tail=0.0,
-                   ready=[float(n - i) for i in range(n)], t_bp=float(n), update_per_element=0.0,
-                   update_per_call=0.0, comm=comm, comm_samples={}, contention={}, world=2)
+    return Profile(
+        params=params,
+        forward_segments=[([i], 1.0) for i in range(n)],
+        forward_tail=0.0,
+        ready=[float(n - i) for i in range(n)],
+        t_bp=float(n),
+        update_per_element=0.0,
+        update_per_call=0.0,
+        comm=comm,
+        comm_samples={},
+        contention={},
+        world=2,
+    )
 
 
 def test_deft_replays_its_schedule_by_hand():
@@ -300,8 +329,9 @@ def test_deft_replay_lets_the_new_groups_sends_run_into_the_next_forward():
     # forward) and nothing waits: 4 s per step, the link busy 3 s of it (waiting at step() would make it 4.5 s)
     prof = _deft_profile(1.5, n=2)
     plan = build_plan(prof.params, 1, 2, "deft")
-    schedule = DeftSchedule(2, (DeftIteration(4, (), (), (1,), False, None, 0),),
-                            (DeftIteration(4, (0,), (), (1,), False, 1, 1),))
+    schedule = DeftSchedule(
+        2, (DeftIteration(4, (), (), (1,), False, None, 0),), (DeftIteration(4, (0,), (), (1,), False, 1, 1),)
+    )
     p = simulate_deft(prof, plan, schedule)
     assert p.iteration == pytest.approx(4.0) and p.link_busy == pytest.approx(3.0)
     assert (p.forward, p.backward, p.step) == pytest.approx((2.0, 2.0, 0.0))
@@ -323,12 +353,26 @@ def test_a_profile_without_twins_is_the_model_as_deft_sees_it():
     # an embedding (rows of 4) whose tied decoder is its twin: the decoder's module owns only the twin, and its
     # part of the gradient is ready first (0.1), the lookup's last (0.9).  Without twins: the embedding's gradient
     # is complete at 0.9 and dense; the decoder's 0.05 s before it runs move to the forward's tail
-    params = [ParamSpec("emb", 16, "float32", 4, row_numel=4), ParamSpec("lin", 8, "float32", 4),
-              ParamSpec("emb (tied use)", 16, "float32", 4, twin_of=0)]
+    params = [
+        ParamSpec("emb", 16, "float32", 4, row_numel=4),
+        ParamSpec("lin", 8, "float32", 4),
+        ParamSpec("emb (tied use)", 16, "float32", 4, twin_of=0),
+    ]
     comm = {k: CommCost(k, alpha=0.0, beta=1e-6) for k in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")}
-    tied = Profile(params=params, forward_segments=[([0], 0.1), ([1], 0.2), ([2], 0.05)], forward_tail=0.3,
-                   ready=[0.9, 0.5, 0.1], t_bp=1.0, update_per_element=0.0, update_per_call=0.0, comm=comm,
-                   comm_samples={}, contention={}, world=2, rows_fraction={0: 0.25})
+    tied = Profile(
+        params=params,
+        forward_segments=[([0], 0.1), ([1], 0.2), ([2], 0.05)],
+        forward_tail=0.3,
+        ready=[0.9, 0.5, 0.1],
+        t_bp=1.0,
+        update_per_element=0.0,
+        update_per_call=0.0,
+        comm=comm,
+        comm_samples={},
+        contention={},
+        world=2,
+        rows_fraction={0: 0.25},
+    )
     dense = tied.without_twins()
     assert [(p.name, p.row_numel, p.twin_of) for p in dense.params] == [("emb", 0, None), ("lin", 0, None)]
     assert dense.ready == [0.9, 0.5] and dense.rows_fraction == {}

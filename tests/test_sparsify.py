@@ -23,8 +23,13 @@ STEPS = 6
 def test_fragments_cut_what_one_rank_would_otherwise_take_mostly():
     # 60 + 10 + 2 elements on 3 ranks: at most ceil(72 / 3) = 24 per fragment; 60 -> 3 x 20
     got = fragments([(0, 0, 60), (1, 60, 10), (3, 80, 2)], 3)
-    assert got == [Fragment(0, 0, 20), Fragment(0, 20, 20), Fragment(0, 40, 20), Fragment(1, 60, 10),
-                   Fragment(3, 80, 2)]
+    assert got == [
+        Fragment(0, 0, 20),
+        Fragment(0, 20, 20),
+        Fragment(0, 40, 20),
+        Fragment(1, 60, 10),
+        Fragment(3, 80, 2),
+    ]
     # 7 on 2 ranks (limit 4): two parts, the first one longer
     assert fragments([(0, 0, 7)], 2) == [Fragment(0, 0, 4), Fragment(0, 4, 3)]
     assert fragments([], 2) == []
@@ -68,8 +73,9 @@ def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", war
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
     opt = make_optimizer(opt_name, model)
-    residual = [[torch.zeros(sum(params[i].numel() for i, _ in bucket) + 64) for bucket in layout]
-                for _ in range(world)]
+    residual = [
+        [torch.zeros(sum(params[i].numel() for i, _ in bucket) + 64) for bucket in layout] for _ in range(world)
+    ]
     velocity = copy.deepcopy(residual)
     for t in range(steps):
         x, y = global_batch(t, "mlp")
@@ -80,8 +86,11 @@ def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", war
             own.append([p.grad.detach().clone() for p in params])
         result = [torch.zeros_like(p) for p in params]
         for b, bucket in enumerate(layout):
-            sparse = [(j, off, params[i].numel()) for j, (i, off) in enumerate(bucket)
-                      if not dense_by_default(names[i], params[i])]
+            sparse = [
+                (j, off, params[i].numel())
+                for j, (i, off) in enumerate(bucket)
+                if not dense_by_default(names[i], params[i])
+            ]
             for i, off in bucket:
                 if t < warmup or dense_by_default(names[i], params[i]):
                     if momentum:  # the velocity travels dense
@@ -105,14 +114,20 @@ def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", war
             flat_sum = torch.zeros_like(residual[0][b])
             if selection == "deft":
                 frags = fragments(sparse, world)
-                norms = [sum(float(torch.linalg.vector_norm(residual[r][b][f.start:f.start + f.numel]))
-                             for r in range(world)) / world for f in frags]
+                norms = [
+                    sum(
+                        float(torch.linalg.vector_norm(residual[r][b][f.start : f.start + f.numel]))
+                        for r in range(world)
+                    )
+                    / world
+                    for f in frags
+                ]
                 ks = assign_k(norms, [f.numel for f in frags], budget)
                 owner = allocate([selection_cost(f.numel, k) for f, k in zip(frags, ks)], world)
                 chosen = []
                 for f, k, o in zip(frags, ks, owner):
                     if k:
-                        part = residual[o][b][f.start:f.start + f.numel]
+                        part = residual[o][b][f.start : f.start + f.numel]
                         chosen.append(torch.topk(part.abs(), k).indices + f.start)
                 chosen = torch.cat(chosen)
                 flat_sum[chosen] = sum(residual[r][b][chosen] for r in range(world))
@@ -128,7 +143,7 @@ def emulate(layout, world, density, opt_name, steps=STEPS, selection="deft", war
                     velocity[r][b][top] = 0.0
             for i, off in bucket:
                 if not dense_by_default(names[i], params[i]):
-                    result[i] = (flat_sum[off:off + params[i].numel()] / world).view_as(params[i])
+                    result[i] = (flat_sum[off : off + params[i].numel()] / world).view_as(params[i])
         for p, g in zip(params, result):
             p.grad = g
         opt.step()
@@ -146,8 +161,13 @@ def _runs(cases):
     for case in cases:
         schedule, buffer_size, density, opt_name, selection, momentum = case
         model = make_model("mlp")
-        opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, buffer_size=buffer_size,
-                                comm_hook=dearopt.Sparsify(density, selection=selection, momentum=momentum))
+        opt = dearopt.DistOptim(
+            make_optimizer(opt_name, model),
+            model,
+            schedule=schedule,
+            buffer_size=buffer_size,
+            comm_hook=dearopt.Sparsify(density, selection=selection, momentum=momentum),
+        )
         sent = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -156,16 +176,20 @@ def _runs(cases):
             opt.step()
             opt.synchronize()
             sent.append(dict(opt.sparse_traffic))
-        out[case] = (
-            [p.detach().clone() for p in model.parameters()], _layout(opt), sent)
+        out[case] = ([p.detach().clone() for p in model.parameters()], _layout(opt), sent)
         opt.close()
     return out
 
 
-CASES = [("wfbp", 64, 0.1, "sgd", "deft", 0.0), ("dear", 64, 0.1, "adam", "deft", 0.0),
-         ("dear", 1 << 20, 0.25, "sgd", "deft", 0.0), ("wfbp", 1 << 20, 0.1, "sgd", "topk", 0.0),
-         ("dear", 1 << 20, 1.0, "adam", "deft", 0.0), ("dear", 1 << 20, 0.1, "sgd-plain", "deft", 0.9),
-         ("wfbp", 1 << 20, 0.1, "sgd-plain", "topk", 0.9)]
+CASES = [
+    ("wfbp", 64, 0.1, "sgd", "deft", 0.0),
+    ("dear", 64, 0.1, "adam", "deft", 0.0),
+    ("dear", 1 << 20, 0.25, "sgd", "deft", 0.0),
+    ("wfbp", 1 << 20, 0.1, "sgd", "topk", 0.0),
+    ("dear", 1 << 20, 1.0, "adam", "deft", 0.0),
+    ("dear", 1 << 20, 0.1, "sgd-plain", "deft", 0.9),
+    ("wfbp", 1 << 20, 0.1, "sgd-plain", "topk", 0.9),
+]
 
 
 @pytest.mark.timeout(180)
@@ -181,8 +205,9 @@ def test_sparsified_training_equals_its_single_process_emulation(world):
             assert got_layout == layout
             assert_params_match(params, want)
     # density 1.0 is dense training: against one process on the global batch
-    assert_params_match(outcomes[0].value[("dear", 1 << 20, 1.0, "adam", "deft", 0.0)][0],
-                        reference("mlp", "adam", world, STEPS)[0])
+    assert_params_match(
+        outcomes[0].value[("dear", 1 << 20, 1.0, "adam", "deft", 0.0)][0], reference("mlp", "adam", world, STEPS)[0]
+    )
     # and a sparse run is not the dense one (the compression is real)
     sparse = outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft", 0.0)][0]
     dense = emulate(outcomes[0].value[("dear", 1 << 20, 0.25, "sgd", "deft", 0.0)][1], world, 1.0, "sgd")
@@ -210,9 +235,19 @@ def _resume():
 
     def run(steps, start=0, load=None):
         params, saved, opt = resumable_run(
-            lambda model: dearopt.DistOptim(make_optimizer("sgd-plain", model), model, schedule="dear",
-                                            buffer_size=64, comm_hook=dearopt.Sparsify(0.1, momentum=0.9)),
-            steps, rank, world, start, load)
+            lambda model: dearopt.DistOptim(
+                make_optimizer("sgd-plain", model),
+                model,
+                schedule="dear",
+                buffer_size=64,
+                comm_hook=dearopt.Sparsify(0.1, momentum=0.9),
+            ),
+            steps,
+            rank,
+            world,
+            start,
+            load,
+        )
         opt.close()
         return params, saved
 
@@ -237,12 +272,18 @@ def _refusals():
     attempt = out.attempt
 
     hook = dearopt.Sparsify(0.1)
-    for name, kwargs in [("rsag", dict(schedule="rsag")), ("dear half", dict(allreduce=0.5)),
-                         ("partitions", dict(schedule="wfbp", partition_size=1024)),
-                         ("rows", dict(embedding_rows=True)), ("sharded", dict(shard_optimizer=True)),
-                         ("skip", dict(nonfinite="skip"))]:
-        attempt(name, lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                                comm_hook=hook, **kwargs))
+    for name, kwargs in [
+        ("rsag", dict(schedule="rsag")),
+        ("dear half", dict(allreduce=0.5)),
+        ("partitions", dict(schedule="wfbp", partition_size=1024)),
+        ("rows", dict(embedding_rows=True)),
+        ("sharded", dict(shard_optimizer=True)),
+        ("skip", dict(nonfinite="skip")),
+    ]:
+        attempt(
+            name,
+            lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, comm_hook=hook, **kwargs),
+        )
     opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model)
     attempt("late", lambda: opt.register_comm_hook(hook))
     opt.close()
@@ -257,11 +298,19 @@ def _refusals():
 
 @pytest.mark.timeout(60)
 def test_what_sparsification_cannot_do_is_refused_by_name():
-    Attempts.expect(run_workers(_refusals, 2, timeout=50)[0].value, {
-        "rsag": ("ValueError", "'wfbp' or 'dear'"), "dear half": ("ValueError", "allreduce=0.5"),
-        "partitions": ("ValueError", "partition_size"), "rows": ("ValueError", "embedding_rows"),
-        "sharded": ("ValueError", "shard_optimizer"), "late": ("UsageError", "comm_hook"),
-        "skip": ("ValueError", "nonfinite='skip'"), "scaler": ("UsageError", "GradScaler")})
+    Attempts.expect(
+        run_workers(_refusals, 2, timeout=50)[0].value,
+        {
+            "rsag": ("ValueError", "'wfbp' or 'dear'"),
+            "dear half": ("ValueError", "allreduce=0.5"),
+            "partitions": ("ValueError", "partition_size"),
+            "rows": ("ValueError", "embedding_rows"),
+            "sharded": ("ValueError", "shard_optimizer"),
+            "late": ("UsageError", "comm_hook"),
+            "skip": ("ValueError", "nonfinite='skip'"),
+            "scaler": ("UsageError", "GradScaler"),
+        },
+    )
 
 
 def _poisoned(schedule):
@@ -269,8 +318,9 @@ def _poisoned(schedule):
     NaN sit in the residual and are selected first)."""
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule=schedule, buffer_size=64,
-                            comm_hook=dearopt.Sparsify(0.1))
+    opt = dearopt.DistOptim(
+        make_optimizer("sgd", model), model, schedule=schedule, buffer_size=64, comm_hook=dearopt.Sparsify(0.1)
+    )
     try:
         for step in range(4):
             opt.zero_grad()

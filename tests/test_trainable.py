@@ -70,8 +70,11 @@ def _toggling_run(schedule, set_to_none, rank=None, world=None, quiet=QUIET):
     model = _model()
     for p in model.backbone.parameters():
         p.requires_grad_(False)
-    inner = torch.optim.AdamW([{"params": model.backbone.parameters(), "lr": 0.005},
-                               {"params": model.head.parameters()}], lr=0.01, weight_decay=0.1)
+    inner = torch.optim.AdamW(
+        [{"params": model.backbone.parameters(), "lr": 0.005}, {"params": model.head.parameters()}],
+        lr=0.01,
+        weight_decay=0.1,
+    )
     opt = inner if rank is None else _wrap(inner, model, schedule)
     toggles, steps = _toggle_steps(quiet)
     settled_before_later = None
@@ -103,8 +106,10 @@ def _toggled_schedules(set_to_none, world=2):
 
 
 def _toggling(set_to_none, quiet):
-    return {s: _toggling_run(s, set_to_none, dearopt.rank(), dearopt.size(), quiet)
-            for s in _toggled_schedules(set_to_none, dearopt.size())}
+    return {
+        s: _toggling_run(s, set_to_none, dearopt.rank(), dearopt.size(), quiet)
+        for s in _toggled_schedules(set_to_none, dearopt.size())
+    }
 
 
 @pytest.mark.timeout(300)

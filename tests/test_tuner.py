@@ -19,9 +19,11 @@ def peaked(peak, width=0.7):
     19 % and a factor 1.28 loses 3 %, so "within 3 % of the optimum's
     throughput" means "within a factor 1.28 of the optimal size".
     """
+
     def f(x):
         d = math.log(x / peak) / width
         return 100.0 * (0.5 + 0.5 * math.exp(-0.5 * d * d))
+
     return f
 
 
@@ -53,8 +55,10 @@ def test_finds_optimum_neighbourhood(peak_mb, seed):
     # ...and the reported best is within 3 % of the optimum's (noise-free) throughput.
     best_size = tuner.best[0]["buffer_size"]
     assert f(best_size) >= 0.97 * f(peak_mb * MB), (best_size / MB, [s / MB for s in sizes])
-    print(f"peak {peak_mb} MB seed {seed}: first within 1.5x at trial {near[0]}, "
-          f"{len(history)} trials, best {best_size / MB:.2f} MB")
+    print(
+        f"peak {peak_mb} MB seed {seed}: first within 1.5x at trial {near[0]}, "
+        f"{len(history)} trials, best {best_size / MB:.2f} MB"
+    )
 
 
 # --------------------------------------------------------- (b) determinism
@@ -75,6 +79,7 @@ def test_deterministic_under_seed():
 @pytest.mark.timeout(30)
 def test_first_suggestion_is_25MB():
     from dearopt.plan import DEFAULT_BUFFER_SIZE
+
     tuner = BayesianTuner([buffer_size_knob()])
     first = tuner.suggest()
     assert first == {"buffer_size": 25 * 2**20} == {"buffer_size": DEFAULT_BUFFER_SIZE}
@@ -116,14 +121,17 @@ def joint(p_opt, c_opt):
         d = math.log(k["partition_size"] / p_opt) / 0.7
         e = (k["credit"] - c_opt) / 1.5
         return 100.0 * (0.5 + 0.5 * math.exp(-0.5 * d * d - 0.5 * e * e))
+
     return f
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("p_mb,credit", [(8, 3), (40, 1)])
 def test_joint_two_knobs(p_mb, credit):
-    knobs = [Knob("partition_size", 1 * MB, 64 * MB, log=True, initial=4 * MB, integer=True),
-             Knob("credit", 1, 8, initial=2, integer=True)]
+    knobs = [
+        Knob("partition_size", 1 * MB, 64 * MB, log=True, initial=4 * MB, integer=True),
+        Knob("credit", 1, 8, initial=2, integer=True),
+    ]
     f = joint(p_mb * MB, credit)
     tuner = BayesianTuner(knobs, budget=20, seed=0)
     history = run(tuner, f)
@@ -187,22 +195,30 @@ def test_bad_input():
 class FakeWorld:
     """Several "ranks" in one process, stepping in lock step on a shared fake clock."""
 
-    def __init__(self, n_ranks, step_time, make_tuner, warmup_steps=1, measure_steps=4,
-                 replan_cost=10.0, samples_per_step=None):
+    def __init__(
+        self, n_ranks, step_time, make_tuner, warmup_steps=1, measure_steps=4, replan_cost=10.0, samples_per_step=None
+    ):
         self.now = 0.0
-        self.step_time = step_time        # knobs, index within the trial -> seconds
-        self.replan_cost = replan_cost    # extra time of the first step after a change
-        self.bcast_calls = []             # (rank, object passed)
+        self.step_time = step_time  # knobs, index within the trial -> seconds
+        self.replan_cost = replan_cost  # extra time of the first step after a change
+        self.bcast_calls = []  # (rank, object passed)
         self._value = None
         self.controllers = []
         for r in range(n_ranks):
-            self.controllers.append(TuningController(
-                make_tuner(), warmup_steps=warmup_steps, measure_steps=measure_steps,
-                is_root=(r == 0), broadcast=self._broadcast_for(r), clock=lambda: self.now,
-                samples_per_step=samples_per_step))
+            self.controllers.append(
+                TuningController(
+                    make_tuner(),
+                    warmup_steps=warmup_steps,
+                    measure_steps=measure_steps,
+                    is_root=(r == 0),
+                    broadcast=self._broadcast_for(r),
+                    clock=lambda: self.now,
+                    samples_per_step=samples_per_step,
+                )
+            )
         self.knobs = self.controllers[0].current
         self.in_trial = 0
-        self.returns = []                 # per step: the list of each rank's return value
+        self.returns = []  # per step: the list of each rank's return value
 
     def _broadcast_for(self, rank):
         def broadcast(obj):
@@ -212,6 +228,7 @@ class FakeWorld:
             else:
                 assert obj is None
             return copy.deepcopy(self._value)
+
         return broadcast
 
     def step(self):
@@ -242,8 +259,14 @@ def test_controller_lockstep_fake_clock(caplog):
         # time (average and median = 1 / f): the controller must use all k, not the last one
         return (0.5 if i % 2 else 1.5) / f(knobs["buffer_size"])
 
-    world = FakeWorld(3, step_time, lambda: BayesianTuner([buffer_size_knob()], budget=6, seed=0),
-                      warmup_steps=1, measure_steps=k, replan_cost=10.0)
+    world = FakeWorld(
+        3,
+        step_time,
+        lambda: BayesianTuner([buffer_size_knob()], budget=6, seed=0),
+        warmup_steps=1,
+        measure_steps=k,
+        replan_cost=10.0,
+    )
     assert world.controllers[0].current == {"buffer_size": 25 * MB}
     assert world.controllers[1].current == {"buffer_size": 25 * MB}
     caplog.set_level(logging.INFO, logger="dearopt.tuner")
@@ -294,8 +317,15 @@ def test_controller_no_warmup_and_samples_per_step():
         steps.append(i)
         return 2.0 if knobs["buffer_size"] == 25 * MB else 1.0
 
-    world = FakeWorld(2, step_time, lambda: BayesianTuner([buffer_size_knob()], budget=2),
-                      warmup_steps=0, measure_steps=3, replan_cost=0.0, samples_per_step=64)
+    world = FakeWorld(
+        2,
+        step_time,
+        lambda: BayesianTuner([buffer_size_knob()], budget=2),
+        warmup_steps=0,
+        measure_steps=3,
+        replan_cost=0.0,
+        samples_per_step=64,
+    )
     # warmup 0: the very first call only sets the reference time, so the first
     # trial takes 4 calls and measures 3 steps
     out = [world.step() for _ in range(4)]
@@ -311,11 +341,13 @@ def test_controller_no_warmup_and_samples_per_step():
 
 @pytest.mark.timeout(60)
 def test_controller_survives_tuner_error():
-    world = FakeWorld(2, lambda knobs, i: 0.1, lambda: BayesianTuner([buffer_size_knob()], budget=5),
-                      warmup_steps=1, measure_steps=2)
+    world = FakeWorld(
+        2, lambda knobs, i: 0.1, lambda: BayesianTuner([buffer_size_knob()], budget=5), warmup_steps=1, measure_steps=2
+    )
 
     def boom(*a, **kw):
         raise RuntimeError("injected")
+
     world.controllers[0].tuner.observe = boom
     outs = [world.step() for _ in range(3)]
     assert outs == [None, None, None]  # stays on the initial knobs

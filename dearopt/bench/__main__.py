@@ -30,52 +30,88 @@ def parse_args(argv):
     from .models import MODELS
     from .runner import SCHEDULES, known_schedule
 
-    p = argparse.ArgumentParser(prog="python -m dearopt.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dearopt.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="resnet50", choices=MODELS)
-    p.add_argument("--schedules", default="ddp,wfbp,dear",
-                   help=f"comma-separated, compared in this order (known: {','.join(SCHEDULES)}, and "
-                        f"<schedule>@<fraction>, e.g. dear@0.5: that fixed share of the bytes all-reduced in "
-                        f"backward); default ddp,wfbp,dear")
+    p.add_argument(
+        "--schedules",
+        default="ddp,wfbp,dear",
+        help=f"comma-separated, compared in this order (known: {','.join(SCHEDULES)}, and "
+        f"<schedule>@<fraction>, e.g. dear@0.5: that fixed share of the bytes all-reduced in "
+        f"backward); default ddp,wfbp,dear",
+    )
     p.add_argument("--rsag", action="store_true", help="also run dearopt's rsag schedule")
     p.add_argument("--ranks", type=int, default=2, help="local ranks, one torch thread each (default 2)")
     p.add_argument("--rate", default=None, help="emulated link rate, e.g. 3gbit (root + iproute2); default unshaped")
     p.add_argument("--iterations", "-k", type=int, default=8, help="timed iterations per schedule (default 8)")
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed iterations before the first timed block (default 3); a dearopt schedule whose plan "
-                        "still changes by itself then (dear's allreduce='auto' profiles steps 1-3 and measures its "
-                        "candidate plans for a few steps) runs untimed until it settles")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="interleave: split the timed iterations into this many rounds of parts + every schedule")
-    p.add_argument("--part-repeats", type=int, default=None,
-                   help="t_ff/t_bp samples per round (default: iterations/rounds)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed iterations before the first timed block (default 3); a dearopt schedule whose plan "
+        "still changes by itself then (dear's allreduce='auto' profiles steps 1-3 and measures its "
+        "candidate plans for a few steps) runs untimed until it settles",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="interleave: split the timed iterations into this many rounds of parts + every schedule",
+    )
+    p.add_argument(
+        "--part-repeats", type=int, default=None, help="t_ff/t_bp samples per round (default: iterations/rounds)"
+    )
     p.add_argument("--comm-repeats", type=int, default=2, help="t_ar/t_rs/t_ag samples per round (default 2)")
-    p.add_argument("--overlap-repeats", type=int, default=1,
-                   help="per round: forward during all-gathers, backward during reduce-scatters/all-reduces "
-                        "(diagnostic, not used in the bounds); 0 to skip (default 1)")
+    p.add_argument(
+        "--overlap-repeats",
+        type=int,
+        default=1,
+        help="per round: forward during all-gathers, backward during reduce-scatters/all-reduces "
+        "(diagnostic, not used in the bounds); 0 to skip (default 1)",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: resnet50 16, bert 2, tiny 8)")
     p.add_argument("--size", type=int, default=None, help="image side or sequence length (default: 64, 64, 16)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb and dearopt buffer_size in MiB")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD (momentum 0.9) learning rate")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--bind", action="store_true",
-                   help="run each rank on its own cores, as mpirun --bind-to core does (default: the ranks share "
-                        "every core, as torchrun leaves them)")
+    p.add_argument(
+        "--bind",
+        action="store_true",
+        help="run each rank on its own cores, as mpirun --bind-to core does (default: the ranks share "
+        "every core, as torchrun leaves them)",
+    )
     p.add_argument("--out", default=None, help="directory for results.json, chart.png (and timeline files)")
-    p.add_argument("--timeline", nargs="?", const=True, default=None, metavar="SCHEDULE",
-                   help="record the timeline of the named dearopt run (default: dear, or the first dearopt schedule "
-                        "listed without dear); render DIR/timeline.png")
-    p.add_argument("--rebuild", action=argparse.BooleanOptionalAction, default=None,
-                   help="build each schedule's model at the start of each round and drop it after (all of them at "
-                        "once do not fit in memory for BERT-Base on 24 GiB); default: on for bert, off otherwise. "
-                        "Each round then starts with --warmup untimed iterations")
+    p.add_argument(
+        "--timeline",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="SCHEDULE",
+        help="record the timeline of the named dearopt run (default: dear, or the first dearopt schedule "
+        "listed without dear); render DIR/timeline.png",
+    )
+    p.add_argument(
+        "--rebuild",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build each schedule's model at the start of each round and drop it after (all of them at "
+        "once do not fit in memory for BERT-Base on 24 GiB); default: on for bert, off otherwise. "
+        "Each round then starts with --warmup untimed iterations",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true",
-                   help="record a dearopt.sim profile in the same run (DIR/profile.json) and print the simulator's "
-                        "prediction for every schedule beside the measurement")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="record a dearopt.sim profile in the same run (DIR/profile.json) and print the simulator's "
+        "prediction for every schedule beside the measurement",
+    )
     done = p.add_argument_group("finished runs (instead of measuring)")
-    done.add_argument("--rerender", metavar="DIR", help="recompute every number of DIR/results.json from its samples; "
-                                                        "rewrite it, table.txt and chart.png")
+    done.add_argument(
+        "--rerender",
+        metavar="DIR",
+        help="recompute every number of DIR/results.json from its samples; rewrite it, table.txt and chart.png",
+    )
     done.add_argument("--markdown", metavar="DIR", nargs="+", help="print the runs' tables as in docs/benchmarks.md")
     done.add_argument("--summary", metavar="DIR", nargs="+", help="print one row per run (the README's table)")
     args = p.parse_args(argv)
@@ -96,8 +132,11 @@ def parse_args(argv):
         p.error("--timeline records a dearopt run: list one in --schedules")
     if isinstance(args.timeline, str) and args.timeline not in dearopt_runs:
         p.error(f"--timeline {args.timeline}: not a dearopt schedule of this run ({','.join(dearopt_runs)})")
-    args.timeline_schedule = (args.timeline if isinstance(args.timeline, str) else "dear" if "dear" in schedules
-                              else dearopt_runs[0]) if args.timeline else None
+    args.timeline_schedule = (
+        (args.timeline if isinstance(args.timeline, str) else "dear" if "dear" in schedules else dearopt_runs[0])
+        if args.timeline
+        else None
+    )
     if args.timeline and not args.out:
         p.error("--timeline needs --out DIR")
     if args.rounds < 1 or args.iterations < args.rounds:
@@ -165,16 +204,33 @@ def main(argv=None) -> int:
         os.makedirs(out, exist_ok=True)
         for old in glob.glob(os.path.join(out, "timeline.rank*.json")):
             os.remove(old)
-    cfg = {"model": args.model, "schedules": args.schedule_list, "batch_size": args.batch_size, "size": args.size,
-           "seed": args.seed, "lr": args.lr, "bucket_mb": args.bucket_mb, "threads": args.threads,
-           "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
-           "part_repeats": args.part_repeats or max(1, args.iterations // args.rounds),
-           "comm_repeats": args.comm_repeats, "overlap_repeats": args.overlap_repeats, "distinct_batches": 4,
-           "timeline": timeline, "timeline_schedule": args.timeline_schedule,
-           "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert", "profile": args.profile,
-           "bind": args.bind}
-    print(f"[bench] {args.model}: {args.ranks} ranks, link {link}, schedules {','.join(args.schedule_list)}, "
-          f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds", flush=True)
+    cfg = {
+        "model": args.model,
+        "schedules": args.schedule_list,
+        "batch_size": args.batch_size,
+        "size": args.size,
+        "seed": args.seed,
+        "lr": args.lr,
+        "bucket_mb": args.bucket_mb,
+        "threads": args.threads,
+        "iterations": args.iterations,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "part_repeats": args.part_repeats or max(1, args.iterations // args.rounds),
+        "comm_repeats": args.comm_repeats,
+        "overlap_repeats": args.overlap_repeats,
+        "distinct_batches": 4,
+        "timeline": timeline,
+        "timeline_schedule": args.timeline_schedule,
+        "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert",
+        "profile": args.profile,
+        "bind": args.bind,
+    }
+    print(
+        f"[bench] {args.model}: {args.ranks} ranks, link {link}, schedules {','.join(args.schedule_list)}, "
+        f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds",
+        flush=True,
+    )
     results = spawn(run_rank, args.ranks, cfg, threads=args.threads, bind=args.bind)
     doc = report.summarize(results, cfg, link)
     print(report.table(doc), flush=True)
@@ -182,10 +238,14 @@ def main(argv=None) -> int:
         if timeline:
             paths = sorted(glob.glob(os.path.join(out, "timeline.rank*.json")))
             if paths and report.have_matplotlib():
-                idx = report.render_timeline(paths, os.path.join(out, "timeline.png"),
-                                             schedule=args.timeline_schedule or "dear")
-                doc["timeline"] = {"files": [os.path.basename(p) for p in paths], "png": "timeline.png",
-                                   "iteration_shown": idx}
+                idx = report.render_timeline(
+                    paths, os.path.join(out, "timeline.png"), schedule=args.timeline_schedule or "dear"
+                )
+                doc["timeline"] = {
+                    "files": [os.path.basename(p) for p in paths],
+                    "png": "timeline.png",
+                    "iteration_shown": idx,
+                }
         if doc.get("profile"):
             from dearopt.sim import Profile
 

@@ -49,8 +49,16 @@ def _measure(sizes_bytes, repeats):
         t_ag = timed(lambda: backend.all_gather(out, shard))
         t_ar = timed(lambda: backend.all_reduce(full))
         t_rs_native = timed(lambda: dist.reduce_scatter_tensor(shard, full, async_op=True))
-        rows.append({"bytes": n * 4, "t_rs": t_rs, "t_ag": t_ag, "t_ar": t_ar, "t_rs_gloo_native": t_rs_native,
-                     "ratio": (t_rs + t_ag) / t_ar})
+        rows.append(
+            {
+                "bytes": n * 4,
+                "t_rs": t_rs,
+                "t_ag": t_ag,
+                "t_ar": t_ar,
+                "t_rs_gloo_native": t_rs_native,
+                "ratio": (t_rs + t_ag) / t_ar,
+            }
+        )
     return rows
 
 
@@ -81,8 +89,10 @@ def main(argv=None) -> int:
     print(f"collectives, {args.ranks} ranks, gloo, link: {link}")
     print(f"{'size':>10} {'t_rs[s]':>9} {'t_ag[s]':>9} {'t_ar[s]':>9} {'(rs+ag)/ar':>11} {'gloo rs[s]':>11}")
     for row in rows:
-        print(f"{row['bytes'] / 2**20:>8.1f}MB {row['t_rs']:>9.4f} {row['t_ag']:>9.4f} {row['t_ar']:>9.4f} "
-              f"{row['ratio']:>11.2f} {row['t_rs_gloo_native']:>11.4f}")
+        print(
+            f"{row['bytes'] / 2**20:>8.1f}MB {row['t_rs']:>9.4f} {row['t_ag']:>9.4f} {row['t_ar']:>9.4f} "
+            f"{row['ratio']:>11.2f} {row['t_rs_gloo_native']:>11.4f}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ranks": args.ranks, "link": link, "rows": rows}, fh, indent=2)

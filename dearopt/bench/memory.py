@@ -56,8 +56,11 @@ def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: s
     if variant.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          gradient_as_bucket_view=variant == "ddp")
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=variant == "ddp",
+        )
     else:
         opt = dearopt.DistOptim(inner, model, **variant_options(variant))
     for step in range(steps):
@@ -67,8 +70,7 @@ def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: s
         opt.step()
     if opt is not inner:
         opt.synchronize()
-    row = {"variant": variant, "rank": rank,
-           "breakdown": breakdown(model, inner, opt if opt is not inner else None)}
+    row = {"variant": variant, "rank": rank, "breakdown": breakdown(model, inner, opt if opt is not inner else None)}
     row["breakdown"]["workspace"] = _workspace_mib(opt) if opt is not inner else 0.0
     if device.type == "cuda":
         row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -79,8 +81,16 @@ def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: s
     return row
 
 
-def measure(variants: List[str], model: str, ranks: int, steps: int, batch=None, size=None,
-            device: str = "cpu", timeout: float = 1800) -> List[dict]:
+def measure(
+    variants: List[str],
+    model: str,
+    ranks: int,
+    steps: int,
+    batch=None,
+    size=None,
+    device: str = "cpu",
+    timeout: float = 1800,
+) -> List[dict]:
     """One row per variant: its peak (the largest over ranks) and rank 0's breakdown."""
     from .spawn import spawn
 
@@ -92,8 +102,11 @@ def measure(variants: List[str], model: str, ranks: int, steps: int, batch=None,
         except Exception as exc:  # one variant's failure is reported; the others still run
             row = {"variant": variant, "error": str(exc).strip().splitlines()[-1][:300]}
         rows.append(row)
-        print(f"  {variant}: " + (f"{row['peak_mib']:.0f} MiB" if "error" not in row else row["error"]),
-              file=sys.stderr, flush=True)
+        print(
+            f"  {variant}: " + (f"{row['peak_mib']:.0f} MiB" if "error" not in row else row["error"]),
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
@@ -106,14 +119,19 @@ def table(rows: List[dict], title: str) -> str:
             lines.append(f"{r['variant']:<14}FAILED: {r['error']}")
             continue
         ratio = f"{r['peak_mib'] / ddp['peak_mib']:.3f}" if ddp else "-"
-        lines.append(f"{r['variant']:<14}{r['peak_mib']:9.0f}{ratio:>8}" +
-                     "".join(f"{r['breakdown'].get(k, 0.0):16.1f}" for k in kinds))
+        lines.append(
+            f"{r['variant']:<14}{r['peak_mib']:9.0f}{ratio:>8}"
+            + "".join(f"{r['breakdown'].get(k, 0.0):16.1f}" for k in kinds)
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dearopt.bench --memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dearopt.bench --memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="bert", choices=("resnet50", "bert", "tiny"))
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
@@ -121,14 +139,21 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--size", type=int, default=None)
-    p.add_argument("--device", default="cpu", choices=("cpu",),
-                   help="CPU ranks on gloo (on a GPU: python -m dearopt.bench.single, world size 1)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu",),
+        help="CPU ranks on gloo (on a GPU: python -m dearopt.bench.single, world size 1)",
+    )
     p.add_argument("--out", default=None, help="write memory.json here")
     args = p.parse_args(argv)
-    rows = measure(args.variants.split(","), args.model, args.ranks, args.steps, args.batch_size, args.size,
-                   args.device)
-    title = (f"{args.model}, {args.ranks} ranks on {args.device}, AdamW, {args.steps} steps: peak memory per rank "
-             f"and rank 0's buffers (MiB)")
+    rows = measure(
+        args.variants.split(","), args.model, args.ranks, args.steps, args.batch_size, args.size, args.device
+    )
+    title = (
+        f"{args.model}, {args.ranks} ranks on {args.device}, AdamW, {args.steps} steps: peak memory per rank "
+        f"and rank 0's buffers (MiB)"
+    )
     print(table(rows, title))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

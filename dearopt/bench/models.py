@@ -39,8 +39,10 @@ class Bottleneck(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.downsample = None
         if stride != 1 or inplanes != planes * self.expansion:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes * self.expansion, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(planes * self.expansion))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes * self.expansion, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes * self.expansion),
+            )
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
@@ -103,8 +105,16 @@ class BertLayer(nn.Module):
 class BertMLM(nn.Module):
     """BERT encoder + masked-LM head; ``decoder.weight`` is ``word.weight``."""
 
-    def __init__(self, vocab: int = 30522, hidden: int = 768, layers: int = 12, heads: int = 12, ffn: int = 3072,
-                 max_positions: int = 512, dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab: int = 30522,
+        hidden: int = 768,
+        layers: int = 12,
+        heads: int = 12,
+        ffn: int = 3072,
+        max_positions: int = 512,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.word = nn.Embedding(vocab, hidden)
         self.position = nn.Embedding(max_positions, hidden)
@@ -198,6 +208,9 @@ def build(name: str, batch_size: Optional[int] = None, size: Optional[int] = Non
             return torch.randn(_b, 3, _n, _n, generator=g), torch.randint(0, _c, (_b,), generator=g)
 
         loss = F.cross_entropy
-        describe = (f"ResNet-50, {size}x{size} images, batch {batch}/rank" if name == "resnet50"
-                    else f"tiny conv+MLP, {size}x{size} images, batch {batch}/rank")
+        describe = (
+            f"ResNet-50, {size}x{size} images, batch {batch}/rank"
+            if name == "resnet50"
+            else f"tiny conv+MLP, {size}x{size} images, batch {batch}/rank"
+        )
     return Workload(name, model, batch, make_batch, loss, describe)

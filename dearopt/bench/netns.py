@@ -51,8 +51,25 @@ def run_shaped(rate: str, argv: List[str], env: Optional[dict] = None) -> int:
     steps = [
         ["ip", "netns", "add", name],
         ["ip", "-n", name, "link", "set", "lo", "up"],
-        ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-         "rate", rate, "burst", f"{burst_kb}kb", "latency", "100ms"],
+        [
+            "ip",
+            "netns",
+            "exec",
+            name,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            f"{burst_kb}kb",
+            "latency",
+            "100ms",
+        ],
     ]
     try:
         for cmd in steps:

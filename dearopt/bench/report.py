@@ -147,10 +147,15 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
         "source": first.get("source") or source(),
         "parts_samples": {k: [r["parts"][k] for r in rank_results] for k in first["parts"]},
         "overlap_samples": {k: [r["overlap"][k] for r in rank_results] for k in first.get("overlap", {})},
-        "schedules": {s: {"samples": [r["schedules"][s]["iter"] for r in rank_results],
-                          "phase_samples": {k: [r["schedules"][s][k] for r in rank_results]
-                                            for k in ("forward", "backward", "step")}}
-                      for s in cfg["schedules"]},
+        "schedules": {
+            s: {
+                "samples": [r["schedules"][s]["iter"] for r in rank_results],
+                "phase_samples": {
+                    k: [r["schedules"][s][k] for r in rank_results] for k in ("forward", "backward", "step")
+                },
+            }
+            for s in cfg["schedules"]
+        },
         "wall_s": max(r["wall_s"] for r in rank_results),
     }
     if first.get("profile"):
@@ -196,16 +201,32 @@ def predictions(doc: dict) -> Dict[str, dict]:
             per_round = []
             try:
                 for r in solved:  # each round solves its own schedule; the rounds time as many iterations each
-                    plan = build_plan(dense.params, r["buffer_size"], dense.world, "deft",
-                                      partition_size=r["deft"]["partition_size"], groups=r.get("groups"))
-                    per_round.append(simulate_deft(dense, plan, schedule_from_json(r["deft"]["schedule"]),
-                                                   reduction=r["deft"]["reduction"],
-                                                   apply=r["deft"].get("apply", "group")))
+                    plan = build_plan(
+                        dense.params,
+                        r["buffer_size"],
+                        dense.world,
+                        "deft",
+                        partition_size=r["deft"]["partition_size"],
+                        groups=r.get("groups"),
+                    )
+                    per_round.append(
+                        simulate_deft(
+                            dense,
+                            plan,
+                            schedule_from_json(r["deft"]["schedule"]),
+                            reduction=r["deft"]["reduction"],
+                            apply=r["deft"].get("apply", "group"),
+                        )
+                    )
             except (UsageError, ValueError):
                 continue
             mean = lambda f: sum(f(p) for p in per_round) / len(per_round)  # noqa: E731
-            out[name] = {"iter": mean(lambda p: p.iteration), "forward": mean(lambda p: p.forward),
-                         "backward": mean(lambda p: p.backward), "step": mean(lambda p: p.step)}
+            out[name] = {
+                "iter": mean(lambda p: p.iteration),
+                "forward": mean(lambda p: p.forward),
+                "backward": mean(lambda p: p.backward),
+                "step": mean(lambda p: p.step),
+            }
             continue
         knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
         knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
@@ -235,7 +256,7 @@ def _round_means(paced: List[float], per_round: List[int]) -> List[float]:
     runner's extra warm-up for such schedules (:data:`~dearopt.bench.runner.DELAYED_WARMUP_PERIODS`)."""
     out, start = [], 0
     for count in per_round:
-        block = paced[start:start + count]
+        block = paced[start : start + count]
         start += count
         if block:
             out.append(sum(block) / len(block))
@@ -257,16 +278,18 @@ def derive(doc: dict) -> dict:
         paced = _paced(row["samples"], _per_round(doc))
         t, t_min = (statistics.median(paced), min(paced)) if paced else (math.nan, math.nan)
         rounds = _round_means(paced, _per_round(doc))
-        row.update({
-            "round_times": rounds,
-            "iter_time_rounds": statistics.median(rounds) if rounds else math.nan,
-            "iter_time": t,
-            "samples_per_s": doc["global_batch"] / t,
-            "bound": bound(s, doc["parts"]),
-            "bound_formula": BOUND_FORMULAS.get(base_schedule(s), BOUND_FORMULAS["wfbp"]),
-            "iter_time_min": t_min,
-            "bound_min": bound(s, doc["parts_min"]),
-        })
+        row.update(
+            {
+                "round_times": rounds,
+                "iter_time_rounds": statistics.median(rounds) if rounds else math.nan,
+                "iter_time": t,
+                "samples_per_s": doc["global_batch"] / t,
+                "bound": bound(s, doc["parts"]),
+                "bound_formula": BOUND_FORMULAS.get(base_schedule(s), BOUND_FORMULAS["wfbp"]),
+                "iter_time_min": t_min,
+                "bound_min": bound(s, doc["parts_min"]),
+            }
+        )
         row["fraction_of_bound"] = row["bound"] / t
         row["fraction_of_bound_min"] = row["bound_min"] / t_min
         if "phase_samples" in row:
@@ -305,10 +328,16 @@ def source() -> dict:
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "dearopt"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "dearopt"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split("\n")
         return {"commit": head, "dirty_files": [line[3:] for line in dirty if line.strip()]}
     except Exception as exc:  # not a git checkout
         return {"commit": None, "error": str(exc)}
@@ -317,9 +346,15 @@ def source() -> dict:
 def machine() -> dict:
     import torch
 
-    return {"cores": os.cpu_count(), "arch": platform.machine(), "torch": torch.__version__,
-            "python": platform.python_version(), "backend": "gloo", "threads_per_rank": 1,
-            "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    return {
+        "cores": os.cpu_count(),
+        "arch": platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backend": "gloo",
+        "threads_per_rank": 1,
+        "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
 
 
 def table(doc: dict) -> str:
@@ -336,37 +371,63 @@ def table(doc: dict) -> str:
     for s, r in doc["schedules"].items():
         sp = f"{r['speedup_vs_ddp']:.3f}x" if r["speedup_vs_ddp"] is not None else "-"
         ph = r["phases"]
-        lines.append(f"{s:<14}{r['iter_time']:>9.3f}{r['samples_per_s']:>11.2f}{sp:>8}{r['bound']:>10.3f}"
-                     f"{r['fraction_of_bound']:>9.3f}{ph['forward']:>9.3f}{ph['backward']:>9.3f}{ph['step']:>9.3f}"
-                     f"  {r['bound_formula']}")
+        lines.append(
+            f"{s:<14}{r['iter_time']:>9.3f}{r['samples_per_s']:>11.2f}{sp:>8}{r['bound']:>10.3f}"
+            f"{r['fraction_of_bound']:>9.3f}{ph['forward']:>9.3f}{ph['backward']:>9.3f}{ph['step']:>9.3f}"
+            f"  {r['bound_formula']}"
+        )
     o = doc.get("overlap") or {}
     if o:
-        lines.append("compute while communicating [s]: " + "  ".join(f"{k} {v:.3f}" for k, v in o.items()) +
-                     "   (ideal: max of the two parts)")
+        lines.append(
+            "compute while communicating [s]: "
+            + "  ".join(f"{k} {v:.3f}" for k, v in o.items())
+            + "   (ideal: max of the two parts)"
+        )
     if "parts_min" in doc:
         m = doc["parts_min"]
-        lines.append(f"minimum (best sample; other load only adds time): parts t_ff {m['t_ff']:.3f}  "
-                     f"t_bp {m['t_bp']:.3f}  "
-                     f"t_ar {m['t_ar']:.3f}  t_rs {m['t_rs']:.3f}  t_ag {m['t_ag']:.3f}; " +
-                     "; ".join(f"{s} {r['iter_time_min']:.3f}s {r['speedup_vs_ddp_min']:.3f}x "
-                               f"{r['fraction_of_bound_min']:.3f} of bound"
-                               for s, r in doc["schedules"].items() if r.get("speedup_vs_ddp_min")))
+        lines.append(
+            f"minimum (best sample; other load only adds time): parts t_ff {m['t_ff']:.3f}  "
+            f"t_bp {m['t_bp']:.3f}  "
+            f"t_ar {m['t_ar']:.3f}  t_rs {m['t_rs']:.3f}  t_ag {m['t_ag']:.3f}; "
+            + "; ".join(
+                f"{s} {r['iter_time_min']:.3f}s {r['speedup_vs_ddp_min']:.3f}x "
+                f"{r['fraction_of_bound_min']:.3f} of bound"
+                for s, r in doc["schedules"].items()
+                if r.get("speedup_vs_ddp_min")
+            )
+        )
     if any(r.get("speedup_vs_ddp_rounds") and math.isfinite(r["iter_time_rounds"]) for r in doc["schedules"].values()):
-        lines.append("per round (the slowest rank's time for the round's iterations / their number; median over "
-                     f"{doc.get('rounds', 1)} rounds): " +
-                     "; ".join(f"{s} {r['iter_time_rounds']:.3f}s {r['speedup_vs_ddp_rounds']:.3f}x"
-                               for s, r in doc["schedules"].items() if r.get("speedup_vs_ddp_rounds")))
+        lines.append(
+            "per round (the slowest rank's time for the round's iterations / their number; median over "
+            f"{doc.get('rounds', 1)} rounds): "
+            + "; ".join(
+                f"{s} {r['iter_time_rounds']:.3f}s {r['speedup_vs_ddp_rounds']:.3f}x"
+                for s, r in doc["schedules"].items()
+                if r.get("speedup_vs_ddp_rounds")
+            )
+        )
     if any("predicted" in r for r in doc["schedules"].values()):
-        lines.append("dearopt.sim from the profile of this run: " + "; ".join(
-            f"{s} predicted {r['predicted']['iter']:.3f}s (measured {r['iter_time']:.3f}s, error "
-            f"{100 * r['prediction_error']:+.1f}%)" for s, r in doc["schedules"].items() if "predicted" in r))
+        lines.append(
+            "dearopt.sim from the profile of this run: "
+            + "; ".join(
+                f"{s} predicted {r['predicted']['iter']:.3f}s (measured {r['iter_time']:.3f}s, error "
+                f"{100 * r['prediction_error']:+.1f}%)"
+                for s, r in doc["schedules"].items()
+                if "predicted" in r
+            )
+        )
     if "idle_window" in doc and any("bound_exact" in r for r in doc["schedules"].values()):
         w = doc["idle_window"]
-        lines.append(f"exact schedules leave the link idle {w['seconds']:.3f}s per iteration (forward from the last "
-                     f"module with parameters and the loss {w['forward_tail']:.3f}s, backward until the first "
-                     f"gradient {w['first_gradient']:.3f}s): " + "; ".join(
-                         f"{s} {r['fraction_of_bound_exact']:.3f} of max(Eq. 7, t_ag + t_rs + idle) = "
-                         f"{r['bound_exact']:.3f}s" for s, r in doc["schedules"].items() if "bound_exact" in r))
+        lines.append(
+            f"exact schedules leave the link idle {w['seconds']:.3f}s per iteration (forward from the last "
+            f"module with parameters and the loss {w['forward_tail']:.3f}s, backward until the first "
+            f"gradient {w['first_gradient']:.3f}s): "
+            + "; ".join(
+                f"{s} {r['fraction_of_bound_exact']:.3f} of max(Eq. 7, t_ag + t_rs + idle) = {r['bound_exact']:.3f}s"
+                for s, r in doc["schedules"].items()
+                if "bound_exact" in r
+            )
+        )
     if "targets" in doc:
         lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in doc["targets"].items()))
     return "\n".join(lines)
@@ -376,34 +437,48 @@ def markdown(doc: dict) -> str:
     """The tables of docs/benchmarks.md for one results.json."""
     p, m = doc["parts"], doc.get("parts_min", {})
     n_iter = len(next(iter(doc["schedules"].values()))["samples"][0])
-    out = [f"**{doc['describe']}**, {doc['params'] / 1e6:.1f} M params, {doc['ranks']} ranks, link **{doc['link']}**, "
-           f"{len(doc['buckets_bytes'])} buckets; {n_iter} timed iterations per schedule in {doc['rounds']} "
-           f"interleaved rounds (commit {doc.get('source', {}).get('commit')}"
-           f"{' + working-tree edits' if doc.get('source', {}).get('dirty_files') else ''}; "
-           f"load average at the end {', '.join(f'{x:.1f}' for x in (doc['machine'].get('loadavg_at_end') or []))})",
-           "",
-           "| part | median [s] | min [s] |", "|---|---:|---:|"]
+    out = [
+        f"**{doc['describe']}**, {doc['params'] / 1e6:.1f} M params, {doc['ranks']} ranks, link **{doc['link']}**, "
+        f"{len(doc['buckets_bytes'])} buckets; {n_iter} timed iterations per schedule in {doc['rounds']} "
+        f"interleaved rounds (commit {doc.get('source', {}).get('commit')}"
+        f"{' + working-tree edits' if doc.get('source', {}).get('dirty_files') else ''}; "
+        f"load average at the end {', '.join(f'{x:.1f}' for x in (doc['machine'].get('loadavg_at_end') or []))})",
+        "",
+        "| part | median [s] | min [s] |",
+        "|---|---:|---:|",
+    ]
     for k in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag"):
         out.append(f"| {k} | {p[k]:.3f} | {m.get(k, math.nan):.3f} |")
     for k, v in (doc.get("overlap") or {}).items():
         out.append(f"| {k.replace('||', ' ∥ ')} (diagnostic) | {v:.3f} | |")
-    out += ["", "| schedule | iter [s] | samples/s | vs DDP | bound [s] | of bound | iter min [s] | vs DDP (min) "
-                "| of bound (min) | fwd / bwd / step [s] |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out += [
+        "",
+        "| schedule | iter [s] | samples/s | vs DDP | bound [s] | of bound | iter min [s] | vs DDP (min) "
+        "| of bound (min) | fwd / bwd / step [s] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for s, r in doc["schedules"].items():
         ph = r.get("phases", {})
         vs_ddp = f"{r['speedup_vs_ddp']:.3f}x" if r.get("speedup_vs_ddp") else "-"  # no ddp in this run
         vs_ddp_min = f"{r['speedup_vs_ddp_min']:.3f}x" if r.get("speedup_vs_ddp_min") else "-"
-        out.append(f"| {s} | {r['iter_time']:.3f} | {r['samples_per_s']:.2f} | {vs_ddp} | "
-                   f"{r['bound']:.3f} | {r['fraction_of_bound']:.3f} | {r.get('iter_time_min', math.nan):.3f} | "
-                   f"{vs_ddp_min} | {r.get('fraction_of_bound_min', math.nan):.3f} | "
-                   f"{ph.get('forward', math.nan):.2f} / {ph.get('backward', math.nan):.2f} / "
-                   f"{ph.get('step', math.nan):.2f} |")
+        out.append(
+            f"| {s} | {r['iter_time']:.3f} | {r['samples_per_s']:.2f} | {vs_ddp} | "
+            f"{r['bound']:.3f} | {r['fraction_of_bound']:.3f} | {r.get('iter_time_min', math.nan):.3f} | "
+            f"{vs_ddp_min} | {r.get('fraction_of_bound_min', math.nan):.3f} | "
+            f"{ph.get('forward', math.nan):.2f} / {ph.get('backward', math.nan):.2f} / "
+            f"{ph.get('step', math.nan):.2f} |"
+        )
     for s, rounds in (doc.get("plans") or {}).items():
         if any(r["measured"] for r in rounds):
-            out += ["", f"`{s}`'s measured choice per round (steps/s of each rule; kept): " + "; ".join(
-                ", ".join(f"{rule!r} {t:.3f}" for rule, t in r["measured"]) + f" -> {r['kept']!r} "
-                f"({len(r['allreduce'])}/{r['buckets']} buckets all-reduced)" for r in rounds)]
+            out += [
+                "",
+                f"`{s}`'s measured choice per round (steps/s of each rule; kept): "
+                + "; ".join(
+                    ", ".join(f"{rule!r} {t:.3f}" for rule, t in r["measured"]) + f" -> {r['kept']!r} "
+                    f"({len(r['allreduce'])}/{r['buckets']} buckets all-reduced)"
+                    for r in rounds
+                ),
+            ]
     return "\n".join(out)
 
 
@@ -434,8 +509,11 @@ def have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("[bench] note: matplotlib is not installed, so no chart.png/timeline.png was drawn; the numbers are in "
-              "results.json and table.txt (pip install matplotlib, then --rerender DIR)", file=sys.stderr)
+        print(
+            "[bench] note: matplotlib is not installed, so no chart.png/timeline.png was drawn; the numbers are in "
+            "results.json and table.txt (pip install matplotlib, then --rerender DIR)",
+            file=sys.stderr,
+        )
         return False
     return True
 
@@ -450,13 +528,23 @@ def chart(doc: dict, path: str) -> None:
     rows = [doc["schedules"][n] for n in names]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     xs = range(len(names))
-    ax.bar(xs, [r["iter_time"] for r in rows], color=["#888" if n == "ddp" else "#3a7" if n == "dear" else "#48c"
-                                                      for n in names], label="measured")
+    ax.bar(
+        xs,
+        [r["iter_time"] for r in rows],
+        color=["#888" if n == "ddp" else "#3a7" if n == "dear" else "#48c" for n in names],
+        label="measured",
+    )
     for x, r in zip(xs, rows):
         ax.hlines(r["bound"], x - 0.4, x + 0.4, colors="k", linestyles="--", label="bound" if x == 0 else None)
         sp = f"{r['speedup_vs_ddp']:.2f}x ddp\n" if r["speedup_vs_ddp"] else ""
-        ax.text(x, r["iter_time"], f"{r['iter_time']:.3g}s\n{sp}{r['fraction_of_bound']:.2f} of bound",
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            x,
+            r["iter_time"],
+            f"{r['iter_time']:.3g}s\n{sp}{r['fraction_of_bound']:.2f} of bound",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("iteration time [s] (median)")
     top = max(max(r["iter_time"], r["bound"]) for r in rows)
@@ -475,11 +563,22 @@ def chart(doc: dict, path: str) -> None:
 
 
 # ------------------------------------------------------------------ timeline
-_COLORS = {"forward": "#e9a23b", "loss.backward()": "#d1603d", "opt.step()": "#999999",
-           "backward": "#f0b49e", "update": "#6a4c93", "step": "#cccccc",
-           "wait reduce": "#bbbbbb", "wait all_gather": "#bbbbbb", "reduce": "#1982c4", "reduce_scatter": "#1982c4",
-           "all_reduce": "#1982c4",
-           "all_gather": "#8ac926", "predicted reduce_scatter": "#a8d1ef", "predicted all_reduce": "#a8d1ef"}
+_COLORS = {
+    "forward": "#e9a23b",
+    "loss.backward()": "#d1603d",
+    "opt.step()": "#999999",
+    "backward": "#f0b49e",
+    "update": "#6a4c93",
+    "step": "#cccccc",
+    "wait reduce": "#bbbbbb",
+    "wait all_gather": "#bbbbbb",
+    "reduce": "#1982c4",
+    "reduce_scatter": "#1982c4",
+    "all_reduce": "#1982c4",
+    "all_gather": "#8ac926",
+    "predicted reduce_scatter": "#a8d1ef",
+    "predicted all_reduce": "#a8d1ef",
+}
 
 
 def load_trace(path: str) -> List[dict]:
@@ -542,8 +641,13 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None, sch
             y = r * pitch + lanes[lane]
             s0 = max(e["ts"], start) - start
             s1 = min(e["ts"] + e["dur"], end) - start
-            ax.broken_barh([(s0 / 1e6, max(s1 - s0, 1.0) / 1e6)], (y, 0.3),
-                           facecolors=_COLORS.get(name, "#444"), edgecolors="k", linewidth=0.3)
+            ax.broken_barh(
+                [(s0 / 1e6, max(s1 - s0, 1.0) / 1e6)],
+                (y, 0.3),
+                facecolors=_COLORS.get(name, "#444"),
+                edgecolors="k",
+                linewidth=0.3,
+            )
             b = e.get("args", {}).get("bucket")
             if b is not None and lane in ("comm", "predicted") and (s1 - s0) / (end - start) > 0.04:
                 ax.text((s0 + s1) / 2e6, y + 0.15, str(b), ha="center", va="center", fontsize=6)
@@ -552,12 +656,23 @@ def render_timeline(paths: List[str], out: str, which: Optional[int] = None, sch
             labels.append(f"rank {r} " + {"compute": "benchmark", "detail": "dearopt"}.get(lane, lane))
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlabel("seconds from the iteration's start (each rank on its own clock); comm labels: bucket")
-    ax.set_title(f"{schedule}, iteration {index}: benchmark calls; dearopt's backward (from the first gradient), step, "
-                 f"waits, updates; collectives (start to completion as seen by the waiting side)", fontsize=9)
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()
-                       if n not in ("wait all_gather", "all_reduce", "reduce", "predicted all_reduce")
-                       and (predicted or not n.startswith("predicted"))], fontsize=7, ncol=8, loc="upper center",
-              bbox_to_anchor=(0.5, -0.25))
+    ax.set_title(
+        f"{schedule}, iteration {index}: benchmark calls; dearopt's backward (from the first gradient), step, "
+        f"waits, updates; collectives (start to completion as seen by the waiting side)",
+        fontsize=9,
+    )
+    ax.legend(
+        handles=[
+            Patch(color=c, label=n)
+            for n, c in _COLORS.items()
+            if n not in ("wait all_gather", "all_reduce", "reduce", "predicted all_reduce")
+            and (predicted or not n.startswith("predicted"))
+        ],
+        fontsize=7,
+        ncol=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25),
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -579,8 +694,11 @@ def summary(docs: List[dict]) -> str:
     names: List[str] = []
     for doc in docs:
         names += [n for n in doc["schedules"] if n not in names]
-    head = ("| model | link | ranks | CR | " + " | ".join(f"{n} [s]" for n in names)
-            + " | dear vs DDP | dear of Eq. 7 bound | dear's all-reduced buckets |")
+    head = (
+        "| model | link | ranks | CR | "
+        + " | ".join(f"{n} [s]" for n in names)
+        + " | dear vs DDP | dear of Eq. 7 bound | dear's all-reduced buckets |"
+    )
     lines = [head, "|---|---|---:|---:|" + "---:|" * (len(names) + 3)]
     for doc in docs:
         rows = doc["schedules"]
@@ -589,18 +707,29 @@ def summary(docs: List[dict]) -> str:
         vs = f"{dear['speedup_vs_ddp']:.3f}x" if dear and dear.get("speedup_vs_ddp") else "-"
         frac = f"{dear['fraction_of_bound']:.3f}" if dear else "-"
         cr = f"{doc['cr']:.2f}" if doc.get("cr") is not None else "-"
-        lines.append(f"| {_cell(doc)} | {doc['link']} | {doc['ranks']} | {cr} | " + " | ".join(cells)
-                     + f" | {vs} | {frac} | {plans_ran(doc)} |")
+        lines.append(
+            f"| {_cell(doc)} | {doc['link']} | {doc['ranks']} | {cr} | "
+            + " | ".join(cells)
+            + f" | {vs} | {frac} | {plans_ran(doc)} |"
+        )
     if any("predicted" in r for doc in docs for r in doc["schedules"].values()):
-        lines += ["", "dearopt.sim's prediction from the profile recorded in the same run, against the measured "
-                      "median (error = predicted / measured - 1):", "",
-                  "| model | link | ranks | " + " | ".join(f"{n}: predicted / measured [s] (error)" for n in names)
-                  + " |", "|---|---|---:|" + "---|" * len(names)]
+        lines += [
+            "",
+            "dearopt.sim's prediction from the profile recorded in the same run, against the measured "
+            "median (error = predicted / measured - 1):",
+            "",
+            "| model | link | ranks | " + " | ".join(f"{n}: predicted / measured [s] (error)" for n in names) + " |",
+            "|---|---|---:|" + "---|" * len(names),
+        ]
         for doc in docs:
             rows = doc["schedules"]
-            cells = [f"{rows[n]['predicted']['iter']:.3f} / {rows[n]['iter_time']:.3f} "
-                     f"({100 * rows[n]['prediction_error']:+.1f}%)" if "predicted" in rows.get(n, {}) else "-"
-                     for n in names]
+            cells = [
+                f"{rows[n]['predicted']['iter']:.3f} / {rows[n]['iter_time']:.3f} "
+                f"({100 * rows[n]['prediction_error']:+.1f}%)"
+                if "predicted" in rows.get(n, {})
+                else "-"
+                for n in names
+            ]
             lines.append(f"| {_cell(doc)} | {doc['link']} | {doc['ranks']} | " + " | ".join(cells) + " |")
         lines += ["", prediction_tally(docs)]
     return "\n".join(lines)
@@ -609,11 +738,17 @@ def summary(docs: List[dict]) -> str:
 def prediction_tally(docs: List[dict]) -> str:
     """How many of the runs' predictions fall within 10 % and 5 % of the measured medians, and the largest
     error with its schedule and run (the issue's criterion is 10 % for every schedule and cell)."""
-    errors = [(row["prediction_error"], name, doc) for doc in docs for name, row in doc["schedules"].items()
-              if "prediction_error" in row]
+    errors = [
+        (row["prediction_error"], name, doc)
+        for doc in docs
+        for name, row in doc["schedules"].items()
+        if "prediction_error" in row
+    ]
     if not errors:
         return "no predictions"
     worst, name, doc = max(errors, key=lambda e: abs(e[0]))
     within = lambda limit: sum(abs(e) <= limit for e, _, _ in errors)  # noqa: E731
-    return (f"{within(0.10)} of {len(errors)} predictions within 10 %, {within(0.05)} within 5 %; the largest "
-            f"error {100 * worst:+.1f}% ({name}, {_cell(doc)}, {doc['link']}, {doc['ranks']} ranks)")
+    return (
+        f"{within(0.10)} of {len(errors)} predictions within 10 %, {within(0.05)} within 5 %; the largest "
+        f"error {100 * worst:+.1f}% ({name}, {_cell(doc)}, {doc['link']}, {doc['ranks']} ranks)"
+    )

@@ -127,8 +127,11 @@ class _Runner:
             base, extra = variant(schedule)
             policy = dearopt.schedules.get_schedule(base)
             own = {k: v for k, v in extra.items() if k in policy.knob_names()}  # the schedule object's knobs
-            knobs = {"buffer_size": int(cfg["bucket_mb"] * 2**20), "timeline": timeline_path,
-                     **{k: v for k, v in extra.items() if k not in own}}
+            knobs = {
+                "buffer_size": int(cfg["bucket_mb"] * 2**20),
+                "timeline": timeline_path,
+                **{k: v for k, v in extra.items() if k not in own},
+            }
             with warnings.catch_warnings():  # tuning_steps (dear-tuned): 3 steps per trial of the default tuner
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.opt = dearopt.DistOptim(inner, model, schedule=policy.with_knobs(**own), **knobs)
@@ -184,8 +187,7 @@ DELAYED_WARMUP_PERIODS = 4
 gets: its backlog of sends still running from earlier iterations reaches its steady size first."""
 
 
-def timed_samples(step: Callable, batches: Sequence, first: int, count: int, period: int = 1
-                  ) -> Dict[str, List[float]]:
+def timed_samples(step: Callable, batches: Sequence, first: int, count: int, period: int = 1) -> Dict[str, List[float]]:
     """``count`` samples of ``step(x, y)`` (a dict of seconds per part), on the batches from position ``first``
     on; with ``period`` above 1, each sample is the mean of ``period`` consecutive steps (any window of a whole
     period holds each of its iterations once)."""
@@ -334,6 +336,7 @@ def run_rank(cfg: dict) -> dict:
     schedules = cfg["schedules"]
     t_start = time.perf_counter()
     from .report import source
+
     code = source() if rank == 0 else None  # the commit these processes imported, not the one at the end
     parts = _Parts(cfg, world, backend)
     batches = [parts.workload.make_batch(1000 * rank + i) for i in range(cfg["distinct_batches"])]
@@ -342,17 +345,25 @@ def run_rank(cfg: dict) -> dict:
     if cfg.get("profile"):
         from dearopt.sim import record_profile
 
-        _log(rank, "recording a profile for dearopt.sim (per-module times, gradient ready times, collective fits, "
-                   "contention)")
+        _log(
+            rank,
+            "recording a profile for dearopt.sim (per-module times, gradient ready times, collective fits, contention)",
+        )
         model, wl = parts.workload.model, parts.workload
         x, y = batches[0]
-        profile = record_profile(model, lambda: wl.loss(model(x), y),
-                                 torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9),
-                                 link=os.environ.get("DEAROPT_SHAPED_RATE", "unshaped loopback"),
-                                 bucket_bytes=int(cfg["bucket_mb"] * 2**20)).to_json()
-    _log(rank, f"{parts.workload.describe}; {parts.workload.n_params() / 1e6:.2f} M params, "
-               f"{len(parts.plan.buckets)} buckets of <= {cfg['bucket_mb']} MiB; "
-               + ("building a model per schedule and round" if rebuild else f"building {len(schedules)} models"))
+        profile = record_profile(
+            model,
+            lambda: wl.loss(model(x), y),
+            torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9),
+            link=os.environ.get("DEAROPT_SHAPED_RATE", "unshaped loopback"),
+            bucket_bytes=int(cfg["bucket_mb"] * 2**20),
+        ).to_json()
+    _log(
+        rank,
+        f"{parts.workload.describe}; {parts.workload.n_params() / 1e6:.2f} M params, "
+        f"{len(parts.plan.buckets)} buckets of <= {cfg['bucket_mb']} MiB; "
+        + ("building a model per schedule and round" if rebuild else f"building {len(schedules)} models"),
+    )
     runners = {}
 
     def runner_for(s, r):
@@ -409,63 +420,99 @@ def run_rank(cfg: dict) -> dict:
                 samples[s][k].extend(v)
             choice = getattr(runner.opt, "plan_choice", None)
             if choice is not None and choice.history:
-                _log(rank, f"  {s:>5}: measured plans (steps/s): "
-                           + ", ".join(f"{plan_label(k)} {t:.3f}" for k, t in choice.history)
-                           + f"; kept {plan_label(choice.current)}")
+                _log(
+                    rank,
+                    f"  {s:>5}: measured plans (steps/s): "
+                    + ", ".join(f"{plan_label(k)} {t:.3f}" for k, t in choice.history)
+                    + f"; kept {plan_label(choice.current)}",
+                )
             traffic = getattr(runner.opt, "sparse_traffic", None)
             if traffic is not None and r == 0:
-                _log(rank, f"  {s:>5}: on the wire (rank 0, last step, elements): {traffic['values']} values into "
-                           f"all-reduces, {traffic['indices']} indices selected, {traffic['received']} selections "
-                           f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent")
+                _log(
+                    rank,
+                    f"  {s:>5}: on the wire (rank 0, last step, elements): {traffic['values']} values into "
+                    f"all-reduces, {traffic['indices']} indices selected, {traffic['received']} selections "
+                    f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent",
+                )
             if deft is not None and (rebuild or r == 0):  # a new optimizer (and schedule) per round with rebuild
                 split = [round(x / 2**20, 2) for x in runner.opt.deft_repartitions]
-                _log(rank, f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
-                           f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets sent in "
-                           f"{deft.buckets} pieces" + (f" (re-partitioned to {split} MiB)" if split else "")
-                           + f", summed by {runner.opt.deft_reduction}")
+                _log(
+                    rank,
+                    f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
+                    f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets sent in "
+                    f"{deft.buckets} pieces"
+                    + (f" (re-partitioned to {split} MiB)" if split else "")
+                    + f", summed by {runner.opt.deft_reduction}",
+                )
                 if deft.mu is not None:
                     _log(rank, f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
                 times = runner.opt.deft_times
                 if times is not None:
-                    _log(rank, f"  {s:>5}: solved from forward {sum(times['forward']):.3f}s, backward "
-                               f"{sum(times['backward']):.3f}s of compute and {sum(times['comm']):.3f}s of reductions")
+                    _log(
+                        rank,
+                        f"  {s:>5}: solved from forward {sum(times['forward']):.3f}s, backward "
+                        f"{sum(times['backward']):.3f}s of compute and {sum(times['comm']):.3f}s of reductions",
+                    )
                 kept = runner.opt.deft_preserved
                 if kept is not None:
-                    _log(rank, f"  {s:>5}: Preserver: ratio {kept.ratio:.4f}, capacities x{kept.capacity_factor:.3g} "
-                               f"after {kept.resolves} re-solves, {'passed' if kept.passed else 'FAILED'}")
+                    _log(
+                        rank,
+                        f"  {s:>5}: Preserver: ratio {kept.ratio:.4f}, capacities x{kept.capacity_factor:.3g} "
+                        f"after {kept.resolves} re-solves, {'passed' if kept.passed else 'FAILED'}",
+                    )
                     given = kept.inputs or {}
-                    _log(rank, f"  {s:>5}: Preserver's inputs: loss {given.get('loss', math.nan):.4g}, drift "
-                               f"{given.get('drift', math.nan):.4g} and noise "
-                               f"{given.get('noise', math.nan):.4g} per step; solves (capacities: updates "
-                               f"per step, ratio): " + "; ".join(f"x{f:.3g}: {u:.2f}, {r:.4f}"
-                                                                  for f, u, r, _ in kept.tried))
+                    _log(
+                        rank,
+                        f"  {s:>5}: Preserver's inputs: loss {given.get('loss', math.nan):.4g}, drift "
+                        f"{given.get('drift', math.nan):.4g} and noise "
+                        f"{given.get('noise', math.nan):.4g} per step; solves (capacities: updates "
+                        f"per step, ratio): " + "; ".join(f"x{f:.3g}: {u:.2f}, {r:.4f}" for f, u, r, _ in kept.tried),
+                    )
             runner.settle()
             plan = getattr(runner.opt, "plan", None)
             if plan is not None:
-                plans.setdefault(s, []).append({
-                    "allreduce": list(plan.allreduce), "buckets": len(plan.buckets), "buffer_size": plan.buffer_size,
-                    "groups": [list(b.params) for b in plan.buckets],
-                    "measured": [[_rule(k), t] for k, t in choice.history] if choice is not None else [],
-                    "kept": _rule(choice.current) if choice is not None else None})
+                plans.setdefault(s, []).append(
+                    {
+                        "allreduce": list(plan.allreduce),
+                        "buckets": len(plan.buckets),
+                        "buffer_size": plan.buffer_size,
+                        "groups": [list(b.params) for b in plan.buckets],
+                        "measured": [[_rule(k), t] for k, t in choice.history] if choice is not None else [],
+                        "kept": _rule(choice.current) if choice is not None else None,
+                    }
+                )
                 if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
                     from dearopt.sim.deft import schedule_to_json
 
                     kept = runner.opt.deft_preserved
                     plans[s][-1]["deft"] = {
-                        "schedule": schedule_to_json(deft), "partition_size": plan.partition_size,
-                        "pieces": deft.buckets, "updates_per_step": deft.updates_per_iteration,
-                        "period": len(deft.period), "repartitions": runner.opt.deft_repartitions,
-                        "reduction": runner.opt.deft_reduction, "times": runner.opt.deft_times,
+                        "schedule": schedule_to_json(deft),
+                        "partition_size": plan.partition_size,
+                        "pieces": deft.buckets,
+                        "updates_per_step": deft.updates_per_iteration,
+                        "period": len(deft.period),
+                        "repartitions": runner.opt.deft_repartitions,
+                        "reduction": runner.opt.deft_reduction,
+                        "times": runner.opt.deft_times,
                         "apply": runner.opt._executor.rounds.apply_mode,
-                        "preserver": None if kept is None else {"ratio": kept.ratio, "factor": kept.capacity_factor,
-                                                                "resolves": kept.resolves, "passed": kept.passed,
-                                                                "tried": [list(t) for t in kept.tried],
-                                                                "inputs": dict(kept.inputs or {})}}
+                        "preserver": None
+                        if kept is None
+                        else {
+                            "ratio": kept.ratio,
+                            "factor": kept.capacity_factor,
+                            "resolves": kept.resolves,
+                            "passed": kept.passed,
+                            "tried": [list(t) for t in kept.tried],
+                            "inputs": dict(kept.inputs or {}),
+                        },
+                    }
             if plan is not None and plan.allreduce:
                 _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
             if plan is not None and getattr(runner.opt, "tuning", None) is not None:
-                _log(rank, f"  {s:>5}: tuned buffer_size {plan.buffer_size / 2**20:.1f} MiB "
-                           f"({len(plan.buckets)} buckets)")
+                _log(
+                    rank,
+                    f"  {s:>5}: tuned buffer_size {plan.buffer_size / 2**20:.1f} MiB ({len(plan.buckets)} buckets)",
+                )
             if plan is not None and base_schedule(s).startswith("prophet"):
                 sizes = [b.grad_numel * b.element_size / 2**20 for b in plan.buckets]
                 _log(rank, f"  {s:>5}: {len(sizes)} blocks from the profile, {min(sizes):.2f}-{max(sizes):.2f} MiB")
@@ -476,8 +523,11 @@ def run_rank(cfg: dict) -> dict:
             _barrier(backend)
             got = samples[s]["iter"]
             unit = f"periods of {period} iterations (their mean iterations)" if period > 1 else "iterations"
-            _log(rank, f"  {s:>5}: {len(got)} timed {unit}, median {_median(got):.3f}s "
-                       f"(this round: {', '.join(f'{v:.3f}' for v in got[-per_round[r]:]) if per_round[r] else '-'})")
+            _log(
+                rank,
+                f"  {s:>5}: {len(got)} timed {unit}, median {_median(got):.3f}s "
+                f"(this round: {', '.join(f'{v:.3f}' for v in got[-per_round[r] :]) if per_round[r] else '-'})",
+            )
     for runner in runners.values():
         runner.close()
     return {

@@ -39,8 +39,13 @@ DEFAULT_VARIANTS = "plain,ddp,wfbp,dear"
 GPU_SHAPES = {"resnet50": (32, 224), "bert": (8, 128), "tiny": (8, 16)}  # batch, image side or sequence length
 
 
-_SUFFIXES = {"sharded": {"shard_optimizer": True}, "native": {"comm_hook": None}, "fixed": {"allreduce": 0.0},
-             "dense": {"embedding_rows": False}, "": {}}
+_SUFFIXES = {
+    "sharded": {"shard_optimizer": True},
+    "native": {"comm_hook": None},
+    "fixed": {"allreduce": 0.0},
+    "dense": {"embedding_rows": False},
+    "": {},
+}
 
 
 def variant_options(variant: str) -> dict:
@@ -86,8 +91,7 @@ def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, flo
         for piece in b.pieces:
             shards += [t for t in (piece.gather_full, piece.gather_shard) if t is not None]
             wire += [t for t in (piece.wire_full, piece.wire_shard) if t is not None]
-    grads = [p.grad for p in params if p.grad is not None
-             and p.grad.untyped_storage().data_ptr() not in bucket_ptrs]
+    grads = [p.grad for p in params if p.grad is not None and p.grad.untyped_storage().data_ptr() not in bucket_ptrs]
     out["gradients"] = _mib(_tensor_bytes(grads, seen))
     out["buckets"] = _mib(_tensor_bytes(buckets, seen))
     out["shards"] = _mib(_tensor_bytes(shards, seen))
@@ -114,15 +118,21 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
         base = 0
     workload = build(args.model, args.batch_size, args.size, seed=args.seed)
     model = workload.model.to(device=device, dtype=args.dtype)
-    batches = [tuple(t.to(device=device, dtype=args.dtype) if t.is_floating_point() else t.to(device)
-                     for t in workload.make_batch(s)) for s in range(2)]
+    batches = [
+        tuple(
+            t.to(device=device, dtype=args.dtype) if t.is_floating_point() else t.to(device)
+            for t in workload.make_batch(s)
+        )
+        for s in range(2)
+    ]
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt, wrapped = inner, model
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
-                                          gradient_as_bucket_view=True)
+        wrapped = DistributedDataParallel(
+            model, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True
+        )
     elif variant != "plain":
         opt = dearopt.DistOptim(inner, model, **variant_options(variant))
 
@@ -149,8 +159,12 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
         host += time.perf_counter() - t0  # the host's time to issue the step (on CUDA it may run ahead)
     sync()
     seconds = (time.perf_counter() - start) / args.iterations
-    row = {"variant": variant, "iter_ms": seconds * 1e3, "host_ms": host / args.iterations * 1e3,
-           "base_mib": _mib(base)}
+    row = {
+        "variant": variant,
+        "iter_ms": seconds * 1e3,
+        "host_ms": host / args.iterations * 1e3,
+        "base_mib": _mib(base),
+    }
     if cuda:
         row["peak_mib"] = _mib(torch.cuda.max_memory_allocated(device))
         row["end_mib"] = _mib(torch.cuda.memory_allocated(device))
@@ -192,8 +206,9 @@ def _profile_and_predict(args, device: torch.device, ranks: List[int], link: str
     model = workload.model.to(device)
     x, y = (t.to(device) for t in workload.make_batch(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    profile = record_profile(model, lambda: workload.loss(model(x), y), opt, sizes=(2**16, 2**20), repeats=3,
-                             link="one device")
+    profile = record_profile(
+        model, lambda: workload.loss(model(x), y), opt, sizes=(2**16, 2**20), repeats=3, link="one device"
+    )
     if args.out:
         profile.save(os.path.join(args.out, f"profile-{args.model}.json"))
     if not profile.comm:  # one rank measured no collective: the link's bandwidth and the given latency per step
@@ -229,8 +244,7 @@ def child(args) -> int:
     else:
         torch.set_num_threads(args.threads)
     os.environ.pop("WORLD_SIZE", None)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     dearopt.init()  # joins the process group above
     out = {"model": args.model, "device": str(device), "dtype": str(args.dtype).replace("torch.", ""), "rows": []}
     if device.type == "cuda":
@@ -256,8 +270,12 @@ def table(doc: dict) -> str:
     ddp = next((r for r in rows if r["variant"] == "ddp" and "error" not in r), None)
     cuda = any("peak_mib" in r for r in rows)
     head = f"{doc['model']} ({doc.get('dtype', 'float32')}) on {doc.get('gpu', doc['device'])}, world size 1"
-    lines = [head, f"{'variant':<14}{'ms/iter':>9}{'host ms':>9}{'vs plain':>10}" +
-             (f"{'peak MiB':>10}{'vs ddp':>8}" if cuda else "") + "  breakdown MiB"]
+    lines = [
+        head,
+        f"{'variant':<14}{'ms/iter':>9}{'host ms':>9}{'vs plain':>10}"
+        + (f"{'peak MiB':>10}{'vs ddp':>8}" if cuda else "")
+        + "  breakdown MiB",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['variant']:<14}FAILED: {r['error']}")
@@ -274,8 +292,10 @@ def table(doc: dict) -> str:
         elif "syncs_per_step" in r:
             lines.append(f"{'':14}no host-device sync in a step")
     for p in doc.get("predictions", []):
-        lines.append(f"predicted on {p['ranks']} GPUs at {p['link']}: DDP (as wfbp) {p['ddp (as wfbp)']:.1f} ms, "
-                     f"dear {p['dear']:.1f} ms per iteration")
+        lines.append(
+            f"predicted on {p['ranks']} GPUs at {p['link']}: DDP (as wfbp) {p['ddp (as wfbp)']:.1f} ms, "
+            f"dear {p['dear']:.1f} ms per iteration"
+        )
     if doc.get("predictions_error"):
         lines.append(f"prediction failed: {doc['predictions_error']}")
     return "\n".join(lines)
@@ -288,15 +308,18 @@ def run(args, argv: List[str]) -> Optional[dict]:
     proc = subprocess.run(child_argv, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    sys.stderr.write(f"{args.model}: the measuring process failed (exit {proc.returncode})\n{proc.stdout[-3000:]}\n"
-                     f"{proc.stderr[-3000:]}\n")
+            return json.loads(line[len("RESULT ") :])
+    sys.stderr.write(
+        f"{args.model}: the measuring process failed (exit {proc.returncode})\n{proc.stdout[-3000:]}\n"
+        f"{proc.stderr[-3000:]}\n"
+    )
     return None
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dearopt.bench.single", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dearopt.bench.single", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="resnet50", choices=("resnet50", "bert", "tiny"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
@@ -306,9 +329,13 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first (dear profiles steps 1-3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the model's parameters (bfloat16: dear reduces in float32 by default; the variant "
-                        "dear-native reduces in bfloat16)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the model's parameters (bfloat16: dear reduces in float32 by default; the variant "
+        "dear-native reduces in bfloat16)",
+    )
     p.add_argument("--profile", action="store_true", help="record a sim profile; predict 8 and 64 GPUs")
     p.add_argument("--link", default="100gbit")
     p.add_argument("--latency", type=float, default=1e-5, help="seconds per collective step in the prediction")

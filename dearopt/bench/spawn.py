@@ -30,7 +30,7 @@ def bind_to_cores(local_rank: int, local_size: int) -> List[int]:
     cores = sorted(os.sched_getaffinity(0))
     per = max(len(cores) // local_size, 1)
     first = (local_rank * per) % len(cores)
-    mine = cores[first:first + per]
+    mine = cores[first : first + per]
     os.sched_setaffinity(0, mine)
     return mine
 
@@ -39,8 +39,16 @@ def _entry(fn, rank, world, port, threads, args, queue, parent, bind=False):
     _exit_with_parent(parent)
     if bind:
         bind_to_cores(rank, world)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+    )
     import torch
     import dearopt
 
@@ -54,15 +62,18 @@ def _entry(fn, rank, world, port, threads, args, queue, parent, bind=False):
         dearopt.shutdown()
 
 
-def spawn(fn: Callable, world_size: int, *args, threads: int = 1, timeout: float = 3600,
-          bind: bool = False) -> List[Any]:
+def spawn(
+    fn: Callable, world_size: int, *args, threads: int = 1, timeout: float = 3600, bind: bool = False
+) -> List[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks after ``dearopt.init()``; return rank results in order.
     ``bind``: each rank runs on its own cores (:func:`bind_to_cores`)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, queue, os.getpid(), bind))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, queue, os.getpid(), bind))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results = {}

@@ -87,8 +87,9 @@ class SyncBatchNorm(_torch.nn.SyncBatchNorm):
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
-        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
-                         track_running_stats=track_running_stats)
+        super().__init__(
+            num_features, eps=eps, momentum=momentum, affine=affine, track_running_stats=track_running_stats
+        )
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -100,21 +101,85 @@ class SyncBatchNorm(_torch.nn.SyncBatchNorm):
         if self.training and input.device.type == "cpu" and is_initialized() and size() > 1:
             raise NotImplementedError(
                 "hvd.SyncBatchNorm on CPU tensors is not supported by dearopt.horovod (torch's SyncBatchNorm "
-                "needs a GPU); use torch.nn.BatchNorm2d (per-rank statistics) on CPU")
+                "needs a GPU); use torch.nn.BatchNorm2d (per-rank statistics) on CPU"
+            )
         return super().forward(input)
+
 
 # the public names (what the API reference and tests/test_docstrings.py cover); a new export is added here too
 __all__ = [
-    "elastic", "Compression", "Compressor", "FP16Compressor", "NoneCompressor", "allgather_object", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "Adasum", "Average", "HorovodInternalError",
-    "HorovodJoinedError", "HorovodMismatchError", "HorovodNotInitializedError", "Max", "Min", "ProcessSet", "Product",
-    "Sum", "add_process_set", "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set",
-    "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
-    "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
-    "start_timeline", "stop_timeline", "synchronize", "DistributedOptimizer", "SyncBatchNorm"
+    "elastic",
+    "Compression",
+    "Compressor",
+    "FP16Compressor",
+    "NoneCompressor",
+    "allgather_object",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "Adasum",
+    "Average",
+    "HorovodInternalError",
+    "HorovodJoinedError",
+    "HorovodMismatchError",
+    "HorovodNotInitializedError",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+    "DistributedOptimizer",
+    "SyncBatchNorm",
 ]

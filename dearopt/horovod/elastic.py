@@ -174,9 +174,11 @@ class TorchState(ObjectState):
         self._commits += 1
         super().save()
         if self._dir is None:  # in memory only: a copy of this rank's model and optimizer
-            self._memory = {"model": copy.deepcopy(self.model.state_dict()),
-                            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                            "stateful": {k: copy.deepcopy(v.state_dict()) for k, v in self._stateful.items()}}
+            self._memory = {
+                "model": copy.deepcopy(self.model.state_dict()),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "stateful": {k: copy.deepcopy(v.state_dict()) for k, v in self._stateful.items()},
+            }
             return
         path = _checkpoint.step_path(self._dir, self._commits)
         _checkpoint.save(path, self.model, self.optimizer, extra=self._extra())
@@ -237,8 +239,9 @@ def run(func):
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         if not isinstance(state, State):
-            raise TypeError(f"hvd.elastic.run: the first argument must be a hvd.elastic.State, got "
-                            f"{type(state).__name__}")
+            raise TypeError(
+                f"hvd.elastic.run: the first argument must be a hvd.elastic.State, got {type(state).__name__}"
+            )
         if not runtime.is_initialized():
             raise UsageError("call hvd.init() before the function decorated with hvd.elastic.run")
         state.reset()

@@ -35,8 +35,9 @@ def broadcast_parameters(params, root_rank, prefix=None, process_set=mpi_ops.glo
         _functions.broadcast_parameters(items, root_rank=root_rank)
         return
     for _, value in items:  # a subset of the ranks: tensor by tensor on the set's communicator
-        mpi_ops.broadcast_(value.data if isinstance(value, torch.nn.Parameter) else value, root_rank,
-                           process_set=process_set)
+        mpi_ops.broadcast_(
+            value.data if isinstance(value, torch.nn.Parameter) else value, root_rank, process_set=process_set
+        )
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=mpi_ops.global_process_set) -> None:
@@ -69,8 +70,11 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name=None, process_set
     mpi_ops._check_process_set(process_set)
     if process_set.ranks is None:
         return _functions.broadcast_object(obj, root_rank=root_rank)
-    return _functions.broadcast_object(obj, root_rank=mpi_ops._set_rank(process_set, root_rank, "broadcast_object"),
-                                       backend=mpi_ops._set_backend(process_set))
+    return _functions.broadcast_object(
+        obj,
+        root_rank=mpi_ops._set_rank(process_set, root_rank, "broadcast_object"),
+        backend=mpi_ops._set_backend(process_set),
+    )
 
 
 def allgather_object(obj: Any, name=None, process_set=mpi_ops.global_process_set) -> List[Any]:
@@ -83,6 +87,6 @@ def allgather_object(obj: Any, name=None, process_set=mpi_ops.global_process_set
     gathered = mpi_ops.allgather(payload, process_set=process_set)
     out, offset = [], 0
     for n in sizes:
-        out.append(torch.load(io.BytesIO(gathered[offset:offset + n].numpy().tobytes()), weights_only=False))
+        out.append(torch.load(io.BytesIO(gathered[offset : offset + n].numpy().tobytes()), weights_only=False))
         offset += n
     return out

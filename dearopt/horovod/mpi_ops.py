@@ -28,20 +28,69 @@ from ..errors import NotInitializedError
 from .compression import Compression
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
-    "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "handle_average_backwards_compatibility", "HorovodInternalError", "HorovodMismatchError", "HorovodJoinedError",
-    "ProcessSet", "global_process_set",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_homogeneous",
+    "mpi_threads_supported",
+    "mpi_enabled",
+    "mpi_built",
+    "gloo_enabled",
+    "gloo_built",
+    "nccl_built",
+    "ddl_built",
+    "ccl_built",
+    "cuda_built",
+    "rocm_built",
+    "start_timeline",
+    "stop_timeline",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "handle_average_backwards_compatibility",
+    "HorovodInternalError",
+    "HorovodMismatchError",
+    "HorovodJoinedError",
+    "ProcessSet",
+    "global_process_set",
     "add_process_set",
     "remove_process_set",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async",
-    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
-    "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
-    "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize",
-    "join", "barrier",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "sparse_allreduce_async",
+    "allgather",
+    "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "poll",
+    "synchronize",
+    "join",
+    "barrier",
 ]
 
 
@@ -74,7 +123,8 @@ def init(comm=None, process_sets=None, *, backend: Optional[str] = None, timeout
     if comm is not None:
         raise NotImplementedError(
             "hvd.init(comm=...) is not supported: dearopt always runs on every launched process. Launch only "
-            "the processes that should take part (e.g. mpirun -np N) and call hvd.init()")
+            "the processes that should take part (e.g. mpirun -np N) and call hvd.init()"
+        )
     runtime.init(backend=backend, timeout=timeout)
     _channel(runtime.get_backend(), "data")  # every rank makes its side channels here, at the same point
     for ps in process_sets or ():
@@ -184,12 +234,14 @@ def gloo_enabled() -> bool:
 def gloo_built() -> bool:
     """True when torch.distributed has gloo."""
     import torch.distributed as dist
+
     return bool(dist.is_available() and dist.is_gloo_available())
 
 
 def nccl_built() -> int:
     """The NCCL version code (e.g. 21805 for 2.18.5) torch was built with, 0 without NCCL (as Horovod)."""
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_nccl_available()):
         return 0
     try:
@@ -226,13 +278,15 @@ def start_timeline(file_path, mark_cycles=False):
     """Not supported: raises ``NotImplementedError`` (use ``DistOptim(timeline=...)`` or ``DEAROPT_TIMELINE``)."""
     raise NotImplementedError(
         "hvd.start_timeline() is not supported: dearopt records a Chrome trace of its optimizer instead; pass "
-        "timeline='trace.json' to dearopt.DistOptim or set DEAROPT_TIMELINE=trace.json before starting")
+        "timeline='trace.json' to dearopt.DistOptim or set DEAROPT_TIMELINE=trace.json before starting"
+    )
 
 
 def stop_timeline():
     """Not supported: raises ``NotImplementedError`` (dearopt's trace runs for the whole job)."""
     raise NotImplementedError(
-        "hvd.stop_timeline() is not supported: dearopt's trace (DEAROPT_TIMELINE) runs for the whole job")
+        "hvd.stop_timeline() is not supported: dearopt's trace (DEAROPT_TIMELINE) runs for the whole job"
+    )
 
 
 # ---------------------------------------------------------------------- ops
@@ -249,8 +303,11 @@ def handle_average_backwards_compatibility(op, average):
             raise ValueError("The op parameter supersedes average. Please provide only one of them.")
         return op
     if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         return Average if average else Sum
     return Average
 
@@ -259,7 +316,8 @@ def _check_op(op, allowed=tuple(_BACKEND_OPS)):
     if op == Adasum:
         raise NotImplementedError(
             "op=hvd.Adasum is not supported by dearopt.horovod (no Adasum reduction is built); use op=hvd.Average "
-            "(the default), possibly with a larger learning rate as Horovod recommends for Average")
+            "(the default), possibly with a larger learning rate as Horovod recommends for Average"
+        )
     if op not in allowed:
         names = ", ".join(f"hvd.{_OP_NAMES[o]}" for o in allowed)
         raise ValueError(f"unknown or unsupported reduction op {op!r}; expected one of {names}")
@@ -279,7 +337,8 @@ class ProcessSet:
             self.ranks = None
         else:
             if not isinstance(ranks, (list, tuple, range)) or not all(
-                    isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                isinstance(r, int) and not isinstance(r, bool) for r in ranks
+            ):
                 raise ValueError(f"a process set is a list of ranks (ints), got {ranks!r}")
             if len(set(ranks)) != len(ranks):
                 raise ValueError(f"a process set lists each rank once, got {list(ranks)}")
@@ -346,8 +405,9 @@ def add_process_set(process_set) -> ProcessSet:
     main = runtime.get_backend()
     if not hasattr(main, "pg_backend"):
         raise NotImplementedError(f"process sets need a torch.distributed backend, this job runs {main.name}")
-    group = torch.distributed.new_group(ranks=ps.ranks, backend=main.pg_backend,
-                                        timeout=datetime.timedelta(seconds=main.timeout))
+    group = torch.distributed.new_group(
+        ranks=ps.ranks, backend=main.pg_backend, timeout=datetime.timedelta(seconds=main.timeout)
+    )
     ps.process_set_id = next(_set_ids)
     if rank() in ps.ranks:
         ps._backend = TorchDistBackend(ps.ranks.index(rank()), len(ps.ranks), main.timeout, group=group)
@@ -374,8 +434,11 @@ def remove_process_set(process_set) -> bool:
 
 
 def _check_process_set(process_set) -> None:
-    if process_set is None or process_set is global_process_set or (
-            isinstance(process_set, ProcessSet) and process_set.ranks is None):
+    if (
+        process_set is None
+        or process_set is global_process_set
+        or (isinstance(process_set, ProcessSet) and process_set.ranks is None)
+    ):
         return
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"process_set must be a hvd.ProcessSet, got {type(process_set).__name__}")
@@ -459,8 +522,10 @@ def _claim(name) -> None:
         if pending.name != name or pending.seen_done:
             continue
         if pending.mark == _activity or not all(w.is_completed() for w in pending.works):
-            raise ValueError(f"Duplicate name {name!r}: an operation with this name is still in flight; "
-                             f"synchronize it first or use another name")
+            raise ValueError(
+                f"Duplicate name {name!r}: an operation with this name is still in flight; "
+                f"synchronize it first or use another name"
+            )
 
 
 def _register(works, finish, keep=(), name=None, advance=None) -> int:
@@ -612,8 +677,9 @@ def _allreduce_start(tensor, output, op, prescale_factor, postscale_factor, what
     return [header_work], finish, advance
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set) -> int:
+def allreduce_async(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """Start reducing ``tensor`` over all ranks into a new tensor; returns a handle. ``tensor`` is not modified.
 
     ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``.
@@ -628,8 +694,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     return _register(works, finish, (tensor, output), name, advance)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set) -> int:
+def allreduce_async_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """As :func:`allreduce_async`, in place: ``synchronize`` returns ``tensor`` holding the result."""
     _claim(name)
     backend = _set_backend(process_set)
@@ -644,18 +711,42 @@ class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(allreduce_async(tensor, op=op, prescale_factor=prescale_factor,
-                                           postscale_factor=postscale_factor, process_set=process_set))
+        return synchronize(
+            allreduce_async(
+                tensor,
+                op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                process_set=process_set,
+            )
+        )
 
     @staticmethod
     def backward(ctx, grad_output):
         op, pre, post, process_set = ctx.args
-        return synchronize(allreduce_async(grad_output.contiguous(), op=op, prescale_factor=pre,
-                                           postscale_factor=post, process_set=process_set)), None, None, None, None
+        return (
+            synchronize(
+                allreduce_async(
+                    grad_output.contiguous(), op=op, prescale_factor=pre, postscale_factor=post, process_set=process_set
+                )
+            ),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set):
+def allreduce(
+    tensor,
+    average=None,
+    name=None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """Reduce ``tensor`` over all ranks and return the result as a new tensor (differentiable).
 
     ``compression`` (e.g. ``Compression.fp16``) is applied to what travels.
@@ -668,8 +759,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(reduced, ctx)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
+def allreduce_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Reduce ``tensor`` over all ranks in place and return it (not differentiable)."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
@@ -685,8 +777,9 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
     if op not in (Average, Sum):
         _check_op(op, (Average, Sum))
     t = tensor.coalesce()
-    indices = allgather_async(t.indices().t().contiguous(), name=None if name is None else f"{name}.indices",
-                              process_set=process_set)
+    indices = allgather_async(
+        t.indices().t().contiguous(), name=None if name is None else f"{name}.indices", process_set=process_set
+    )
     values = allgather_async(t.values(), name=None if name is None else f"{name}.values", process_set=process_set)
     n = _set_backend(process_set).size
 
@@ -724,15 +817,16 @@ def _grouped_allreduce_start(tensors, outputs, op, prescale_factor, postscale_fa
             with torch.no_grad():
                 for i in members:
                     n = tensors[i].numel()
-                    outputs[i].copy_(flat[offset:offset + n].view_as(outputs[i]))
+                    outputs[i].copy_(flat[offset : offset + n].view_as(outputs[i]))
                     offset += n
         return list(outputs)
 
     return works, finish, lambda: [w for adv in advances for w in adv()]
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                            process_set=global_process_set) -> int:
+def grouped_allreduce_async(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """Start one fused reduction of a list of tensors; ``synchronize`` returns a list of new tensors."""
     _claim(name)
     backend = _set_backend(process_set)
@@ -743,8 +837,9 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     return _register(works, finish, (tensors, outputs), name, advance)
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                             process_set=global_process_set) -> int:
+def grouped_allreduce_async_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+) -> int:
     """In-place :func:`grouped_allreduce_async`: ``synchronize`` returns the input list, reduced."""
     _claim(name)
     backend = _set_backend(process_set)
@@ -758,42 +853,79 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), op=op, prescale_factor=prescale_factor,
-                                                         postscale_factor=postscale_factor,
-                                                         process_set=process_set)))
+        return tuple(
+            synchronize(
+                grouped_allreduce_async(
+                    list(tensors),
+                    op=op,
+                    prescale_factor=prescale_factor,
+                    postscale_factor=postscale_factor,
+                    process_set=process_set,
+                )
+            )
+        )
 
     @staticmethod
     def backward(ctx, *grads):
         op, pre, post, process_set = ctx.args
-        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=op,
-                                                      prescale_factor=pre, postscale_factor=post,
-                                                      process_set=process_set))
+        reduced = synchronize(
+            grouped_allreduce_async(
+                [g.contiguous() for g in grads],
+                op=op,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=process_set,
+            )
+        )
         return (None, None, None, None) + tuple(reduced)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce(
+    tensors,
+    average=None,
+    name=None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """Reduce a list of tensors in one fused op; returns a list of new tensors (differentiable)."""
     _check_process_set(process_set)
     op = handle_average_backwards_compatibility(op, average)
     _check_op(op)
     compressed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, process_set,
-                                              *[c for c, _ in compressed])
+    reduced = _GroupedAllreduceFunction.apply(
+        op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
+    )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set):
+def grouped_allreduce_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Reduce a list of tensors in place in one fused op; returns the list."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 # ---------------------------------------------------------------- allgather
 _MAX_DIMS = 16
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 _JOIN, _KINDS = 1, {"allreduce": 2, "allgather": 3, "broadcast": 4, "alltoall": 5, "reducescatter": 6}
 _KIND_NAMES = {code: name for name, code in _KINDS.items()}
 _KIND_NAMES[_JOIN] = "join"
@@ -810,7 +942,7 @@ def _header(kind: str, tensor, backend, root: int = -1, op: int = -1) -> torch.T
             raise ValueError(f"{kind} supports tensors of at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
         meta[1] = tensor.dim()
         meta[2] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
-        meta[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        meta[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     return meta.to(backend.device)
 
 
@@ -827,30 +959,39 @@ def _rows(everyone, backend, what: str) -> List[List[int]]:
     rows = everyone.view(backend.size, -1).cpu().tolist()
     joined = [r for r, row in enumerate(rows) if row[0] == _JOIN]
     if joined and what != "allreduce":
-        raise HorovodJoinedError(f"{what} is not supported once a rank has called join(): ranks {joined} have; "
-                                 f"only allreduce gets zeros from joined ranks")
+        raise HorovodJoinedError(
+            f"{what} is not supported once a rank has called join(): ranks {joined} have; "
+            f"only allreduce gets zeros from joined ranks"
+        )
     active = [(r, row) for r, row in enumerate(rows) if row[0] != _JOIN]
     kinds = {_KIND_NAMES.get(row[0], "?") for _, row in active}
     if len(kinds) > 1:
         started = [_KIND_NAMES.get(row[0], "?") for _, row in active]
-        raise HorovodMismatchError(f"Mismatched operations: ranks started {started} "
-                                   f"at the same point; every rank must issue the same collectives in the same order")
+        raise HorovodMismatchError(
+            f"Mismatched operations: ranks started {started} "
+            f"at the same point; every rank must issue the same collectives in the same order"
+        )
     if any(row[2] != active[0][1][2] for _, row in active):
-        raise HorovodMismatchError(f"Mismatched data types: {what} got dtype codes {[row[2] for _, row in active]} on "
-                                   f"ranks {[r for r, _ in active]}; every rank must pass the same dtype")
-    shapes = [row[3:3 + row[1]] for _, row in active]
+        raise HorovodMismatchError(
+            f"Mismatched data types: {what} got dtype codes {[row[2] for _, row in active]} on "
+            f"ranks {[r for r, _ in active]}; every rank must pass the same dtype"
+        )
+    shapes = [row[3 : 3 + row[1]] for _, row in active]
     if what == "allgather":
         if any(len(sh) != len(shapes[0]) or sh[1:] != shapes[0][1:] for sh in shapes):
-            raise HorovodMismatchError(f"Mismatched allgather tensor shapes {shapes}: all dimensions but the first "
-                                       f"must agree")
+            raise HorovodMismatchError(
+                f"Mismatched allgather tensor shapes {shapes}: all dimensions but the first must agree"
+            )
     elif what in ("allreduce", "broadcast", "reducescatter") and any(sh != shapes[0] for sh in shapes):
         raise HorovodMismatchError(f"Mismatched {what} tensor shapes {shapes}: every rank must pass the same shape")
     if what == "broadcast" and any(row[-2] != active[0][1][-2] for _, row in active):
-        raise HorovodMismatchError(f"Mismatched broadcast root ranks {[row[-2] for _, row in active]}: every rank "
-                                   f"must name the same root_rank")
+        raise HorovodMismatchError(
+            f"Mismatched broadcast root ranks {[row[-2] for _, row in active]}: every rank must name the same root_rank"
+        )
     if any(row[-1] != active[0][1][-1] for _, row in active):
-        raise HorovodMismatchError(f"Mismatched {what} ops {[row[-1] for _, row in active]}: every rank must pass "
-                                   f"the same op")
+        raise HorovodMismatchError(
+            f"Mismatched {what} ops {[row[-1] for _, row in active]}: every rank must pass the same op"
+        )
     return rows
 
 
@@ -870,19 +1011,19 @@ def _allgather_start(tensor, backend):
     state = {}
 
     def advance():
-        shapes = [row[3:3 + row[1]] for row in _rows(everyone, backend, "allgather")]
+        shapes = [row[3 : 3 + row[1]] for row in _rows(everyone, backend, "allgather")]
         firsts = [s[0] for s in shapes]
         row = math.prod(shapes[0][1:]) if len(shapes[0]) > 1 else 1
         chunk = max(1, max(firsts) * row)
         shard = torch.zeros(chunk, dtype=tensor.dtype, device=backend.device)
-        shard[:source.numel()] = source
+        shard[: source.numel()] = source
         full = torch.empty(chunk * backend.size, dtype=tensor.dtype, device=backend.device)
         state.update(firsts=firsts, row=row, chunk=chunk, full=full, trailing=shapes[0][1:])
         return [data.all_gather(full, shard)]
 
     def finish():
         firsts, row, chunk, full = state["firsts"], state["row"], state["chunk"], state["full"]
-        parts = [full[r * chunk:r * chunk + firsts[r] * row] for r in range(backend.size)]
+        parts = [full[r * chunk : r * chunk + firsts[r] * row] for r in range(backend.size)]
         return torch.cat(parts).view(sum(firsts), *state["trailing"]).to(tensor.device)
 
     return [shapes_work], finish, advance, state
@@ -915,7 +1056,7 @@ class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         averaged = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ctx.process_set))
-        offset = sum(ctx.firsts[:ctx.rank])
+        offset = sum(ctx.firsts[: ctx.rank])
         return averaged.narrow(0, offset, ctx.firsts[ctx.rank]), None
 
 
@@ -934,8 +1075,13 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
     backend = _set_backend(process_set)
     started = [_allgather_start(t, backend) for t in tensors]
     works = [w for ws, _, _, _ in started for w in ws]
-    return _register(works, lambda: [fin() for _, fin, _, _ in started], (list(tensors),), name,
-                     lambda: [w for _, _, adv, _ in started for w in adv()])
+    return _register(
+        works,
+        lambda: [fin() for _, fin, _, _ in started],
+        (list(tensors),),
+        name,
+        lambda: [w for _, _, adv, _ in started for w in adv()],
+    )
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -1016,13 +1162,16 @@ def _alltoall_splits(tensor, splits, n):
     first = tensor.shape[0] if tensor.dim() else 0
     if splits is None:
         if tensor.dim() == 0 or first % n:
-            raise ValueError(f"alltoall without splits needs a first dimension divisible by size()={n}, "
-                             f"got shape {tuple(tensor.shape)}")
+            raise ValueError(
+                f"alltoall without splits needs a first dimension divisible by size()={n}, "
+                f"got shape {tuple(tensor.shape)}"
+            )
         return [first // n] * n
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != first:
-        raise ValueError(f"alltoall: splits {splits} must hold size()={n} non-negative counts summing to the "
-                         f"first dimension {first}")
+        raise ValueError(
+            f"alltoall: splits {splits} must hold size()={n} non-negative counts summing to the first dimension {first}"
+        )
     return splits
 
 
@@ -1113,7 +1262,7 @@ def _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
     full = torch.zeros(shard_n * n, dtype=tensor.dtype, device=backend.device)
     start = 0
     for r in range(n):
-        full[r * shard_n:r * shard_n + rows[r] * row] = flat[start * row:(start + rows[r]) * row]
+        full[r * shard_n : r * shard_n + rows[r] * row] = flat[start * row : (start + rows[r]) * row]
         start += rows[r]
     _scale_(full, float(prescale_factor))
     key = (shard_n, tensor.dtype, backend.device)
@@ -1126,7 +1275,7 @@ def _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
         return [_channel(backend, "data").reduce_scatter(shard, full)]
 
     def finish():
-        out = shard[:rows[me] * row].clone().view(rows[me], *tensor.shape[1:])
+        out = shard[: rows[me] * row].clone().view(rows[me], *tensor.shape[1:])
         pool.append(shard)  # the backend caches a receive buffer per shard address: reuse shards
         if op == Average:
             if float(postscale_factor) == 1.0:
@@ -1140,12 +1289,14 @@ def _reducescatter_start(tensor, op, prescale_factor, postscale_factor, backend)
     return [header_work], finish, advance
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0) -> int:
+def reducescatter_async(
+    tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
     """Start reducing ``tensor`` and scattering dim 0 over ranks; returns a handle."""
     _claim(name)
-    works, finish, advance = _reducescatter_start(tensor, op, prescale_factor, postscale_factor,
-                                                  _set_backend(process_set))
+    works, finish, advance = _reducescatter_start(
+        tensor, op, prescale_factor, postscale_factor, _set_backend(process_set)
+    )
     return _register(works, finish, (tensor,), name, advance)
 
 
@@ -1167,8 +1318,15 @@ class _ReducescatterFunction(torch.autograd.Function):
         return grad * ctx.factor, None, None, None, None
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(
+    tensor,
+    name=None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """Reduce ``tensor`` over ranks (``Average`` or ``Sum``) and return this rank's rows (differentiable).
 
     Dimension 0 is split as evenly as possible, the first ``dim0 % size()``
@@ -1176,27 +1334,40 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     """
     _check_process_set(process_set)
     compressed, ctx = compression.compress(tensor)
-    return compression.decompress(_ReducescatterFunction.apply(compressed, op, prescale_factor, postscale_factor,
-                                                               process_set), ctx)
+    return compression.decompress(
+        _ReducescatterFunction.apply(compressed, op, prescale_factor, postscale_factor, process_set), ctx
+    )
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+def grouped_reducescatter_async(
+    tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
     """Start :func:`reducescatter_async` on each of ``tensors``; one handle for :func:`synchronize` returns the list
     of outputs."""
     _claim(name)
     backend = _set_backend(process_set)
     started = [_reducescatter_start(t, op, prescale_factor, postscale_factor, backend) for t in tensors]
     works = [w for ws, _, _ in started for w in ws]
-    return _register(works, lambda: [fin() for _, fin, _ in started], (list(tensors),), name,
-                     lambda: [w for _, _, adv in started for w in adv()])
+    return _register(
+        works,
+        lambda: [fin() for _, fin, _ in started],
+        (list(tensors),),
+        name,
+        lambda: [w for _, _, adv in started for w in adv()],
+    )
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(
+    tensors,
+    name=None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """:func:`reducescatter` of each of ``tensors``: this rank's part of each reduction, in a list."""
-    return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
-            for t in tensors]
+    return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor) for t in tensors]
 
 
 # ------------------------------------------------------------ barrier, join
@@ -1234,9 +1405,9 @@ def join(device=-1) -> int:
             stamps = [row[-2] for row in rows]
             return max(range(len(stamps)), key=lambda r: (stamps[r], r))
         row = active[0]
-        same = all(r[:3 + r[1]] == row[:3 + row[1]] and r[-1] == row[-1] for r in active)  # else they raise
+        same = all(r[: 3 + r[1]] == row[: 3 + row[1]] and r[-1] == row[-1] for r in active)  # else they raise
         if row[0] == _KINDS["allreduce"] and same:
-            dtype, shape = _DTYPES[row[2]], row[3:3 + row[1]]
+            dtype, shape = _DTYPES[row[2]], row[3 : 3 + row[1]]
             reduce_op = next(name for name, code in _BACKEND_CODES.items() if code == row[-1])
             zeros = torch.full(shape, _identity(reduce_op, dtype), dtype=dtype, device=backend.device)
             data.all_reduce(zeros, reduce_op).wait()

@@ -39,13 +39,16 @@ __all__ = ["DistributedOptimizer"]
 _STEP_AFTER_SYNCHRONIZE_WARNING = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). This can "
     "cause training slowdown. You may want to consider using optimizer.skip_synchronize() context if you use "
-    "optimizer.synchronize() in your code.")
+    "optimizer.synchronize() in your code."
+)
 _ZERO_GRAD_WARNING = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
 _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). Increase "
-    "backward_passes_per_step to accumulate gradients locally.")
+    "backward_passes_per_step to accumulate gradients locally."
+)
 
 
 class _ParameterContainer(torch.nn.Module):
@@ -93,8 +96,10 @@ class CompressorHook(CommHook):
         source = grads / self.predivide if self.predivide != 1.0 else grads
         compressed, ctx = self.compressor.compress(source)
         if compressed.numel() != grads.numel():
-            raise ValueError(f"compression {self.name} changed the number of elements ({grads.numel()} -> "
-                             f"{compressed.numel()}); the engine reduces compressed gradients element by element")
+            raise ValueError(
+                f"compression {self.name} changed the number of elements ({grads.numel()} -> "
+                f"{compressed.numel()}); the engine reduces compressed gradients element by element"
+            )
         out.copy_(compressed.reshape(-1))
         return ctx
 
@@ -107,8 +112,21 @@ class CompressorHook(CommHook):
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into a subclass of the wrapped optimizer's class; built by :func:`DistributedOptimizer`."""
 
-    def _hvd_setup(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense, model, schedule, buffer_size, backend=None):
+    def _hvd_setup(
+        self,
+        optimizer,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        model,
+        schedule,
+        buffer_size,
+        backend=None,
+    ):
         self._inner = optimizer
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
@@ -123,12 +141,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if named_parameters is not None:
             named_parameters = list(named_parameters)
             if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
-                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
-                                 "produced by model.named_parameters().")
+                raise ValueError(
+                    "named_parameters should be a sequence of tuples (name, parameter), usually "
+                    "produced by model.named_parameters()."
+                )
             dups = _find_duplicates([name for name, _ in named_parameters])
             if dups:
-                raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
-                                 f"{', '.join(map(str, dups))}")
+                raise ValueError(
+                    f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(map(str, dups))}"
+                )
             names = {}
             for name, p in named_parameters:
                 names.setdefault(id(p), name)
@@ -138,10 +159,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "named_parameters was specified, but one or more model parameters were not named (parameters "
                     f"of the optimizer missing from named_parameters, shapes "
                     f"{[tuple(p.shape) for p in unnamed]}); pass model.named_parameters() of the model whose "
-                    "parameters the optimizer holds")
+                    "parameters the optimizer holds"
+                )
         else:
-            names = {id(v): f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
-                     for j, v in enumerate(group["params"])}
+            names = {
+                id(v): f"allreduce.noname.{i}.{j}"
+                for i, group in enumerate(optimizer.param_groups)
+                for j, v in enumerate(group["params"])
+            }
         self._parameter_names = {p: names[id(p)] for p in params}
         self._params = params
         self.op = op
@@ -154,16 +179,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._reduced = False  # this step's gradients have been reduced (and scaled for op=Sum)
         plain = compression is Compression.none or compression is NoneCompressor
-        hook = None if plain and gradient_predivide_factor == 1.0 else CompressorHook(
-            NoneCompressor if plain else compression, gradient_predivide_factor)
+        hook = (
+            None
+            if plain and gradient_predivide_factor == 1.0
+            else CompressorHook(NoneCompressor if plain else compression, gradient_predivide_factor)
+        )
         # every named parameter (also those outside the optimizer yet: a group added later is one of them)
         known = dict(self._parameter_names)
-        for name, p in (named_parameters or ()):
+        for name, p in named_parameters or ():
             known.setdefault(p, name)
         container = model if model is not None else _ParameterContainer([(name, p) for p, name in known.items()])
-        self._engine = DistOptim(optimizer, container, schedule=schedule, buffer_size=buffer_size,
-                                 backward_passes_per_step=backward_passes_per_step, broadcast_parameters=False,
-                                 broadcast_buffers=False, nonfinite="ignore", comm_hook=hook, backend=backend)
+        self._engine = DistOptim(
+            optimizer,
+            container,
+            schedule=schedule,
+            buffer_size=buffer_size,
+            backward_passes_per_step=backward_passes_per_step,
+            broadcast_parameters=False,
+            broadcast_buffers=False,
+            nonfinite="ignore",
+            comm_hook=hook,
+            backend=backend,
+        )
         self._sum = op == Sum
 
     # ------------------------------------------------------------- Horovod
@@ -191,8 +228,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Synchronize (unless inside :meth:`skip_synchronize`) and apply the wrapped optimizer's update."""
         if closure is not None:
-            raise UsageError("hvd.DistributedOptimizer.step() does not take a closure here: run forward and "
-                             "backward before step()")
+            raise UsageError(
+                "hvd.DistributedOptimizer.step() does not take a closure here: run forward and backward before step()"
+            )
         if not self._engine.gradients_in_place_before_step:
             pass  # the schedule keeps averaged shards and updates during the next forward: nothing to wait for
         elif self._should_synchronize:
@@ -253,10 +291,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 _CLASSES: Dict[type, type] = {}
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=mpi_ops.global_process_set, *, model=None,
-                         schedule: str = "wfbp", buffer_size=DEFAULT_BUFFER_SIZE):
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=Compression.none,
+    backward_passes_per_step=1,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    sparse_as_dense=False,
+    process_set=mpi_ops.global_process_set,
+    *,
+    model=None,
+    schedule: str = "wfbp",
+    buffer_size=DEFAULT_BUFFER_SIZE,
+):
     """Wrap a torch optimizer so that gradients are reduced across ranks (Horovod's signature).
 
     Args beyond Horovod's (keyword only): ``model`` (needed for
@@ -276,8 +326,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
     if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-                      DeprecationWarning)
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.", DeprecationWarning
+        )
         if groups is None:
             groups = num_groups
     if groups is not None:
@@ -292,28 +343,46 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                     if id(p) in grouped:
                         raise ValueError("A parameter can only appear once in groups.")
                     grouped.add(id(p))
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step <= 0:
+    if (
+        isinstance(backward_passes_per_step, bool)
+        or not isinstance(backward_passes_per_step, int)
+        or backward_passes_per_step <= 0
+    ):
         raise ValueError("backward_passes_per_step must be > 0")
     if op == Adasum:
         raise NotImplementedError(
             "op=hvd.Adasum is not supported by dearopt.horovod (no Adasum reduction is built); use op=hvd.Average "
-            "(the default) and scale the learning rate by hvd.size() as Horovod recommends for Average")
+            "(the default) and scale the learning rate by hvd.size() as Horovod recommends for Average"
+        )
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, got {op!r}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise UsageError("this optimizer is already an hvd.DistributedOptimizer; wrap the plain optimizer once")
     if model is None and get_schedule(schedule).updates_in_forward:
-        raise ValueError(f"schedule={schedule!r} applies updates during the next forward and needs the model: "
-                         "pass hvd.DistributedOptimizer(..., model=model)")
+        raise ValueError(
+            f"schedule={schedule!r} applies updates during the next forward and needs the model: "
+            "pass hvd.DistributedOptimizer(..., model=model)"
+        )
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
         cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
         _CLASSES[base] = cls
     obj = cls.__new__(cls)
-    obj._hvd_setup(optimizer, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense, model, schedule, buffer_size, backend)
+    obj._hvd_setup(
+        optimizer,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        model,
+        schedule,
+        buffer_size,
+        backend,
+    )
     return obj
 
 

@@ -99,8 +99,9 @@ class RendezvousServer:
 
     def start(self) -> "RendezvousServer":
         if self._thread is None:
-            self._thread = threading.Thread(target=self._httpd.serve_forever, name="horovod-rendezvous",
-                                            kwargs={"poll_interval": 0.1}, daemon=True)
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever, name="horovod-rendezvous", kwargs={"poll_interval": 0.1}, daemon=True
+            )
             self._thread.start()
         return self
 
@@ -123,8 +124,14 @@ class RendezvousServer:
         self.stop()
 
 
-def horovodrun_env(rank: int, size: int, server: RendezvousServer, local_size: Optional[int] = None,
-                   hostname: str = "localhost", iface: str = "lo") -> Dict[str, str]:
+def horovodrun_env(
+    rank: int,
+    size: int,
+    server: RendezvousServer,
+    local_size: Optional[int] = None,
+    hostname: str = "localhost",
+    iface: str = "lo",
+) -> Dict[str, str]:
     """The variables horovodrun's gloo mode gives rank ``rank`` of ``size`` (``local_size`` per machine,
     placed contiguously: machine ``rank // local_size``; default all on one machine)."""
     local_size = size if local_size is None else local_size

@@ -21,8 +21,20 @@ from .prophet import Prophet, ProphetAllReduce
 from .rsag import RSAG
 from .wfbp import WFBP
 
-__all__ = ["Schedule", "mark_updates", "get_schedule", "register", "names", "DeAR", "WFBP", "RSAG", "ByteScheduler",
-           "Prophet", "ProphetAllReduce", "DeFT"]
+__all__ = [
+    "Schedule",
+    "mark_updates",
+    "get_schedule",
+    "register",
+    "names",
+    "DeAR",
+    "WFBP",
+    "RSAG",
+    "ByteScheduler",
+    "Prophet",
+    "ProphetAllReduce",
+    "DeFT",
+]
 
 _BUILTIN = (DeAR, WFBP, RSAG, ByteScheduler, Prophet, ProphetAllReduce, DeFT)
 _REGISTRY: Dict[str, Schedule] = {cls.name: cls() for cls in _BUILTIN}

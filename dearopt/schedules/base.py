@@ -11,10 +11,18 @@ from ..plan import DEFAULT_FIRST_BUCKET_SIZE, CommOp, Layout, ParamSpec, Point, 
 __all__ = ["Schedule", "mark_updates", "KNOB_DEFAULTS"]
 
 KNOB_DEFAULTS: Dict[str, Any] = {
-    "first_bucket_size": DEFAULT_FIRST_BUCKET_SIZE, "embedding_rows": None, "profile": None,
-    "partition_size": None, "credit": None, "priority": False,
-    "allreduce": "auto", "link_check_every": "auto",
-    "given": None, "preserver": True, "links": 1, "apply": "bucket",
+    "first_bucket_size": DEFAULT_FIRST_BUCKET_SIZE,
+    "embedding_rows": None,
+    "profile": None,
+    "partition_size": None,
+    "credit": None,
+    "priority": False,
+    "allreduce": "auto",
+    "link_check_every": "auto",
+    "given": None,
+    "preserver": True,
+    "links": 1,
+    "apply": "bucket",
 }
 """Every schedule knob with the value that means "not asked for": a knob a schedule does not have may be
 passed to :meth:`Schedule.with_knobs` at this value (the flat ``DistOptim`` keywords of old pass them all)."""
@@ -72,14 +80,24 @@ class Schedule(abc.ABC):
     """Whether embeddings are reduced as rows unless asked otherwise (a schedule that sums a tied weight's two
     gradients as one says False)."""
 
-    def __init__(self, *, first_bucket_size=DEFAULT_FIRST_BUCKET_SIZE, embedding_rows: Optional[bool] = None,
-                 profile=None, partition_size=None, credit=None, priority: bool = False):
+    def __init__(
+        self,
+        *,
+        first_bucket_size=DEFAULT_FIRST_BUCKET_SIZE,
+        embedding_rows: Optional[bool] = None,
+        profile=None,
+        partition_size=None,
+        credit=None,
+        priority: bool = False,
+    ):
         self.first_bucket_size = _size(first_bucket_size, "first_bucket_size")
         if embedding_rows not in (None, True, False):
             raise ValueError(f"embedding_rows must be True, False or None (the default), got {embedding_rows!r}")
         if embedding_rows and not self.rows_by_default:
-            raise ValueError(f"schedule={self.name!r} reduces embeddings densely (a tied weight's two gradients "
-                             f"are one); leave embedding_rows unset")
+            raise ValueError(
+                f"schedule={self.name!r} reduces embeddings densely (a tied weight's two gradients "
+                f"are one); leave embedding_rows unset"
+            )
         self.embedding_rows = embedding_rows
         self.profile = profile
         self.partition_size = _size(partition_size, "partition_size", auto=True)
@@ -87,8 +105,9 @@ class Schedule(abc.ABC):
         if not isinstance(priority, bool):
             raise ValueError(f"priority must be True or False, got {priority!r}")
         self.priority = priority
-        if not self.takes_ordering_knobs and (credit is not None or priority or
-                                              (partition_size is not None and not self._takes_partitions())):
+        if not self.takes_ordering_knobs and (
+            credit is not None or priority or (partition_size is not None and not self._takes_partitions())
+        ):
             raise ValueError(self._ordering_refusal())
 
     def _takes_partitions(self) -> bool:
@@ -116,8 +135,10 @@ class Schedule(abc.ABC):
                 raise TypeError(f"{knob!r} is not a schedule knob")
             if knob not in names and not _same(value, KNOB_DEFAULTS[knob]):
                 takers = _takers(knob)
-                raise ValueError(f"{knob}={value!r} is a knob of schedule {' / '.join(map(repr, takers))}; "
-                                 f"schedule={self.name!r} has none")
+                raise ValueError(
+                    f"{knob}={value!r} is a knob of schedule {' / '.join(map(repr, takers))}; "
+                    f"schedule={self.name!r} has none"
+                )
         return type(self)(**{**self.knobs(), **{k: v for k, v in changes.items() if k in names}})
 
     def resolve(self, options) -> "Schedule":
@@ -125,44 +146,64 @@ class Schedule(abc.ABC):
         :class:`dearopt.Options` being made) settled, and what cannot combine refused by name: the copy the
         engine runs.  Subclasses settle their own knobs (``super().resolve`` first)."""
         if options.nonfinite == "skip" and not self.reduces_before_step:
-            raise ValueError(f"nonfinite='skip' needs every gradient before the first update; schedule={self.name!r} "
-                             f"updates bucket by bucket as the next forward reaches them: use 'raise' or 'ignore', "
-                             f"or schedule='dear'")
+            raise ValueError(
+                f"nonfinite='skip' needs every gradient before the first update; schedule={self.name!r} "
+                f"updates bucket by bucket as the next forward reaches them: use 'raise' or 'ignore', "
+                f"or schedule='dear'"
+            )
         if options.shard_optimizer and not self.shards_update:
-            raise ValueError(f"shard_optimizer=True needs schedule='dear' (the reduce-scatter leaves each rank "
-                             f"the averaged gradient of its shard, the next forward's all-gather brings the "
-                             f"parameters); schedule={self.name!r} has no such pair")
+            raise ValueError(
+                f"shard_optimizer=True needs schedule='dear' (the reduce-scatter leaves each rank "
+                f"the averaged gradient of its shard, the next forward's all-gather brings the "
+                f"parameters); schedule={self.name!r} has no such pair"
+            )
         rows = self.embedding_rows
         if options.sparsify:
             if not self.takes_sparsify:
-                raise ValueError(f"comm_hook=dearopt.Sparsify(...) replaces each bucket's all-reduce: it works "
-                                 f"with schedule='wfbp' or 'dear', not {self.name!r}")
+                raise ValueError(
+                    f"comm_hook=dearopt.Sparsify(...) replaces each bucket's all-reduce: it works "
+                    f"with schedule='wfbp' or 'dear', not {self.name!r}"
+                )
             if self.partition_size is not None:
-                raise ValueError("comm_hook=dearopt.Sparsify(...) selects over whole buckets: partition_size must "
-                                 "be None")
+                raise ValueError(
+                    "comm_hook=dearopt.Sparsify(...) selects over whole buckets: partition_size must be None"
+                )
             if options.shard_optimizer:
-                raise ValueError("comm_hook=dearopt.Sparsify(...) and shard_optimizer=True do not combine (the "
-                                 "sharded update needs each bucket reduce-scattered)")
+                raise ValueError(
+                    "comm_hook=dearopt.Sparsify(...) and shard_optimizer=True do not combine (the "
+                    "sharded update needs each bucket reduce-scattered)"
+                )
             if options.nonfinite == "skip":
-                raise ValueError("comm_hook=dearopt.Sparsify(...) takes each step's gradients into its residuals "
-                                 "as it sends them; nonfinite='skip' would lose them: use 'raise' or 'ignore'")
+                raise ValueError(
+                    "comm_hook=dearopt.Sparsify(...) takes each step's gradients into its residuals "
+                    "as it sends them; nonfinite='skip' would lose them: use 'raise' or 'ignore'"
+                )
             if rows:
-                raise ValueError("comm_hook=dearopt.Sparsify(...) sparsifies embeddings itself (top-k of the "
-                                 "whole gradient); leave embedding_rows unset")
+                raise ValueError(
+                    "comm_hook=dearopt.Sparsify(...) sparsifies embeddings itself (top-k of the "
+                    "whole gradient); leave embedding_rows unset"
+                )
             rows = False
         if options.shard_optimizer and rows:
-            raise ValueError("shard_optimizer=True reduces embeddings densely: with embedding_rows=True every "
-                             "rank would hold the whole averaged embedding gradient; leave embedding_rows unset")
+            raise ValueError(
+                "shard_optimizer=True reduces embeddings densely: with embedding_rows=True every "
+                "rank would hold the whole averaged embedding gradient; leave embedding_rows unset"
+            )
         resolved = self.with_knobs()
         resolved.embedding_rows_given = self.embedding_rows is not None
-        resolved.embedding_rows = (rows if rows is not None
-                                   else self.rows_by_default and not options.shard_optimizer)
+        resolved.embedding_rows = rows if rows is not None else self.rows_by_default and not options.shard_optimizer
         return resolved
 
     # ------------------------------------------------------------- the plan
-    def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
-                      ready_times: Optional[Sequence[float]], bandwidth: Optional[float],
-                      latency: Optional[float] = None) -> Optional[List[List[int]]]:
+    def bucket_groups(
+        self,
+        params: Sequence[ParamSpec],
+        *,
+        buffer_size: int,
+        ready_times: Optional[Sequence[float]],
+        bandwidth: Optional[float],
+        latency: Optional[float] = None,
+    ) -> Optional[List[List[int]]]:
         """Which parameters share a bucket (contiguous runs of positions in forward order), or None to fuse them
         by ``buffer_size`` (every schedule but Prophet's).  ``latency``: measured fixed seconds per collective."""
         return None
@@ -226,5 +267,7 @@ def mark_updates(ops: Sequence[CommOp], at: Optional[Callable[[CommOp], Point]] 
     """Name on the last op of each bucket (in plan order) when the bucket's update is applied:
     ``at(op)``, by default the op's own due moment."""
     last = {op.bucket: i for i, op in enumerate(ops)}
-    return [dataclasses.replace(op, update=((at or (lambda o: o.due))(op) if last[op.bucket] == i else None))
-            for i, op in enumerate(ops)]
+    return [
+        dataclasses.replace(op, update=((at or (lambda o: o.due))(op) if last[op.bucket] == i else None))
+        for i, op in enumerate(ops)
+    ]

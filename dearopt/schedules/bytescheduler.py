@@ -26,5 +26,17 @@ class ByteScheduler(Schedule):
 
     def ops(self, layout):
         """One all-reduce per piece as its gradients are ready, each bucket due (and updated) at its forward."""
-        return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,
-                                    due=forward_of(b), average=True) for b, k in layout.reduction_order])
+        return mark_updates(
+            [
+                CommOp(
+                    ALL_REDUCE,
+                    b,
+                    k,
+                    layout.buckets[b].piece_nbytes(k),
+                    start=GRADS_READY,
+                    due=forward_of(b),
+                    average=True,
+                )
+                for b, k in layout.reduction_order
+            ]
+        )

@@ -42,9 +42,9 @@ class DeAR(Schedule):
     takes_sparsify = True
 
     def __init__(self, *, allreduce="auto", **common):
-        if allreduce not in ("auto", "predicted") and (isinstance(allreduce, bool)
-                                                       or not isinstance(allreduce, (int, float))
-                                                       or not 0.0 <= float(allreduce) <= 1.0):
+        if allreduce not in ("auto", "predicted") and (
+            isinstance(allreduce, bool) or not isinstance(allreduce, (int, float)) or not 0.0 <= float(allreduce) <= 1.0
+        ):
             raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {allreduce!r}")
         self.allreduce = allreduce
         super().__init__(**common)
@@ -54,15 +54,19 @@ class DeAR(Schedule):
         resolved = super().resolve(options)
         if options.sparsify:
             if self.allreduce not in ("auto", 1, 1.0):
-                raise ValueError(f"comm_hook=dearopt.Sparsify(...) under 'dear' all-reduces every bucket in "
-                                 f"backward (a sparse sum is whole on every rank); allreduce={self.allreduce!r} "
-                                 f"must be left 'auto' or 1")
+                raise ValueError(
+                    f"comm_hook=dearopt.Sparsify(...) under 'dear' all-reduces every bucket in "
+                    f"backward (a sparse sum is whole on every rank); allreduce={self.allreduce!r} "
+                    f"must be left 'auto' or 1"
+                )
             resolved.allreduce = 1.0
         if options.shard_optimizer:
             if self.allreduce not in ("auto", 0, 0.0):
-                raise ValueError(f"shard_optimizer=True reduce-scatters every bucket (an all-reduced bucket would "
-                                 f"be updated whole on every rank); allreduce={self.allreduce!r} must be left "
-                                 f"'auto' or 0")
+                raise ValueError(
+                    f"shard_optimizer=True reduce-scatters every bucket (an all-reduced bucket would "
+                    f"be updated whole on every rank); allreduce={self.allreduce!r} must be left "
+                    f"'auto' or 0"
+                )
             resolved.allreduce = 0.0
         return resolved
 
@@ -81,9 +85,14 @@ class DeAR(Schedule):
             b = bucket.index
             if b in whole:
                 continue
-            start = STEP if previous is None or layout.credit is not None or layout.gathers_at_step \
+            start = (
+                STEP
+                if previous is None or layout.credit is not None or layout.gathers_at_step
                 else forward_of(previous)
-            ops += [CommOp(ALL_GATHER, b, k, bucket.piece_nbytes(k), start=start, due=forward_of(b))
-                    for k in range(len(bucket.pieces))]
+            )
+            ops += [
+                CommOp(ALL_GATHER, b, k, bucket.piece_nbytes(k), start=start, due=forward_of(b))
+                for k in range(len(bucket.pieces))
+            ]
             previous = b
         return mark_updates(ops, at=lambda op: STEP if op.bucket in whole else op.due)

@@ -54,9 +54,24 @@ import numpy as np
 from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
 from .base import Schedule, mark_updates
 
-__all__ = ["knapsack", "link_knapsack", "recursive_knapsack", "ready_knapsack", "DeftIteration", "DeftSchedule",
-           "deft_schedule", "check_partition", "RESOLUTION", "DeFT", "expected_loss", "preserver_check",
-           "preserver_ratio", "Preserved", "preserved_schedule", "Preserver"]
+__all__ = [
+    "knapsack",
+    "link_knapsack",
+    "recursive_knapsack",
+    "ready_knapsack",
+    "DeftIteration",
+    "DeftSchedule",
+    "deft_schedule",
+    "check_partition",
+    "RESOLUTION",
+    "DeFT",
+    "expected_loss",
+    "preserver_check",
+    "preserver_ratio",
+    "Preserved",
+    "preserved_schedule",
+    "Preserver",
+]
 
 RESOLUTION = 1e-5
 """Seconds per unit of the exact knapsack (times are rounded to it; 10 us)."""
@@ -92,8 +107,9 @@ def knapsack(weights: Sequence[float], capacity: float) -> Tuple[int, ...]:
     return tuple(chosen)
 
 
-def link_knapsack(weights: Sequence[float], capacities: Sequence[float],
-                  links: Sequence[float] = (1.0,)) -> Tuple[Tuple[int, int], ...]:
+def link_knapsack(
+    weights: Sequence[float], capacities: Sequence[float], links: Sequence[float] = (1.0,)
+) -> Tuple[Tuple[int, int], ...]:
     """Problem 2, the 0/1 multi-knapsack over concurrent links: ``(item, link)`` for the items sent, by item.
 
     Item ``i`` takes ``weights[i] * links[k]`` seconds on link ``k`` (``links[0]`` is 1: weights are times on
@@ -133,8 +149,13 @@ def link_knapsack(weights: Sequence[float], capacities: Sequence[float],
     return tuple(sorted(best.items()))
 
 
-def _ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequence[float],
-                    capacities: Sequence[float], links: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
+def _ready_knapsack(
+    items: Sequence[int],
+    comm: Sequence[float],
+    backward: Sequence[float],
+    capacities: Sequence[float],
+    links: Sequence[float],
+) -> Tuple[Tuple[int, int], ...]:
     """Algorithm 1 over one or two links: ``(bucket, link)`` in the order of ``items``."""
     items = list(items)
     # suffix j (its head ready first) has the capacity left after items[1..j]'s backward; solved from the last
@@ -157,8 +178,9 @@ READY_GRID = 20000
 """Time steps of :func:`ready_knapsack`'s grid at most (its step is :data:`RESOLUTION` or coarser)."""
 
 
-def ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequence[float], start: float,
-                   deadline: float) -> Tuple[int, ...]:
+def ready_knapsack(
+    items: Sequence[int], comm: Sequence[float], backward: Sequence[float], start: float, deadline: float
+) -> Tuple[int, ...]:
     """The new gradients to send in this backward, exactly for one link: the subset of ``items`` (in the order
     backward makes them ready; ``backward[items[0]]`` after backward starts the first is ready, each next one
     ``backward[item]`` later) with the most communication time, sent one after another in that order, each
@@ -191,14 +213,14 @@ def ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequen
         take = np.full(size, lo, dtype=np.int64)
         low_from = -1
         if r + c < size:  # link free by the time it is ready: it ends at r + c
-            low = best[:min(r, size - 1) + 1]
+            low = best[: min(r, size - 1) + 1]
             low_from = int(np.argmax(low))  # the earliest finish among the best
             if low[low_from] > lo:
                 take[r + c] = low[low_from] + c
         if r + 1 + c < size:  # link busy past its ready time: it ends c after the link frees
-            shifted = best[r + 1:size - c]
+            shifted = best[r + 1 : size - c]
             reachable = shifted > lo
-            take[r + 1 + c:][reachable] = np.maximum(take[r + 1 + c:][reachable], shifted[reachable] + c)
+            take[r + 1 + c :][reachable] = np.maximum(take[r + 1 + c :][reachable], shifted[reachable] + c)
         took = take > best  # ties keep the set without it: the earlier members win
         decisions.append((b, r, c, took, low_from))
         best = np.where(took, take, best)
@@ -211,8 +233,9 @@ def ready_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequen
     return tuple(b for b in items if b in chosen)
 
 
-def recursive_knapsack(items: Sequence[int], comm: Sequence[float], backward: Sequence[float],
-                       capacity: float) -> Tuple[int, ...]:
+def recursive_knapsack(
+    items: Sequence[int], comm: Sequence[float], backward: Sequence[float], capacity: float
+) -> Tuple[int, ...]:
     """Algorithm 1: the buckets of ``items`` (in the order backward makes them ready) to send in this
     backward, given ``capacity`` seconds of compute to hide them under.
 
@@ -273,8 +296,10 @@ class DeftSchedule:
 def _check_profile(forward, backward, comm) -> int:
     n = len(comm)
     if n == 0 or len(forward) != n or len(backward) != n:
-        raise ValueError(f"forward, backward and comm times need one entry per bucket (got {len(forward)}, "
-                         f"{len(backward)}, {len(comm)})")
+        raise ValueError(
+            f"forward, backward and comm times need one entry per bucket (got {len(forward)}, "
+            f"{len(backward)}, {len(comm)})"
+        )
     for name, values in (("forward", forward), ("backward", backward), ("comm", comm)):
         if any(not (v >= 0 and math.isfinite(v)) for v in values):
             raise ValueError(f"{name} times must be finite and >= 0, got {list(values)}")
@@ -289,8 +314,13 @@ def check_partition(forward: Sequence[float], backward: Sequence[float], comm: S
     return [b for b, c in enumerate(comm) if c > smallest]
 
 
-def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float],
-                  max_iterations: int = 1000, mu: Optional[float] = None) -> DeftSchedule:
+def deft_schedule(
+    forward: Sequence[float],
+    backward: Sequence[float],
+    comm: Sequence[float],
+    max_iterations: int = 1000,
+    mu: Optional[float] = None,
+) -> DeftSchedule:
     """Algorithm 2 from a profile: per bucket (0 = input side) its forward and backward compute time and its
     communication time (on the first link), in seconds.  ``mu``: a second, concurrent link on which a bucket
     takes ``mu`` times as long (section III.C; None: one link); every knapsack is then Problem 2
@@ -308,8 +338,10 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
 
     too_long = check_partition(forward, backward, comm)
     if too_long:
-        raise ValueError(f"buckets {too_long} take longer on the link than the shortest stage's compute "
-                         f"({min(sum(forward), sum(backward)):.4g} s): split them (DeFT's partition constraint)")
+        raise ValueError(
+            f"buckets {too_long} take longer on the link than the shortest stage's compute "
+            f"({min(sum(forward), sum(backward)):.4g} s): split them (DeFT's partition constraint)"
+        )
     fp_time, bp_time = sum(forward), sum(backward)
     ready_order = list(range(n - 1, 0, -1))  # backward makes bucket n-1 first; bucket 0 always waits
     first_capacity = bp_time - backward[n - 1]  # nothing is ready while the last bucket's backward runs
@@ -321,8 +353,11 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
     history: List[DeftIteration] = []
     for t in range(max_iterations):
         # the state, relative to t, decides everything from here on
-        key = (current, None if current_group is None else (t - current_group[0], current_group[1]),
-               None if future is None else (t - future[0], future[1]))
+        key = (
+            current,
+            None if current_group is None else (t - current_group[0], current_group[1]),
+            None if future is None else (t - future[0], future[1]),
+        )
         if key in seen:
             start = seen[key]
             return DeftSchedule(n, tuple(history[:start]), tuple(history[start:]), mu)
@@ -364,19 +399,25 @@ def deft_schedule(forward: Sequence[float], backward: Sequence[float], comm: Seq
             # the old group's buckets are ready at once and go first; the new ones only after the last
             # bucket's backward
             if len(links) == 1:  # exactly: each send once it is ready and the link is free, all within backward
-                placed = tuple((b, 0) for b in ready_knapsack(ready_order, comm, backward,
-                                                             sum(comm[b] for b in old), bp_time))
+                placed = tuple(
+                    (b, 0) for b in ready_knapsack(ready_order, comm, backward, sum(comm[b] for b in old), bp_time)
+                )
             else:  # Algorithm 1 over Problem 2 (the paper's approximation of readiness)
-                left = [min(bp_time - sum(comm[b] * links[k] for b in old if (b in old_second) == (k == 1)),
-                            first_capacity) for k in range(len(links))]
+                left = [
+                    min(bp_time - sum(comm[b] * links[k] for b in old if (b in old_second) == (k == 1)), first_capacity)
+                    for k in range(len(links))
+                ]
                 placed = _ready_knapsack(ready_order, comm, backward, left, links)
             new = tuple(b for b, _ in placed)
             second_new = tuple(sorted(b for b, k in placed if k == 1))
             current = tuple(b for b in range(n) if b not in new)
             current_group = group
         age = None if applies is None else t - applies
-        history.append(DeftIteration(case, sent_forward, old, new, held, age, covers,
-                                     tuple(sorted(second_old + old_second)), second_new))
+        history.append(
+            DeftIteration(
+                case, sent_forward, old, new, held, age, covers, tuple(sorted(second_old + old_second)), second_new
+            )
+        )
     raise RuntimeError(f"DeFT's schedule did not repeat within {max_iterations} iterations")
 
 
@@ -400,8 +441,9 @@ def expected_loss(loss: float, lr: float, mean: float, std: float, batch: float,
     return shift * (2.0 * phi - 1.0) + spread * math.sqrt(2.0 / math.pi) * math.exp(-a * a / 2.0) + target
 
 
-def _period_losses(schedule: DeftSchedule, loss: float, lr: float, mean: float, std: float, batch: float,
-                   target: float) -> Tuple[float, float]:
+def _period_losses(
+    schedule: DeftSchedule, loss: float, lr: float, mean: float, std: float, batch: float, target: float
+) -> Tuple[float, float]:
     """The expected loss after one period: exact training's (an update of batch ``batch`` every step) and the
     schedule's (its merged groups as updates of batches ``k_i * batch``)."""
     baseline = loss
@@ -413,8 +455,18 @@ def _period_losses(schedule: DeftSchedule, loss: float, lr: float, mean: float, 
     return baseline, delayed
 
 
-def preserver_check(schedule: DeftSchedule, *, loss: float, lr: float, mean: float, std: float, batch: float,
-                    target: float = 0.0, statistic: str = "loss", epsilon: float = 0.01) -> Tuple[float, bool]:
+def preserver_check(
+    schedule: DeftSchedule,
+    *,
+    loss: float,
+    lr: float,
+    mean: float,
+    std: float,
+    batch: float,
+    target: float = 0.0,
+    statistic: str = "loss",
+    epsilon: float = 0.01,
+) -> Tuple[float, bool]:
     """The Preserver's test over one period of ``N`` steps: exact training against the schedule's ``m``
     updates (the variable-batch-size view), both from the expected loss of :func:`expected_loss`.  Returns the
     ratio and whether it passes.
@@ -444,8 +496,9 @@ def preserver_check(schedule: DeftSchedule, *, loss: float, lr: float, mean: flo
     passes with 1, so the Preserver's re-solves end at one update per step where one reaches it."""
     if statistic not in STATISTICS:
         raise ValueError(f"Preserver statistic must be one of {STATISTICS}, got {statistic!r}")
-    if len(schedule.period) * lr * mean >= loss - target and \
-            any(it.covers > 1 for it in schedule.period if it.applies is not None):
+    if len(schedule.period) * lr * mean >= loss - target and any(
+        it.covers > 1 for it in schedule.period if it.applies is not None
+    ):
         return math.nan, False
     baseline, delayed = _period_losses(schedule, loss, lr, mean, std, batch, target)
     if statistic == "progress" and loss - baseline > 0:
@@ -455,11 +508,21 @@ def preserver_check(schedule: DeftSchedule, *, loss: float, lr: float, mean: flo
     return ratio, abs(ratio - 1.0) <= epsilon
 
 
-def preserver_ratio(schedule: DeftSchedule, *, loss: float, lr: float, mean: float, std: float, batch: float,
-                    target: float = 0.0, statistic: str = "loss") -> float:
+def preserver_ratio(
+    schedule: DeftSchedule,
+    *,
+    loss: float,
+    lr: float,
+    mean: float,
+    std: float,
+    batch: float,
+    target: float = 0.0,
+    statistic: str = "loss",
+) -> float:
     """The ratio of :func:`preserver_check`."""
-    return preserver_check(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch, target=target,
-                           statistic=statistic)[0]
+    return preserver_check(
+        schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch, target=target, statistic=statistic
+    )[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,10 +542,23 @@ class Preserved:
     inputs: Optional[Dict[str, float]] = None
 
 
-def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
-                       loss: float, lr: float, mean: float, std: float, batch: float, target: float = 0.0,
-                       epsilon: float = 0.01, growth: float = 1.5, max_resolves: int = 10,
-                       mu: Optional[float] = None, statistic: str = "loss") -> Preserved:
+def preserved_schedule(
+    forward: Sequence[float],
+    backward: Sequence[float],
+    comm: Sequence[float],
+    *,
+    loss: float,
+    lr: float,
+    mean: float,
+    std: float,
+    batch: float,
+    target: float = 0.0,
+    epsilon: float = 0.01,
+    growth: float = 1.5,
+    max_resolves: int = 10,
+    mu: Optional[float] = None,
+    statistic: str = "loss",
+) -> Preserved:
     """Solve, test with :func:`preserver_check`, and while the check fails raise both stages' knapsack
     capacities by ``growth`` and solve again, at most ``max_resolves`` times (the paper's ten; it gives no step
     size: 1.5x each time is this library's).  Raising the capacity lets more be sent per iteration, so the update
@@ -491,8 +567,17 @@ def preserved_schedule(forward: Sequence[float], backward: Sequence[float], comm
     factor, tried = 1.0, []
     for resolves in range(max_resolves + 1):
         schedule = deft_schedule([f * factor for f in forward], [b * factor for b in backward], comm, mu=mu)
-        ratio, passed = preserver_check(schedule, loss=loss, lr=lr, mean=mean, std=std, batch=batch,
-                                        target=target, statistic=statistic, epsilon=epsilon)
+        ratio, passed = preserver_check(
+            schedule,
+            loss=loss,
+            lr=lr,
+            mean=mean,
+            std=std,
+            batch=batch,
+            target=target,
+            statistic=statistic,
+            epsilon=epsilon,
+        )
         tried.append((factor, schedule.updates_per_iteration, ratio, passed))
         if passed or resolves == max_resolves:
             return Preserved(schedule, ratio, factor, resolves, passed, tuple(tried))
@@ -544,13 +629,35 @@ class Preserver:
         if self.statistic not in STATISTICS:
             raise ValueError(f"Preserver: statistic must be one of {STATISTICS}, got {self.statistic!r}")
 
-    def solve(self, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], *,
-              loss: float, drift: float, noise: float, mu: Optional[float] = None) -> Preserved:
+    def solve(
+        self,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        comm: Sequence[float],
+        *,
+        loss: float,
+        drift: float,
+        noise: float,
+        mu: Optional[float] = None,
+    ) -> Preserved:
         """The preserved schedule for these per-bucket times (and second link ``mu``) and the measured loss,
         drift and noise per step."""
-        kept = preserved_schedule(forward, backward, comm, loss=loss, lr=1.0, mean=drift, std=noise, batch=1.0,
-                                  target=self.target, epsilon=self.epsilon, growth=self.growth,
-                                  max_resolves=int(self.max_resolves), mu=mu, statistic=self.statistic)
+        kept = preserved_schedule(
+            forward,
+            backward,
+            comm,
+            loss=loss,
+            lr=1.0,
+            mean=drift,
+            std=noise,
+            batch=1.0,
+            target=self.target,
+            epsilon=self.epsilon,
+            growth=self.growth,
+            max_resolves=int(self.max_resolves),
+            mu=mu,
+            statistic=self.statistic,
+        )
         return dataclasses.replace(kept, inputs={"loss": loss, "drift": drift, "noise": noise})
 
 
@@ -587,11 +694,11 @@ class DeFT(Schedule):
     delays_updates = True
     rows_by_default = False
 
-    def __init__(self, *, given: Optional["DeftSchedule"] = None, preserver=True, links: int = 1,
-                 apply: str = "bucket", **common):
+    def __init__(
+        self, *, given: Optional["DeftSchedule"] = None, preserver=True, links: int = 1, apply: str = "bucket", **common
+    ):
         if given is not None and not isinstance(given, DeftSchedule):
-            raise TypeError(f"DeFT(given=...) takes a dearopt.schedules.deft.DeftSchedule, got "
-                            f"{type(given).__name__}")
+            raise TypeError(f"DeFT(given=...) takes a dearopt.schedules.deft.DeftSchedule, got {type(given).__name__}")
         if preserver is True:
             preserver = Preserver()
         elif preserver is False:
@@ -609,22 +716,39 @@ class DeFT(Schedule):
         return True
 
     def _ordering_refusal(self) -> str:
-        return ("schedule='deft' takes no credit or priority (its schedule decides what is sent when); "
-                "partition_size splits buckets into pieces it schedules one by one")
+        return (
+            "schedule='deft' takes no credit or priority (its schedule decides what is sent when); "
+            "partition_size splits buckets into pieces it schedules one by one"
+        )
 
     def resolve(self, options):
         """Refuses ``nonfinite='skip'`` and sizes set to ``'auto'`` (a DeFT schedule cannot re-plan)."""
         if options.nonfinite == "skip":
-            raise ValueError("schedule='deft' applies groups of several steps' gradients at later steps; "
-                             "nonfinite='skip' is not supported: use 'raise' or 'ignore'")
+            raise ValueError(
+                "schedule='deft' applies groups of several steps' gradients at later steps; "
+                "nonfinite='skip' is not supported: use 'raise' or 'ignore'"
+            )
         for knob, value in (("buffer_size", options.buffer_size), ("partition_size", self.partition_size)):
             if value == "auto":
-                raise ValueError(f"schedule='deft' cannot re-plan (its groups span iterations): {knob}='auto' is "
-                                 f"not supported")
+                raise ValueError(
+                    f"schedule='deft' cannot re-plan (its groups span iterations): {knob}='auto' is not supported"
+                )
         return super().resolve(options)
 
     def ops(self, layout):
         """``wfbp``'s all-reduces per piece, for the plan's fingerprint: when each is sent is the DeftSchedule's."""
-        return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,
-                                    due=BACKWARD_END, average=True) for b, k in layout.reduction_order],
-                            at=lambda op: STEP)
+        return mark_updates(
+            [
+                CommOp(
+                    ALL_REDUCE,
+                    b,
+                    k,
+                    layout.buckets[b].piece_nbytes(k),
+                    start=GRADS_READY,
+                    due=BACKWARD_END,
+                    average=True,
+                )
+                for b, k in layout.reduction_order
+            ],
+            at=lambda op: STEP,
+        )

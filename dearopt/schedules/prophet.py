@@ -52,8 +52,18 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from ..plan import (ALL_GATHER, ALL_REDUCE, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, Layout, ParamSpec,
-                    forward_of, must_split)
+from ..plan import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    GRADS_READY,
+    REDUCE_SCATTER,
+    STEP,
+    CommOp,
+    Layout,
+    ParamSpec,
+    forward_of,
+    must_split,
+)
 from .base import Schedule, mark_updates
 from .bytescheduler import ByteScheduler
 
@@ -65,9 +75,16 @@ blocks, its Eq. 10); the profile fits it from the job's own reductions
 (:func:`dearopt.profiling.fit_latency`), which on a link that is rarely busy finds about nothing."""
 
 
-def prophet_blocks(ready: Sequence[float], nbytes: Sequence[int], bandwidth: float, *, latency: float = 0.0,
-                   max_bytes: Optional[int] = None, min_bytes: int = 0,
-                   split_after: Sequence[int] = ()) -> List[List[int]]:
+def prophet_blocks(
+    ready: Sequence[float],
+    nbytes: Sequence[int],
+    bandwidth: float,
+    *,
+    latency: float = 0.0,
+    max_bytes: Optional[int] = None,
+    min_bytes: int = 0,
+    split_after: Sequence[int] = (),
+) -> List[List[int]]:
     """Prophet's gradient blocks (see the module doc) as runs of parameter positions in forward order.
 
     ``ready[i]``: seconds after backward starts at which parameter ``i``'s
@@ -115,8 +132,13 @@ def prophet_blocks(ready: Sequence[float], nbytes: Sequence[int], bandwidth: flo
     return blocks
 
 
-def predicted_sends(blocks: Sequence[Sequence[int]], ready: Sequence[float], nbytes: Sequence[int], bandwidth: float,
-                    latency: float = 0.0) -> List[Tuple[float, float]]:
+def predicted_sends(
+    blocks: Sequence[Sequence[int]],
+    ready: Sequence[float],
+    nbytes: Sequence[int],
+    bandwidth: float,
+    latency: float = 0.0,
+) -> List[Tuple[float, float]]:
     """When the link model behind :func:`prophet_blocks` expects each block's reduction to start and end
     (seconds after backward starts), in the order of ``blocks``: walking from the output side, a block
     goes when its last gradient exists and the link is free, and holds the link ``latency + bytes /
@@ -134,9 +156,11 @@ def predicted_sends(blocks: Sequence[Sequence[int]], ready: Sequence[float], nby
 def _next_generation(ready: Sequence[float]):
     """``later(j, t)``: the earliest ready time after ``t`` among positions ``< j`` (the gradients still to come
     on the input side), or infinity: the end of the block interval ``A``."""
+
     def later(j: int, t: float) -> float:
         upcoming = [r for r in ready[:j] if r > t]
         return min(upcoming) if upcoming else math.inf
+
     return later
 
 
@@ -145,8 +169,14 @@ def block_latency(measured: Optional[float]) -> float:
     return max(DEFAULT_LATENCY, measured or 0.0)
 
 
-def profile_blocks(params: Sequence[ParamSpec], *, buffer_size: int, ready_times: Optional[Sequence[float]],
-                   bandwidth: Optional[float], latency: Optional[float] = None) -> Optional[List[List[int]]]:
+def profile_blocks(
+    params: Sequence[ParamSpec],
+    *,
+    buffer_size: int,
+    ready_times: Optional[Sequence[float]],
+    bandwidth: Optional[float],
+    latency: Optional[float] = None,
+) -> Optional[List[List[int]]]:
     """Prophet's blocks for the planned parameters from a profile (ready times, the reduction's bandwidth and
     fixed cost per op), at most ``buffer_size`` bytes each and never across a required boundary; None without a
     profile.  ``prophet`` forms its buckets so; ``dear``'s measured choice tries them as one of its plans."""
@@ -156,8 +186,15 @@ def profile_blocks(params: Sequence[ParamSpec], *, buffer_size: int, ready_times
         raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
     split = [i for i in range(len(params) - 1) if must_split(params, i)]
     latency = block_latency(latency)
-    return prophet_blocks(ready_times, [p.nbytes for p in params], bandwidth, latency=latency,
-                          max_bytes=buffer_size, min_bytes=int(latency * bandwidth), split_after=split)
+    return prophet_blocks(
+        ready_times,
+        [p.nbytes for p in params],
+        bandwidth,
+        latency=latency,
+        max_bytes=buffer_size,
+        min_bytes=int(latency * bandwidth),
+        split_after=split,
+    )
 
 
 class Prophet(Schedule):
@@ -177,8 +214,11 @@ class Prophet(Schedule):
 
     def __init__(self, *, link_check_every="auto", **common):
         every = link_check_every
-        if every is not None and every != "auto" and (isinstance(every, bool) or not isinstance(every, int)
-                                                      or every < 1):
+        if (
+            every is not None
+            and every != "auto"
+            and (isinstance(every, bool) or not isinstance(every, int) or every < 1)
+        ):
             raise ValueError(f"link_check_every must be an integer >= 1, 'auto' or None, got {every!r}")
         self.link_check_every = link_check_every
         super().__init__(**common)
@@ -193,15 +233,27 @@ class Prophet(Schedule):
     def predicted_sends(self, plan, measured):
         """Each block's reduction as Prophet's link model predicts it (seconds after backward starts)."""
         sizes = [p.nbytes for p in plan.params]
-        return predicted_sends([b.params for b in plan.buckets], measured.ready, sizes, measured.bandwidth,
-                               self.block_latency(measured.latency))
+        return predicted_sends(
+            [b.params for b in plan.buckets],
+            measured.ready,
+            sizes,
+            measured.bandwidth,
+            self.block_latency(measured.latency),
+        )
 
-    def bucket_groups(self, params: Sequence[ParamSpec], *, buffer_size: int,
-                      ready_times: Optional[Sequence[float]], bandwidth: Optional[float],
-                      latency: Optional[float] = None):
+    def bucket_groups(
+        self,
+        params: Sequence[ParamSpec],
+        *,
+        buffer_size: int,
+        ready_times: Optional[Sequence[float]],
+        bandwidth: Optional[float],
+        latency: Optional[float] = None,
+    ):
         """Prophet's gradient blocks from the profile (None before it exists)."""
-        return profile_blocks(params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth,
-                              latency=latency)
+        return profile_blocks(
+            params, buffer_size=buffer_size, ready_times=ready_times, bandwidth=bandwidth, latency=latency
+        )
 
     @staticmethod
     def block_latency(measured: Optional[float]) -> float:
@@ -212,10 +264,15 @@ class Prophet(Schedule):
         """Reduce-scatters as blocks complete in backward; then every all-gather starts at ``step()``, back to
         back in the order the next forward needs them (Prophet's forward phase: ``t_next`` chained, not one
         bucket ahead as DeAR's FeedPipe), each due, and its block updated, just before its layers."""
-        ops = [CommOp(REDUCE_SCATTER, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY, due=STEP,
-                      average=True) for b, k in layout.reduction_order]
-        ops += [CommOp(ALL_GATHER, bucket.index, k, bucket.piece_nbytes(k), start=STEP, due=forward_of(bucket.index))
-                for bucket in layout.buckets for k in range(len(bucket.pieces))]
+        ops = [
+            CommOp(REDUCE_SCATTER, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY, due=STEP, average=True)
+            for b, k in layout.reduction_order
+        ]
+        ops += [
+            CommOp(ALL_GATHER, bucket.index, k, bucket.piece_nbytes(k), start=STEP, due=forward_of(bucket.index))
+            for bucket in layout.buckets
+            for k in range(len(bucket.pieces))
+        ]
         return mark_updates(ops)
 
 

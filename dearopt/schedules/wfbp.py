@@ -24,6 +24,18 @@ class WFBP(Schedule):
 
     def ops(self, layout):
         """One all-reduce per piece as its gradients are ready, all due when backward ends; updates at ``step()``."""
-        return mark_updates([CommOp(ALL_REDUCE, b, k, layout.buckets[b].piece_nbytes(k), start=GRADS_READY,
-                                    due=BACKWARD_END, average=True) for b, k in layout.reduction_order],
-                            at=lambda op: STEP)
+        return mark_updates(
+            [
+                CommOp(
+                    ALL_REDUCE,
+                    b,
+                    k,
+                    layout.buckets[b].piece_nbytes(k),
+                    start=GRADS_READY,
+                    due=BACKWARD_END,
+                    average=True,
+                )
+                for b, k in layout.reduction_order
+            ],
+            at=lambda op: STEP,
+        )

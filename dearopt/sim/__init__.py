@@ -18,12 +18,30 @@ from .cost import CommCost, fit, parse_link
 from .profile import Profile, contention_from_overlap, record_profile
 from .simulator import Prediction, simulate
 
-__all__ = ["Profile", "record_profile", "simulate", "predict", "plan_for", "best_buffer_size", "Prediction",
-           "CommCost", "fit", "parse_link", "contention_from_overlap"]
+__all__ = [
+    "Profile",
+    "record_profile",
+    "simulate",
+    "predict",
+    "plan_for",
+    "best_buffer_size",
+    "Prediction",
+    "CommCost",
+    "fit",
+    "parse_link",
+    "contention_from_overlap",
+]
 
 
-def plan_for(profile: Profile, schedule: str, ranks: Optional[int] = None, *, buffer_size=DEFAULT_BUFFER_SIZE,
-             first_bucket_size=DEFAULT_FIRST_BUCKET_SIZE, **knobs) -> Plan:
+def plan_for(
+    profile: Profile,
+    schedule: str,
+    ranks: Optional[int] = None,
+    *,
+    buffer_size=DEFAULT_BUFFER_SIZE,
+    first_bucket_size=DEFAULT_FIRST_BUCKET_SIZE,
+    **knobs,
+) -> Plan:
     """The plan ``DistOptim`` would make for the profiled model (``knobs``: partition_size, credit, priority,
     allreduce; ``allreduce="auto"`` decides from the profile, as the executor does from its profile of steps 1-3)."""
     world = ranks or profile.world
@@ -36,9 +54,14 @@ def plan_for(profile: Profile, schedule: str, ranks: Optional[int] = None, *, bu
         rs = profile.comm.get(get_schedule(schedule).reduction, profile.comm["reduce_scatter"])
         nbytes = sum(b.padded_numel * b.element_size for b in buckets)
         seconds = sum(rs.time(b.padded_numel * b.element_size, world) for b in buckets)
-        knobs = dict(knobs, allreduce="auto", ready_times=profile.ready,
-                     bandwidth=nbytes / seconds if seconds > 0 else None, latency=rs.time(0, world),
-                     phases=(profile.t_ff, profile.t_bp))
+        knobs = dict(
+            knobs,
+            allreduce="auto",
+            ready_times=profile.ready,
+            bandwidth=nbytes / seconds if seconds > 0 else None,
+            latency=rs.time(0, world),
+            phases=(profile.t_ff, profile.t_bp),
+        )
     return build_plan(profile.params, buffer_size, world, schedule, first_bucket_size=first_bucket_size, **knobs)
 
 
@@ -47,17 +70,27 @@ def link_costs(profile: Profile, link: Optional[str] = None, latency: Optional[f
     if link is None and latency is None:
         return dict(profile.comm)
     bits = parse_link(link) if link else None
-    return {k: (c.on_link(bits, latency) if bits else CommCost(c.kind, latency, c.beta))
-            for k, c in profile.comm.items()}
+    return {
+        k: (c.on_link(bits, latency) if bits else CommCost(c.kind, latency, c.beta)) for k, c in profile.comm.items()
+    }
 
 
-def predict(profile: Profile, schedule: str, *, ranks: Optional[int] = None, link: Optional[str] = None,
-            latency: Optional[float] = None, contention: Optional[Dict[str, float]] = None, **knobs) -> Prediction:
+def predict(
+    profile: Profile,
+    schedule: str,
+    *,
+    ranks: Optional[int] = None,
+    link: Optional[str] = None,
+    latency: Optional[float] = None,
+    contention: Optional[Dict[str, float]] = None,
+    **knobs,
+) -> Prediction:
     """Predict ``schedule`` on ``ranks`` ranks (default: the profiled number) on ``link`` (default: the profiled
     link), with the plan's knobs (buffer_size, first_bucket_size, partition_size, credit, ...)."""
     plan = plan_for(profile, schedule, ranks, **knobs)
-    return simulate(profile, plan, world=ranks or profile.world, comm=link_costs(profile, link, latency),
-                    contention=contention)
+    return simulate(
+        profile, plan, world=ranks or profile.world, comm=link_costs(profile, link, latency), contention=contention
+    )
 
 
 def best_buffer_size(profile: Profile, schedule: str, candidates: Sequence[int], **kwargs) -> int:

@@ -23,13 +23,26 @@ def trace(prediction, path: str) -> None:
     """The prediction as trace events the benchmark's renderer reads (one iteration, on rank 0's lanes)."""
     events = list(prediction.events)
     start = 0.0
-    for name, seconds in (("forward", prediction.forward), ("loss.backward()", prediction.backward),
-                          ("opt.step()", prediction.step)):
-        events.append({"name": name, "cat": "compute", "ph": "X", "tid": 0, "ts": start * 1e6,
-                       "dur": seconds * 1e6, "args": {}})
+    for name, seconds in (
+        ("forward", prediction.forward),
+        ("loss.backward()", prediction.backward),
+        ("opt.step()", prediction.step),
+    ):
+        events.append(
+            {"name": name, "cat": "compute", "ph": "X", "tid": 0, "ts": start * 1e6, "dur": seconds * 1e6, "args": {}}
+        )
         start += seconds
-    events.append({"name": "iteration", "cat": "iteration", "ph": "X", "tid": 0, "ts": 0.0,
-                   "dur": prediction.iteration * 1e6, "args": {"iteration": 0}})
+    events.append(
+        {
+            "name": "iteration",
+            "cat": "iteration",
+            "ph": "X",
+            "tid": 0,
+            "ts": 0.0,
+            "dur": prediction.iteration * 1e6,
+            "args": {"iteration": 0},
+        }
+    )
     for e in events:
         e.setdefault("pid", 0)
     with open(path, "w") as fh:
@@ -37,8 +50,9 @@ def trace(prediction, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dearopt.sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dearopt.sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--profile", required=True, help="a profile JSON (dearopt.sim.record_profile, or the bench's)")
     p.add_argument("--schedule", default="dear")
     p.add_argument("--ranks", type=int, default=None, help="world size to predict (default: the profiled one)")
@@ -51,18 +65,28 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     profile = Profile.load(args.profile)
     try:
-        prediction = predict(profile, args.schedule, ranks=args.ranks, link=args.link, latency=args.latency,
-                             buffer_size=parse_size(args.buffer_size),
-                             contention={"forward": 0.0, "backward": 0.0} if args.no_contention else None)
+        prediction = predict(
+            profile,
+            args.schedule,
+            ranks=args.ranks,
+            link=args.link,
+            latency=args.latency,
+            buffer_size=parse_size(args.buffer_size),
+            contention={"forward": 0.0, "backward": 0.0} if args.no_contention else None,
+        )
     except ValueError as exc:  # an unknown schedule, link or size: say so as a usage error
         p.error(str(exc))
     ranks = args.ranks or profile.world
-    print(f"{args.schedule} on {ranks} ranks, link {args.link or profile.link}: predicted iteration "
-          f"{prediction.iteration:.4f} s (forward {prediction.forward:.4f}, backward {prediction.backward:.4f}, "
-          f"step {prediction.step:.4f}; link busy {prediction.link_busy:.4f} s)")
-    print(f"profile: t_ff {profile.t_ff:.4f} s, t_bp {profile.t_bp:.4f} s, measured on {profile.world} ranks "
-          f"({profile.backend}, {profile.link}); contention forward {profile.contention.get('forward', 0):.2f}, "
-          f"backward {profile.contention.get('backward', 0):.2f}")
+    print(
+        f"{args.schedule} on {ranks} ranks, link {args.link or profile.link}: predicted iteration "
+        f"{prediction.iteration:.4f} s (forward {prediction.forward:.4f}, backward {prediction.backward:.4f}, "
+        f"step {prediction.step:.4f}; link busy {prediction.link_busy:.4f} s)"
+    )
+    print(
+        f"profile: t_ff {profile.t_ff:.4f} s, t_bp {profile.t_bp:.4f} s, measured on {profile.world} ranks "
+        f"({profile.backend}, {profile.link}); contention forward {profile.contention.get('forward', 0):.2f}, "
+        f"backward {profile.contention.get('backward', 0):.2f}"
+    )
     if args.timeline:
         root, _ = os.path.splitext(args.timeline)
         trace(prediction, root + ".json")

@@ -51,8 +51,7 @@ class CommCost:
 
     def on_link(self, bandwidth_bits: float, latency: float = None) -> "CommCost":
         """The same op on a link of ``bandwidth_bits`` bit/s (and ``latency`` s per step, if given)."""
-        return dataclasses.replace(self, beta=8.0 / bandwidth_bits,
-                                   alpha=self.alpha if latency is None else latency)
+        return dataclasses.replace(self, beta=8.0 / bandwidth_bits, alpha=self.alpha if latency is None else latency)
 
 
 def fit(kind: str, samples: Sequence[Tuple[float, float]], world: int) -> CommCost:

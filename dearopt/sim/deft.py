@@ -85,8 +85,11 @@ class _Clock:
         """Compute ``seconds`` of work, slower while an op is on the link."""
         left = seconds
         while left > 1e-12:
-            rate = 1.0 if self.running is None else \
-                compute_rate(self.per_byte.get(phase, 0.0), self.running[3], self.running[2])
+            rate = (
+                1.0
+                if self.running is None
+                else compute_rate(self.per_byte.get(phase, 0.0), self.running[3], self.running[2])
+            )
             end = self.now + left / rate
             start = self.now
             self._advance(end)
@@ -99,9 +102,17 @@ class _Clock:
             self._advance(self.running[1])
 
 
-def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduction: str = ALL_REDUCE,
-                  world: Optional[int] = None, comm: Optional[Dict[str, CommCost]] = None,
-                  periods: int = 3, apply: str = "group") -> Prediction:
+def simulate_deft(
+    profile: Profile,
+    plan: Plan,
+    schedule: DeftSchedule,
+    *,
+    reduction: str = ALL_REDUCE,
+    world: Optional[int] = None,
+    comm: Optional[Dict[str, CommCost]] = None,
+    periods: int = 3,
+    apply: str = "group",
+) -> Prediction:
     """Predict ``plan`` (its buckets and pieces: the units) carried out by ``schedule`` on ``world`` ranks; the
     iteration time is the mean over one period in the steady state (after the warm-up and ``periods - 1``
     periods), its parts likewise.  ``apply``: ``deft_apply`` (``"group"`` or ``"bucket"``)."""
@@ -157,8 +168,9 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
                 for c in sorted(c for c in due if c <= reach[b]):
                     for ops in due.pop(c):
                         clock.wait(ops)
-                        clock.work(profile.update_per_call + profile.update_per_element
-                                   * plan.buckets[c].grad_numel, "forward")
+                        clock.work(
+                            profile.update_per_call + profile.update_per_element * plan.buckets[c].grad_numel, "forward"
+                        )
             clock.work(forward_u[u], "forward")
         backward_at = clock.now
         clock.wait(in_flight)  # the group's sends so far are done before backward's
@@ -206,11 +218,16 @@ def simulate_deft(profile: Profile, plan: Plan, schedule: DeftSchedule, *, reduc
         if not it.held:  # the group formed now is in flight from here on
             in_flight += new_ops
         spans.append((start, backward_at, step_at, clock.now, clock.busy - busy0))
-    last = spans[-len(schedule.period):]
+    last = spans[-len(schedule.period) :]
     mean = lambda f: sum(f(s) for s in last) / len(last)  # noqa: E731
-    return Prediction(iteration=mean(lambda s: s[3] - s[0]), forward=mean(lambda s: s[1] - s[0]),
-                      backward=mean(lambda s: s[2] - s[1]), step=mean(lambda s: s[3] - s[2]),
-                      link_busy=mean(lambda s: s[4]), events=[])
+    return Prediction(
+        iteration=mean(lambda s: s[3] - s[0]),
+        forward=mean(lambda s: s[1] - s[0]),
+        backward=mean(lambda s: s[2] - s[1]),
+        step=mean(lambda s: s[3] - s[2]),
+        link_busy=mean(lambda s: s[4]),
+        events=[],
+    )
 
 
 def schedule_to_json(schedule: DeftSchedule) -> dict:
@@ -220,8 +237,13 @@ def schedule_to_json(schedule: DeftSchedule) -> dict:
 
 def schedule_from_json(doc: dict) -> DeftSchedule:
     """The inverse of :func:`schedule_to_json`."""
+
     def iteration(d):
         return DeftIteration(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
-    return DeftSchedule(buckets=doc["buckets"], warmup=tuple(iteration(d) for d in doc["warmup"]),
-                        period=tuple(iteration(d) for d in doc["period"]), mu=doc.get("mu"))
+    return DeftSchedule(
+        buckets=doc["buckets"],
+        warmup=tuple(iteration(d) for d in doc["warmup"]),
+        period=tuple(iteration(d) for d in doc["period"]),
+        mu=doc.get("mu"),
+    )

@@ -94,8 +94,14 @@ class Profile:
                 carried = 0.0
             else:
                 carried += seconds
-        return dataclasses.replace(self, params=params, ready=ready, forward_segments=segments,
-                                   forward_tail=self.forward_tail + carried, rows_fraction={})
+        return dataclasses.replace(
+            self,
+            params=params,
+            ready=ready,
+            forward_segments=segments,
+            forward_tail=self.forward_tail + carried,
+            rows_fraction={},
+        )
 
     def to_json(self) -> dict:
         """The profile as a JSON-serializable dict (what :meth:`save` writes)."""
@@ -151,8 +157,7 @@ def _cores_per_rank(backend, local_size: int) -> float:
         mine = set(range(os.cpu_count() or 1))
     if backend.size <= 1:
         return len(mine) / local_size
-    width = torch.tensor([float(max(max(mine) + 1, os.cpu_count() or 1))], dtype=torch.float64,
-                         device=backend.device)
+    width = torch.tensor([float(max(max(mine) + 1, os.cpu_count() or 1))], dtype=torch.float64, device=backend.device)
     backend.all_reduce(width, "max").wait()  # hosts may number their cores differently: one width for all
     mask = torch.zeros(int(width.item()), dtype=torch.float64, device=backend.device)
     mask[sorted(mine)] = 1.0
@@ -164,9 +169,17 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
-                   *, sizes: Sequence[int] = (2**16, 2**20, 8 * 2**20, 24 * 2**20), repeats: int = 3,
-                   link: str = "unknown", embedding_rows: bool = True, bucket_bytes: int = 25 * 2**20) -> Profile:
+def record_profile(
+    model: torch.nn.Module,
+    run: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    sizes: Sequence[int] = (2**16, 2**20, 8 * 2**20, 24 * 2**20),
+    repeats: int = 3,
+    link: str = "unknown",
+    embedding_rows: bool = True,
+    bucket_bytes: int = 25 * 2**20,
+) -> Profile:
     """Measure ``model`` on this job (call it on every rank, after ``dearopt.init()``; rank 0's profile is
     returned on every rank).
 
@@ -208,8 +221,9 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
     on_gpu = any(p.is_cuda for p in trainable)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     for p in planned:
-        hooks.append(p.register_post_accumulate_grad_hook(
-            lambda q: ready_at[id(q)].append(time.perf_counter() - t0[0])))
+        hooks.append(
+            p.register_post_accumulate_grad_hook(lambda q: ready_at[id(q)].append(time.perf_counter() - t0[0]))
+        )
     timings: List[List[float]] = []  # per repeat: forward segments, tail, t_bp, ready time per planned parameter
     rows_touched: Dict[int, List[float]] = {}
     try:
@@ -266,11 +280,19 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
         dtype, size = str(p.dtype).replace("torch.", ""), p.element_size()
         owner = tied.owner_of.get(id(p))
         if owner is not None:
-            specs.append(ParamSpec(f"{names.get(id(owner), 'tied weight')} (tied use)", p.numel(), dtype, size,
-                                   twin_of=position[id(owner)]))
+            specs.append(
+                ParamSpec(
+                    f"{names.get(id(owner), 'tied weight')} (tied use)",
+                    p.numel(),
+                    dtype,
+                    size,
+                    twin_of=position[id(owner)],
+                )
+            )
         else:
-            specs.append(ParamSpec(names.get(id(p), f"param{i}"), p.numel(), dtype, size,
-                                   row_numel=tied.row_numel.get(id(p), 0)))
+            specs.append(
+                ParamSpec(names.get(id(p), f"param{i}"), p.numel(), dtype, size, row_numel=tied.row_numel.get(id(p), 0))
+            )
     # forward segments, attributed to the first parameter of each module, in the order modules ran
     medians = [_median([sample[k] for sample in timings]) for k in range(len(timings[0]))]
     n_seg = len(order)
@@ -287,16 +309,33 @@ def record_profile(model: torch.nn.Module, run: Callable[[], torch.Tensor], opti
     total_bytes = sum(s.nbytes for s in specs)
     streams = _stream_times(backend, total_bytes, bucket_bytes, repeats) if world > 1 else {}
     comm = {k: stream_calibrated(c, streams[k], world) if k in streams else c for k, c in comm.items()}
-    contention, cpu_per_byte, lost_samples = _contention(backend, model, run, total_bytes, bucket_bytes, repeats) \
-        if world > 1 else ({"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0}, {})
+    contention, cpu_per_byte, lost_samples = (
+        _contention(backend, model, run, total_bytes, bucket_bytes, repeats)
+        if world > 1
+        else ({"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0}, {})
+    )
     copy_per_byte = _copy_cost(min(total_bytes, bucket_bytes), repeats)
-    profile = Profile(params=specs, forward_segments=forward_segments, forward_tail=tail,
-                      ready=ready, t_bp=t_bp, update_per_element=per_element, update_per_call=per_call,
-                      comm=comm, comm_samples=samples, contention=contention, world=world,
-                      backend=getattr(backend, "name", "gloo"), link=link,
-                      rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
-                      copy_per_byte=copy_per_byte, cpu_per_byte=cpu_per_byte, lost_samples=lost_samples,
-                      cores_per_rank=_cores_per_rank(backend, runtime.local_size()), comm_streams=streams)
+    profile = Profile(
+        params=specs,
+        forward_segments=forward_segments,
+        forward_tail=tail,
+        ready=ready,
+        t_bp=t_bp,
+        update_per_element=per_element,
+        update_per_call=per_call,
+        comm=comm,
+        comm_samples=samples,
+        contention=contention,
+        world=world,
+        backend=getattr(backend, "name", "gloo"),
+        link=link,
+        rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
+        copy_per_byte=copy_per_byte,
+        cpu_per_byte=cpu_per_byte,
+        lost_samples=lost_samples,
+        cores_per_rank=_cores_per_rank(backend, runtime.local_size()),
+        comm_streams=streams,
+    )
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
     return profile
@@ -353,10 +392,12 @@ def _comm_fits(backend, sizes: Sequence[int], repeats: int):
             n = max(world, (nbytes // 4) // world * world)
             full = torch.ones(n, device=backend.device)
             shard = torch.ones(n // world, device=backend.device)
-            ops = {"reduce_scatter": lambda: backend.reduce_scatter(shard, full),
-                   "all_gather": lambda: backend.all_gather(full, shard),
-                   "all_reduce": lambda: backend.all_reduce(full),
-                   "broadcast": lambda: backend.broadcast(full, 0)}
+            ops = {
+                "reduce_scatter": lambda: backend.reduce_scatter(shard, full),
+                "all_gather": lambda: backend.all_gather(full, shard),
+                "all_reduce": lambda: backend.all_reduce(full),
+                "broadcast": lambda: backend.broadcast(full, 0),
+            }
             times = []
             for i in range(repeats + 1):
                 backend.all_reduce(torch.zeros(1, device=backend.device)).wait()  # start together
@@ -392,9 +433,11 @@ def _stream_times(backend, total_bytes: int, bucket_bytes: int, repeats: int) ->
     ops started back to back as the engine starts them, waited for together: ``[total bytes, ops, seconds]``
     (per repeat the slowest rank's time, then the median)."""
     pieces = _model_pieces(backend, total_bytes, bucket_bytes)
-    start = {"reduce_scatter": lambda full, shard: backend.reduce_scatter(shard, full),
-             "all_gather": lambda full, shard: backend.all_gather(full, shard),
-             "all_reduce": lambda full, shard: backend.all_reduce(full)}
+    start = {
+        "reduce_scatter": lambda full, shard: backend.reduce_scatter(shard, full),
+        "all_gather": lambda full, shard: backend.all_gather(full, shard),
+        "all_reduce": lambda full, shard: backend.all_reduce(full),
+    }
     out = {}
     for kind, op in start.items():
         times = []
@@ -424,8 +467,9 @@ def stream_calibrated(cost: CommCost, stream: Sequence[float], world: int) -> Co
     return dataclasses.replace(cost, beta=moving / (fraction * total))
 
 
-def _contention(backend, model, run, total_bytes: int, bucket_bytes: int, repeats: int,
-                lost_repeats: int = 7) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, List[List[float]]]]:
+def _contention(
+    backend, model, run, total_bytes: int, bucket_bytes: int, repeats: int, lost_repeats: int = 7
+) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, List[List[float]]]]:
     """How much compute slows while collectives run, forward (all-gathers) and backward (reduce-scatters).
 
     Two measures.  ``contention`` (gamma per phase): compute alone, the model's

@@ -165,14 +165,24 @@ class _Link:
         return self.running is not None
 
 
-def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm: Optional[Dict[str, CommCost]] = None,
-             iterations: int = 3, contention: Optional[Dict[str, float]] = None) -> Prediction:
+def simulate(
+    profile: Profile,
+    plan: Plan,
+    *,
+    world: Optional[int] = None,
+    comm: Optional[Dict[str, CommCost]] = None,
+    iterations: int = 3,
+    contention: Optional[Dict[str, float]] = None,
+) -> Prediction:
     """Predict ``plan``'s iteration on ``world`` ranks (default: the plan's) from ``profile``."""
     world = world or plan.world_size
     comm = comm or profile.comm
     gamma = profile.contention if contention is None else contention
-    per_byte = dict.fromkeys(("forward", "backward"), cpu_per_byte(profile)) if contention is None and \
-        profile.cpu_per_byte else {}
+    per_byte = (
+        dict.fromkeys(("forward", "backward"), cpu_per_byte(profile))
+        if contention is None and profile.cpu_per_byte
+        else {}
+    )
     ops = plan.ops
     durations = [op_time(profile, plan, op, world, comm) for op in ops]
     wire = [cpu_bytes(*op_bytes(profile, plan, op, world)) for op in ops]
@@ -245,9 +255,17 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
         clock[0] = max(clock[0], step_end)
         if link.busy and link.next_event() <= clock[0] + 1e-12:
             i = link.finish(clock[0])
-            events.append({"name": ops[i].kind, "cat": "comm", "ph": "X", "tid": 1,
-                           "ts": link.start_times[i] * 1e6, "dur": (clock[0] - link.start_times[i]) * 1e6,
-                           "args": {"bucket": ops[i].bucket, "piece": ops[i].piece}})
+            events.append(
+                {
+                    "name": ops[i].kind,
+                    "cat": "comm",
+                    "ph": "X",
+                    "tid": 1,
+                    "ts": link.start_times[i] * 1e6,
+                    "dur": (clock[0] - link.start_times[i]) * 1e6,
+                    "args": {"bucket": ops[i].bucket, "piece": ops[i].piece},
+                }
+            )
             if waiting:
                 pump()  # the host, waiting, completes this op: an op after it (its dependency, or credit) may go
         return span * rate
@@ -259,8 +277,17 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
             rate = 1.0 / slowdown(phase)
             remaining -= advance(clock[0] + remaining / rate, phase)
         if seconds > 0:
-            events.append({"name": name, "cat": "compute", "ph": "X", "tid": 0, "ts": start * 1e6,
-                           "dur": (clock[0] - start) * 1e6, "args": {}})
+            events.append(
+                {
+                    "name": name,
+                    "cat": "compute",
+                    "ph": "X",
+                    "tid": 0,
+                    "ts": start * 1e6,
+                    "dur": (clock[0] - start) * 1e6,
+                    "args": {},
+                }
+            )
 
     averaged: set = set()
 
@@ -287,8 +314,17 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
                     raise RuntimeError(f"simulation stuck waiting for ops {indices} at {clock[0]:.4f}s")
             advance(link.next_event(), "backward", waiting=True)
         if clock[0] > start:
-            events.append({"name": name, "cat": "wait", "ph": "X", "tid": 0, "ts": start * 1e6,
-                           "dur": (clock[0] - start) * 1e6, "args": {}})
+            events.append(
+                {
+                    "name": name,
+                    "cat": "wait",
+                    "ph": "X",
+                    "tid": 0,
+                    "ts": start * 1e6,
+                    "dur": (clock[0] - start) * 1e6,
+                    "args": {},
+                }
+            )
         average(indices)
 
     def apply_updates(key: Tuple, phase: str) -> None:
@@ -349,5 +385,11 @@ def simulate(profile: Profile, plan: Plan, *, world: Optional[int] = None, comm:
     last = max(iterations, 2) - 1
     t0, tb, ts, te = marks[f"start{last}"], marks[f"backward{last}"], marks[f"step{last}"], marks[f"end{last}"]
     shown = [dict(e, ts=e["ts"] - t0 * 1e6) for e in events[first_events:]]
-    return Prediction(iteration=te - t0, forward=tb - t0, backward=ts - tb, step=te - ts,
-                      link_busy=link_busy_total[0] - busy_before, events=shown)
+    return Prediction(
+        iteration=te - t0,
+        forward=tb - t0,
+        backward=ts - tb,
+        step=te - ts,
+        link_busy=link_busy_total[0] - busy_before,
+        events=shown,
+    )
