@@ -410,6 +410,9 @@ class _TorchHandle(Handle):
         self._finish = finish
         self._waited = False  # wait() returned: the result may be used
         self._finished = False  # the host saw the op finish
+        # wait() from two threads at once (ReduceScatterThenGather's helper and a workspace making room): the
+        # second waits for the first, which lets go of the work object when done
+        self._lock = threading.Lock()
 
     def is_completed(self) -> bool:
         if self._finished:
@@ -440,6 +443,11 @@ class _TorchHandle(Handle):
     def wait(self, timeout: Optional[float] = None) -> None:
         if self._waited:
             return
+        with self._lock:
+            if not self._waited:
+                self._wait(timeout)
+
+    def _wait(self, timeout: Optional[float]) -> None:
         deadline = time.monotonic() + self._seconds(timeout)
         while True:  # in slices of FAULT_POLL_SECONDS: between them, a failure a peer posted is looked for
             left = deadline - time.monotonic()
