@@ -416,6 +416,37 @@ class Executor:
         with self.hooks.guard.suspended():
             self.gradients.zero(set_to_none)
 
+    def engine_state(self) -> dict:
+        """What the engine keeps beyond the wrapped optimizer's state, for ``state_dict()``: a delayed
+        schedule's group sums on this rank (``dearopt_deft``), a sparsifier's residuals (``dearopt_sparse``)."""
+        out = {}
+        if self.options.policy.delays_updates:
+            out["dearopt_deft"] = self.rounds.deft_state()
+        if self.sparse is not None:
+            out["dearopt_sparse"] = self.sparse.state_dict()
+        return out
+
+    def load_engine_state(self, state_dict: dict) -> dict:
+        """Take :meth:`engine_state`'s entries out of ``state_dict`` and load them (refused by name where this
+        engine keeps no such state); returns the rest, the wrapped optimizer's."""
+        state_dict = dict(state_dict)
+        deft, sparse = state_dict.pop("dearopt_deft", None), state_dict.pop("dearopt_sparse", None)
+        if deft is not None:
+            if not self.options.policy.delays_updates:
+                raise UsageError(
+                    "this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
+                    "load it into a DistOptim with schedule='deft'"
+                )
+            self.rounds.load_deft_state(deft)
+        if sparse is not None:
+            if self.sparse is None:
+                raise UsageError(
+                    "this state_dict holds a sparsifier's residuals (comm_hook=dearopt.Sparsify): load "
+                    "it into a DistOptim with the same comm_hook"
+                )
+            self.sparse.load_state_dict(sparse)
+        return state_dict
+
     def close(self) -> None:
         """Apply pending updates, remove the hooks, restore tied weights and release the control channel."""
         self.synchronize()

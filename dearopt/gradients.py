@@ -93,8 +93,17 @@ class AveragedGradients:
             region.clamp_(-clip_value, clip_value)
         self.mark_written()
 
-    def unscale_(self, scale: float) -> None:
-        """Divide the averaged gradients (shards where the schedule keeps shards) by ``scale``."""
+    def unscale_(self, scale, key: int = 0) -> None:
+        """Divide the averaged gradients (shards where the schedule keeps shards) by ``scale``: a number, or a
+        ``torch.amp.GradScaler`` (what its ``unscale_`` does, its state kept under ``key``, the optimizer's id)."""
+        if isinstance(scale, torch.amp.GradScaler):
+            from torch.amp.grad_scaler import OptState
+
+            scale._check_scale_growth_tracker("unscale_")
+            if scale._per_optimizer_states[key]["stage"] is not OptState.READY:
+                raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            self.scaler_found_inf(scale, key, unscale=True)
+            return
         scale = float(scale)
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"unscale_ needs a positive finite scale, got {scale}")

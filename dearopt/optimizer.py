@@ -458,15 +458,7 @@ class DistOptim(torch.optim.Optimizer):
         (``(loss * scale).backward()``; with ``nonfinite="skip"`` a step whose
         scaled gradients overflowed is skipped on every rank).
         """
-        if isinstance(scale, torch.amp.GradScaler):
-            from torch.amp.grad_scaler import OptState
-
-            scale._check_scale_growth_tracker("unscale_")
-            if scale._per_optimizer_states[id(self)]["stage"] is not OptState.READY:
-                raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-            self._executor.gradients.scaler_found_inf(scale, id(self), unscale=True)
-            return
-        self._executor.gradients.unscale_(scale)
+        self._executor.gradients.unscale_(scale, key=id(self))
 
     def reduce_gradients(self) -> None:
         """Finish communication now, so that every ``p.grad`` holds the averaged gradient.
@@ -514,10 +506,7 @@ class DistOptim(torch.optim.Optimizer):
             saved = self._inner.state_dict()
         else:
             saved = self._inner_state_dict(sharding.gather_state())
-        if self.options.policy.delays_updates:  # schedule="deft": this rank's delayed group sums
-            saved["dearopt_deft"] = self._executor.rounds.deft_state()
-        if self._executor.sparse is not None:  # comm_hook=Sparsify: this rank's residuals (error feedback)
-            saved["dearopt_sparse"] = self._executor.sparse.state_dict()
+        saved.update(self._executor.engine_state())  # deft's group sums, a sparsifier's residuals
         return saved
 
     def _inner_state_dict(self, state) -> dict:
@@ -532,22 +521,7 @@ class DistOptim(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load an ordinary ``state_dict()`` (from this class, sharded or not, or from a torch optimizer)."""
         self.synchronize()
-        if "dearopt_deft" in state_dict:
-            if not self.options.policy.delays_updates:
-                raise UsageError(
-                    "this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
-                    "load it into a DistOptim with schedule='deft'"
-                )
-            state_dict = dict(state_dict)
-            self._executor.rounds.load_deft_state(state_dict.pop("dearopt_deft"))
-        if "dearopt_sparse" in state_dict:
-            if self._executor.sparse is None:
-                raise UsageError(
-                    "this state_dict holds a sparsifier's residuals (comm_hook=dearopt.Sparsify): load "
-                    "it into a DistOptim with the same comm_hook"
-                )
-            state_dict = dict(state_dict)
-            self._executor.sparse.load_state_dict(state_dict.pop("dearopt_sparse"))
+        state_dict = self._executor.load_engine_state(state_dict)
         self._inner.load_state_dict(state_dict)
         self._share_inner()
         sharding = self._executor.sharding

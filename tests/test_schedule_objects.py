@@ -177,3 +177,34 @@ def test_the_engine_shape_measured_from_the_code():
                 if any(c.value in names for c in constants) and "schedule" in ast.unparse(node):
                     found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def _deft_through_the_issuer():
+    rank, world = dearopt.rank(), dearopt.size()
+    model = make_model("mlp")
+    opt = dearopt.DistOptim(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=dearopt.DeFT(preserver=False), buffer_size=64
+    )
+    for step in range(4):
+        opt.zero_grad()
+        x, y = global_batch(step, "mlp")
+        loss_fn("mlp", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    opt.synchronize()
+    engine = opt._executor
+    out = (type(engine).__name__, type(engine.rounds).__name__, list(engine.launch_log), len(engine.rounds.units))
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_deft_runs_on_the_shared_engine_and_sends_through_its_issuer():
+    """DeFT is a rounds part of the same Executor (no subclass), and every sum of a group it sends is started by
+    the engine's issuer (its launch log: the same sends in the same order on every rank)."""
+    got = [o.value for o in run_workers(_deft_through_the_issuer, 2, timeout=50)]
+    for engine, rounds, log, units in got:
+        assert (engine, rounds) == ("Executor", "DelayedRounds")
+        sent = [entry for entry in log if "unit" in str(entry[1])]
+        assert len(sent) >= 3 * units  # the three measuring steps send every unit once at least
+        assert {entry[0] for entry in sent} >= {0, 1, 2}
+    assert got[0][2] == got[1][2]
