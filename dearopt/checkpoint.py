@@ -147,18 +147,22 @@ def _planners():
     def split(state_dict):
         return {k: v for k, v in state_dict.items() if isinstance(v, _Chunks)}
 
+    def without_chunks(planner, make_plan):
+        """DCP's own plan for everything but the chunked entries (``_Chunks``, planned by the caller), and those."""
+        chunks = split(planner.state_dict)
+        for key in chunks:
+            del planner.state_dict[key]
+        try:
+            return make_plan(), chunks
+        finally:
+            planner.state_dict.update(chunks)
+
     class SavePlanner(m["DefaultSavePlanner"]):
         def __init__(self):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # flat keys; values are leaves
 
         def create_local_plan(self):
-            chunks = split(self.state_dict)
-            for key in chunks:
-                del self.state_dict[key]
-            try:
-                plan = super().create_local_plan()
-            finally:
-                self.state_dict.update(chunks)
+            plan, chunks = without_chunks(self, super().create_local_plan)
             items = []
             for fqn, value in chunks.items():
                 for offset, tensor in value.pieces:
@@ -188,13 +192,7 @@ def _planners():
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # bytes land in our dict
 
         def create_local_plan(self):
-            chunks = split(self.state_dict)
-            for key in chunks:
-                del self.state_dict[key]
-            try:
-                plan = super().create_local_plan()
-            finally:
-                self.state_dict.update(chunks)
+            plan, chunks = without_chunks(self, super().create_local_plan)
             items = []
             for fqn, value in chunks.items():
                 stored = self.metadata.state_dict_metadata.get(fqn)

@@ -51,8 +51,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
-from .base import Schedule, mark_updates
+from ..plan import ALL_REDUCE
+from .base import Schedule
 
 __all__ = [
     "knapsack",
@@ -737,18 +737,6 @@ class DeFT(Schedule):
 
     def ops(self, layout):
         """``wfbp``'s all-reduces per piece, for the plan's fingerprint: when each is sent is the DeftSchedule's."""
-        return mark_updates(
-            [
-                CommOp(
-                    ALL_REDUCE,
-                    b,
-                    k,
-                    layout.buckets[b].piece_nbytes(k),
-                    start=GRADS_READY,
-                    due=BACKWARD_END,
-                    average=True,
-                )
-                for b, k in layout.reduction_order
-            ],
-            at=lambda op: STEP,
-        )
+        from .wfbp import WFBP
+
+        return WFBP().ops(layout)
