@@ -233,10 +233,10 @@ class DelayedGradients(AveragedGradients):
                 "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)"
             )
         it = e.rounds.iteration
-        group = e.rounds.forming if it.applies == 0 else e.rounds.group if it.applies is not None else None
+        group = e.rounds.new_group if it.applies == 0 else e.rounds.group if it.applies is not None else None
         if group is None:
             return None, 0.0
-        e.rounds._wait(group)
+        e.rounds.wait_group(group)
         return group, 1.0 / (e.world * group.covers)
 
     def _sum_regions(self, group: _Group) -> List[torch.Tensor]:
@@ -333,7 +333,7 @@ class DeftMeasurement:
         # one sample per unit, on a machine that computes and communicates at once: the solver takes the line
         # fitted through them (Theil-Sen, robust to the one slow sample that would otherwise break the
         # partition constraint), not each sample
-        nbytes = [e.rounds._unit_nbytes(u) for u in range(len(e.rounds.units))]
+        nbytes = [e.rounds.unit_nbytes(u) for u in range(len(e.rounds.units))]
         bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(e.rounds.units))])
         return forward, backward, [latency + n / bandwidth for n in nbytes]
 
@@ -341,7 +341,7 @@ class DeftMeasurement:
         """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
         e = self.engine
         if (
-            e.rounds._rsag is not None
+            e.rounds.rsag is not None
             and len(self.comm_rsag) == len(self.comm)
             and sum(self.comm_rsag.values()) < sum(self.comm.values())
         ):
@@ -350,7 +350,7 @@ class DeftMeasurement:
 
     def choose_profiled_reduction(self) -> None:
         e = self.engine
-        if e.rounds._rsag is not None:
+        if e.rounds.rsag is not None:
             e.rounds.reduction = profile_reduction(self.profile, e.plan)
 
     def solve_measured(self) -> None:
@@ -377,7 +377,7 @@ class DeftMeasurement:
             # cost per collective (a tiny model was cut into ~700 pieces of mostly fixed cost); and only where it
             # shrinks a unit that is too long
             shortest = min(sum(forward), sum(backward))
-            nbytes = [e.rounds._unit_nbytes(u) for u in range(len(e.rounds.units))]
+            nbytes = [e.rounds.unit_nbytes(u) for u in range(len(e.rounds.units))]
             bandwidth, latency = fit_link(list(zip(nbytes, comm)))
             size = max(int((0.8 * shortest - latency) * bandwidth), -(-sum(nbytes) // (GROWTH * len(nbytes))))
             if size < max(nbytes[u] for u in too_long) and self.profile is None:
@@ -473,6 +473,8 @@ class DelayedRounds:
 
     def __init__(self, engine):
         e = self.engine = engine
+        self.stale: set = set()  # due buckets this forward did not reach, as this backward began
+        self.backward_start = 0.0  # the timeline's clock as this backward began
         policy = e.options.policy  # the DeFT object and its knobs
         schedule, profile, preserver, links, apply = (
             policy.given,
@@ -501,16 +503,16 @@ class DelayedRounds:
             raise UsageError("schedule='deft' does not take a comm_hook yet")
         # the second half of a reduce-scatter + all-gather runs on a communicator of its own (one link, on a
         # backend whose host waits for an op, i.e. gloo: where all-reduce is slow)
-        self._rsag = None
+        self.rsag = None
         if links == 1 and schedule is None and e.world > 1 and getattr(e.backend, "host_waits", False):
             from .collectives import ReduceScatterThenGather
 
-            self._rsag = ReduceScatterThenGather(e.backend, e.backend.fork())
+            self.rsag = ReduceScatterThenGather(e.backend, e.backend.fork())
         self.reduction = ALL_REDUCE  # how a unit is summed (RSAG once measured or profiled faster)
         # per (unit, group parity): the reduce-scatter's output (RSAG); two, since the next group may send a unit
         # while the one before still gathers it (its bucket applied only when the next forward reaches it)
         self._shards: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._groups_formed = 0
+        self.groups_formed = 0
         self._accumulating = False  # this backward only accumulates (no_sync(), backward_passes_per_step)
         self.deft: Optional[DeftSchedule] = schedule
         # A given schedule is followed as it is.  Otherwise the first MEASURED_STEPS steps are exact and measure
@@ -518,11 +520,11 @@ class DelayedRounds:
         self.measurement = DeftMeasurement(e, None if schedule is not None else preserver, profile)
         self.offset = MEASURED_STEPS if schedule is None and (profile is None or preserver is not None) else 0
         self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
-        self.forming: Optional[_Group] = None  # the group this backward starts
+        self.new_group: Optional[_Group] = None  # the group this backward starts
         self.held: Optional[_Group] = None  # gradients held (summed) while the group in flight is unfinished
         self._new_cursor = 0
         self._forward_sent_at = -1
-        self._loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
+        self.loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
 
     # --------------------------------------------------------------- plan
     def plan_bound(self) -> None:
@@ -533,7 +535,7 @@ class DelayedRounds:
         e.bound = dataclasses.replace(e.bound, final_after_backward=frozenset())
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(e.plan)
-        self._units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in e.buckets]
+        self.units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in e.buckets]
         self._shards = {}
         if self.deft is None and self.measurement.profile is not None and not self.offset:
             self.measurement.choose_profiled_reduction()
@@ -544,8 +546,8 @@ class DelayedRounds:
                 f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
                 f"{len(e.buckets)}{pieces} (buffer_size and partition_size decide them)"
             )
-        if self._loaded is not None:
-            _restore(self, self._loaded)
+        if self.loaded is not None:
+            _restore(self, self.loaded)
 
     measured = property(lambda self: self.measurement.measured, doc="The times the schedule was solved from.")
     preserved = property(lambda self: self.measurement.preserved, doc="The Preserver's outcome, once solved.")
@@ -556,12 +558,12 @@ class DelayedRounds:
         e = self.engine
         if e.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
             n = len(self.units)
-            alone = e.step_count == self.offset - 1 and self.measurement.times_alone  # timed in _end_backward
+            alone = e.step_count == self.offset - 1 and self.measurement.times_alone  # timed in end_backward
             send = () if alone else tuple(range(n - 1, -1, -1))
             return DeftIteration(4, (), (), send, False, 0, 1)
         return self.deft.iteration(e.step_count - self.offset)
 
-    def _unit_nbytes(self, u: int) -> int:
+    def unit_nbytes(self, u: int) -> int:
         e = self.engine
         b, k = self.units[u]
         return e.buckets[b].spec.piece_nbytes(k)
@@ -588,7 +590,7 @@ class DelayedRounds:
             bucket=b,
             piece=k,
             step=e.step_count,
-            link=self.second if on_second else self._rsag if rsag else None,
+            link=self.second if on_second else self.rsag if rsag else None,
             shard=self._shard(u, group.serial % 2) if rsag else None,
             label=f"{kind} unit {u}",
             unit=u,
@@ -627,14 +629,14 @@ class DelayedRounds:
         e.pass_id += 1
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
-        e._stale = set(self.updates.due_buckets)
+        self.stale = set(self.updates.due_buckets)
         self.updates.apply_due()
         torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
-        e._hook_new_params()
+        e.hook_new_params()
         if any(id(p) not in e.bound.where for p in e.planner.trainable()):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
         e.state = TrainingState.BACKWARD
-        e._backward_start = e.timeline.now()
+        self.backward_start = e.timeline.now()
         # inside no_sync(), or before the last of backward_passes_per_step: the gradients accumulate in p.grad
         # and this step of the schedule begins with the backward that communicates (its forward stage's sends
         # started with the step's first forward and run on meanwhile)
@@ -648,7 +650,7 @@ class DelayedRounds:
         it = self.iteration
         self._send_forward_stage()
         if self.group is not None:  # the forward stage's sends are done before backward (Algorithm 2, line 15)
-            self._wait(self.group)
+            self.wait_group(self.group)
             if not it.held and it.applies is None:  # a given schedule may say so; nothing is in flight yet
                 raise UsageError(
                     f"the DeFT schedule forms a new group at step {e.step_count} while the group "
@@ -657,20 +659,20 @@ class DelayedRounds:
                 )
             for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
                 self._all_reduce(self.group, u)
-        self.forming = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
-        if self.forming is not None:
-            self._groups_formed += 1
-            self.forming.serial = self._groups_formed
+        self.new_group = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
+        if self.new_group is not None:
+            self.groups_formed += 1
+            self.new_group.serial = self.groups_formed
         self._new_cursor = 0
 
     def grad_ready(self, p) -> None:
         e = self.engine
-        located = e._located_in_backward(p)
+        located = e.locate(p)
         e.issuer.poll_sends()
         if located is None:
             return
         bucket, j = located
-        if bucket.index in e._stale:
+        if bucket.index in self.stale:
             raise UsageError(
                 f"parameter {bucket.names[j]!r} received a gradient although its delayed update was not applied "
                 f"before it was used: it was read in forward before its own module ran. Use "
@@ -709,7 +711,7 @@ class DelayedRounds:
     def _start_new(self, force: bool) -> None:
         """Send the new group's units the schedule sends in this backward, in its order, as they are ready."""
         e = self.engine
-        if self.forming is None:
+        if self.new_group is None:
             return
         order = self.iteration.backward_new
         while self._new_cursor < len(order):
@@ -717,14 +719,14 @@ class DelayedRounds:
             b = self.units[u][0]
             if not (force or e.buckets[b].complete):
                 return
-            if b not in self.forming.storage:
-                self.forming.storage[b] = self._take(b)
-            self._all_reduce(self.forming, u, new=True)
+            if b not in self.new_group.storage:
+                self.new_group.storage[b] = self._take(b)
+            self._all_reduce(self.new_group, u, new=True)
             self._new_cursor += 1
 
     def end_backward(self) -> None:
         e = self.engine
-        e.timeline.span("backward", "compute", e._backward_start)
+        e.timeline.span("backward", "compute", self.backward_start)
         if self._accumulating:
             e.state = TrainingState.ACCUMULATED
             e.accumulated += 1
@@ -733,7 +735,7 @@ class DelayedRounds:
         e.state = TrainingState.REDUCING
         for b in e.buckets:  # unused since zero_grad(): a zero gradient
             b.clear_stale()
-        if self.forming is None:  # Case 2: this step's gradients are held, summed with what was held before
+        if self.new_group is None:  # Case 2: this step's gradients are held, summed with what was held before
             if self.held is None:
                 self.held = _Group({b.index: torch.zeros_like(b.buffer) for b in e.buckets}, 0)
             for b in e.buckets:
@@ -747,30 +749,30 @@ class DelayedRounds:
         if m.measuring(MEASURED_STEPS - 1) and m.times_alone:  # each all-reduce alone, in turn
             for u in range(len(self.units) - 1, -1, -1):
                 b = self.units[u][0]
-                if b not in self.forming.storage:
-                    self.forming.storage[b] = self._take(b)
+                if b not in self.new_group.storage:
+                    self.new_group.storage[b] = self._take(b)
                 if self.second is not None:  # the same bytes on the second link (a scratch copy), alone
-                    scratch = self._unit_tensor(self.forming, u).clone()
+                    scratch = self._unit_tensor(self.new_group, u).clone()
                     t0 = time.perf_counter()
                     self.second.all_reduce(scratch, "sum", bucket=b, step=e.step_count).wait()
                     self.measurement.comm_second[u] = time.perf_counter() - t0
-                if self._rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
-                    scratch = self._unit_tensor(self.forming, u).clone()
+                if self.rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
+                    scratch = self._unit_tensor(self.new_group, u).clone()
                     t0 = time.perf_counter()
-                    self._rsag.start(scratch, self._shard(u), bucket=b, step=e.step_count).wait()
+                    self.rsag.start(scratch, self._shard(u), bucket=b, step=e.step_count).wait()
                     self.measurement.comm_rsag[u] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                self._all_reduce(self.forming, u)
-                self.forming.handles[-1].wait()
+                self._all_reduce(self.new_group, u)
+                self.new_group.handles[-1].wait()
                 self.measurement.comm[u] = time.perf_counter() - t0
         self._start_new(force=True)
         for b in range(len(e.buckets)):  # the new group's other buckets wait on this rank for a later stage
-            if b not in self.forming.storage:
-                self.forming.storage[b] = self._take(b)
+            if b not in self.new_group.storage:
+                self.new_group.storage[b] = self._take(b)
         self.held = None
 
     # --------------------------------------------------------------- step
-    def _wait(self, group: Optional[_Group]) -> None:
+    def wait_group(self, group: Optional[_Group]) -> None:
         e = self.engine
         if group is None:
             return
@@ -789,24 +791,24 @@ class DelayedRounds:
                 "GradScaler is not supported under schedule='deft' yet: a group applied later covers "
                 "steps scaled differently"
             )
-        e._require_gradients("step")
+        e.require_gradients("step")
         e.gradients.check_writes()
         t0 = e.timeline.now()
         it = self.iteration
         # only the group applied now is waited for: the sends of the group this backward formed run on into the
         # next forward (the link stays busy; the next backward waits for them with the forward stage's sends)
         if it.applies == 0:  # a measuring step: exact, applied at once
-            self._wait(self.forming)
-            self.updates.apply(self.forming, measure=self.measurement.preserver is not None)
-            self.forming = None
+            self.wait_group(self.new_group)
+            self.updates.apply(self.new_group, measure=self.measurement.preserver is not None)
+            self.new_group = None
         elif self.apply_mode == "bucket":
             self.updates.hand_over(it)
         elif it.applies is not None:
-            self._wait(self.group)
+            self.wait_group(self.group)
             self.updates.apply(self.group)
             self.group = None
-        if self.forming is not None:  # (a group in flight and not applied was refused when this backward began)
-            self.group, self.forming = self.forming, None
+        if self.new_group is not None:  # (a group in flight and not applied was refused when this backward began)
+            self.group, self.new_group = self.new_group, None
         e.forwards = 0
         e.step_count += 1
         e.state = TrainingState.IDLE
@@ -864,7 +866,7 @@ class DelayedRounds:
         e = self.engine
         if e.state is TrainingState.IDLE:
             self.updates.apply_due()
-            self._wait(self.group)
+            self.wait_group(self.group)
 
     def may_replan(self) -> None:
         """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
@@ -876,8 +878,8 @@ class DelayedRounds:
 
     def close(self) -> None:
         """Release the second link and the reduce-scatter + all-gather communicator."""
-        if self._rsag is not None:
-            self._rsag.close()
+        if self.rsag is not None:
+            self.rsag.close()
         if self.second is not None:
             self.second.close()
 
@@ -903,11 +905,11 @@ class GroupUpdates:
         r = self.rounds
         e = self.engine
         fresh = 0
-        for group in (r.group, r.forming):
+        for group in (r.group, r.new_group):
             if group is None:
                 continue
             for b in range(len(e.buckets)):
-                if b not in group.due and all(u in group.sent for u in r._units_of[b]):
+                if b not in group.due and all(u in group.sent for u in r.units_of[b]):
                     group.due.add(b)
                     self.due_buckets.setdefault(b, []).append(group)
                     fresh += 1
@@ -941,7 +943,7 @@ class GroupUpdates:
                 now = [b for b in chosen if k < len(pending[b])]
                 for b in now:
                     group = pending[b][k]
-                    for u in r._units_of[b]:
+                    for u in r.units_of[b]:
                         handle = group.unit_handles.get(u)  # none for a unit reduced before a checkpoint
                         if handle is not None:
                             handle.wait()
@@ -1048,10 +1050,10 @@ def save_groups(rounds) -> dict:
             }
         )
 
-    if rounds._loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
-        return dict(rounds._loaded)
+    if rounds.loaded is not None:  # loaded, not yet applied (no plan yet): pass it on unchanged
+        return dict(rounds.loaded)
     rounds.updates.apply_due()  # the parameters saved are current
-    rounds._wait(rounds.group)  # its sends may still be in flight (step() waits only for a group it applies)
+    rounds.wait_group(rounds.group)  # its sends may still be in flight (step() waits only for a group it applies)
     return {
         "step": e.step_count,
         "apply": rounds.apply_mode,
@@ -1077,10 +1079,10 @@ def load_groups(rounds, saved: dict) -> None:
             "this checkpoint was saved with deft_apply='bucket' (part of its group in flight is "
             "applied already): resume with deft_apply='bucket'"
         )
-    rounds._wait(rounds.group)  # nothing of the replaced group may still be on the link
+    rounds.wait_group(rounds.group)  # nothing of the replaced group may still be on the link
     for groups in rounds.updates.due_buckets.values():
         for group in groups:
-            rounds._wait(group)
+            rounds.wait_group(group)
     rounds.updates.due_buckets.clear()  # the replaced run's pending updates: the checkpoint supersedes them
     rounds.updates.due_landing = False
     e.guard.disarm()
@@ -1090,7 +1092,7 @@ def load_groups(rounds, saved: dict) -> None:
     rounds.measurement.preserved = saved.get("preserved")
     rounds.mu = saved.get("mu")
     rounds.reduction = saved.get("reduction", ALL_REDUCE)
-    if rounds.reduction == RSAG and rounds._rsag is None:
+    if rounds.reduction == RSAG and rounds.rsag is None:
         raise UsageError(
             "this checkpoint's DeFT schedule sums by reduce-scatter + all-gather, which needs one "
             "link on gloo and no given deft_schedule="
@@ -1098,7 +1100,7 @@ def load_groups(rounds, saved: dict) -> None:
     if rounds.second is None and rounds.deft is not None and rounds.deft.mu is not None:
         raise UsageError("this checkpoint's DeFT schedule uses a second link: resume with deft_links=2")
     rounds.updates.applied_steps = list(saved.get("applied_steps", []))
-    rounds._loaded = saved
+    rounds.loaded = saved
     if e.plan is not None:
         _restore(rounds, saved)
 
@@ -1125,8 +1127,8 @@ def _restore(rounds, saved: dict) -> None:
         )
         group.sent = set(entry["sent"])
         group.due = set(entry.get("due", ()))  # (applied already, under deft_apply="bucket")
-        group.serial = rounds._groups_formed  # the next group formed uses the other reduce-scatter outputs
+        group.serial = rounds.groups_formed  # the next group formed uses the other reduce-scatter outputs
         return group
 
     rounds.group, rounds.held = load(saved["group"]), load(saved["held"])
-    rounds._loaded = None
+    rounds.loaded = None

@@ -44,7 +44,7 @@ from .binding import BoundPlan, PlanKnobs, Planner
 from .buckets import BucketState
 from .checks import Checks
 from .collectives import CollectiveBackend
-from .comm_hooks import CommHook
+from .comm_hooks import CommHook, hooks_for
 from .errors import UsageError
 from .functions import broadcast_buffers_as_bytes
 from .hooks import EngineHook, EngineHooks, Round, TrainingState
@@ -138,8 +138,6 @@ class Executor:
         self.pass_id = 0
         self.accumulated = 0  # backward passes since the last communicating one
         self.no_sync = False
-        self._stale: set = set()
-        self._backward_start = 0.0
         trainable = self.planner.trainable()
         rows = options.embedding_rows
         if rows and not options.embedding_rows_given and any(p.is_cuda for p in trainable):
@@ -148,7 +146,7 @@ class Executor:
             rows = False
         self.tied = TiedEmbeddings(model, {id(p) for p in trainable} if rows else set(), EngineHook)
         self.hooks = EngineHooks(self, model)
-        self._hook_new_params()
+        self.hook_new_params()
 
     def _low_precision(self) -> bool:
         from .comm_hooks import LOW_PRECISION
@@ -164,8 +162,15 @@ class Executor:
     launch_log = property(lambda self: self.planner.launch_log, doc="The issuer's (step, kind, bucket, piece) log.")
     guard = property(lambda self: self.hooks.guard, doc="The guard that applies pending updates on a touch.")
 
+    @property
+    def rows_reductions(self) -> dict:
+        """How row-sparse buckets were reduced over the run: ``{"rows": n, "dense": m}`` (the rows hook outlives
+        every plan)."""
+        rows = self.planner.rows
+        return rows.counts if rows is not None else {"rows": 0, "dense": 0}
+
     # ------------------------------------------------------------------ hooks
-    def _hook_new_params(self) -> None:
+    def hook_new_params(self) -> None:
         """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
         self.hooks.hook_params(self.planner.planned(), self._on_grad_ready, self._note_sparse)
 
@@ -188,7 +193,7 @@ class Executor:
             return
         self.hooks.grad_guard.disarm()
         self.forwards += 1
-        self._hook_new_params()
+        self.hook_new_params()
         if self.options.broadcast_buffers and self.world > 1:
             broadcast_buffers_as_bytes(self.model, self.control, self.step_count)
         self.profile.begin_forward()
@@ -235,12 +240,10 @@ class Executor:
                 buckets,
                 self.backend,
                 planner.window,
-                self.comm_hook,
+                hooks_for(plan, self.comm_hook, planner.rows, self.sparse),
                 self.timeline,
                 prepare=self._write_meta,
                 control=self.control,
-                rows=planner.rows,
-                sparse=self.sparse,
             )
             issuer.launch_log = planner.launch_log
             return issuer
@@ -340,7 +343,7 @@ class Executor:
         return True
 
     # ------------------------------------------------------------- backward
-    def _located_in_backward(self, p):
+    def locate(self, p):
         """A gradient hook's first part: the plan made (first backward), the pass begun; ``p``'s bucket and
         position, or None if ``p`` was not trainable when the plan was made."""
         if self.bound is None:
@@ -351,9 +354,6 @@ class Executor:
 
     def _on_grad_ready(self, p) -> None:
         self.rounds.grad_ready(p)
-
-    def _end_backward(self) -> None:
-        self.rounds.end_backward()
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
@@ -379,7 +379,7 @@ class Executor:
             return r.forward_reached >= start.index
         return True
 
-    def _complete_due(self, point: Point) -> None:
+    def complete_due(self, point: Point) -> None:
         """Start, wait for and complete the ops due at ``point`` (before the moment is marked as reached)."""
         self.issuer.force_and_complete(self.bound.due.get(point, ()), self.may_start, host=self.profile.recording)
 
@@ -408,8 +408,6 @@ class Executor:
             f"cannot {what}: only {self.accumulated} of backward_passes_per_step={bpps} backward "
             f"passes were run (or they ran inside no_sync())"
         )
-
-    _require_gradients = require_gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()`` (:meth:`dearopt.gradients.AveragedGradients.zero`)."""

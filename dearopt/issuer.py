@@ -111,28 +111,27 @@ class Issuer:
         buckets: Sequence[BucketState],
         backend: CollectiveBackend,
         window: CreditWindow,
-        hook: Optional[CommHook],
+        carriers: Optional[Sequence[CommHook]],
         timeline: Timeline,
         prepare: Callable[[BucketState], None],
         control: Optional[CollectiveBackend] = None,
-        rows: Optional[CommHook] = None,
-        sparse: Optional[CommHook] = None,
     ):
+        """``carriers``: the comm hook that carries each op of ``plan``, in order (:func:`dearopt.comm_hooks.hooks_for`
+        chooses them: the user's hook, embedding rows, a sparsifier's exchange, the parameters of a sharded update);
+        None: every op travels as it is."""
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
         self.control = control if control is not None else backend  # small agreements, off the data queue
         self.world = backend.size
         self.window = window
-        for op, carrier in zip(self.ops, hooks_for(plan, hook, rows, sparse)):
-            op.hook = carrier  # what carries the op's piece (comm_hooks.hooks_for)
+        for op, carrier in zip(self.ops, carriers if carriers is not None else hooks_for(plan, None)):
+            op.hook = carrier  # what carries the op's piece
         self.timeline = timeline
         self._prepare = prepare
         self.cursor = 0
         self.step = 0  # the step whose gradients the current round carries (names ops in errors)
         self.launch_log = collections.deque(maxlen=100_000)  # (step, kind, bucket, piece) in issue order
-        # how row-sparse buckets were reduced, over the run (the rows hook outlives the plan)
-        self.rows_reductions = rows.counts if rows is not None else {"rows": 0, "dense": 0}
         self.first_reduction_at: Optional[float] = None  # perf_counter of the round's first reduction
         self.last_reduction_done_at: Optional[float] = None
         self._inverse: dict = {}  # device -> 1/world as the one-element float32 tensor the fused pass takes
@@ -148,7 +147,7 @@ class Issuer:
         self.first_reduction_at = self.last_reduction_done_at = None
 
     # ----------------------------------------------------------------- start
-    def pump(self, may_start: Callable[[OpState], bool], force_through: int = -1) -> None:
+    def start_ready(self, may_start: Callable[[OpState], bool], force_through: int = -1) -> None:
         """Start ops at the cursor while they may start; those at positions <= ``force_through`` regardless."""
         while self.cursor < len(self.ops):
             op = self.ops[self.cursor]
@@ -165,7 +164,7 @@ class Issuer:
             self.cursor += 1
 
     def _dependency_met(self, op: OpState, forced: bool) -> bool:
-        """An op after another goes once that one has finished (polled: a later pump starts it; the link is
+        """An op after another goes once that one has finished (polled: a later start_ready starts it; the link is
         busy with that op meanwhile anyway), or at once, waiting for it, when forced."""
         dependency = self.ops[op.spec.start.index]
         if forced or dependency.handle.is_completed():
@@ -319,6 +318,6 @@ class Issuer:
         """Start (forced) every op up to the last of ``ops``, then complete ``ops`` in plan order."""
         if not ops:
             return
-        self.pump(may_start, force_through=max(op.position for op in ops))
+        self.start_ready(may_start, force_through=max(op.position for op in ops))
         for op in sorted(ops, key=lambda o: o.position):
             self.complete(op, host=host)

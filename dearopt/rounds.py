@@ -40,6 +40,8 @@ class ExactRounds:
 
     def __init__(self, engine):
         self.engine = engine
+        self.stale: set = set()  # buckets whose update was still pending as this backward began
+        self.backward_start = 0.0  # the timeline's clock as this backward began
 
     # -------------------------------------------------------------- backward
     def begin_backward(self) -> None:
@@ -52,12 +54,12 @@ class ExactRounds:
         # Buckets still waiting for their update were not reached by this
         # forward: apply them now (their parameters cannot have gradients
         # unless they were read before their own module ran).
-        e._stale = {b.index for b in e.buckets if b.pending}
-        if e._stale:
+        self.stale = {b.index for b in e.buckets if b.pending}
+        if self.stale:
             e.synchronize()
-        e._backward_start = e.timeline.now()
-        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(e._end_backward))
-        e._hook_new_params()
+        self.backward_start = e.timeline.now()
+        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
+        e.hook_new_params()
         e.state = TrainingState.BACKWARD
         e.planner.watch_link(e.step_count)
         if e.planner.groups_key() != e.bound.inputs.groups:
@@ -87,18 +89,18 @@ class ExactRounds:
             e.timeline.span_at(
                 f"predicted {policy.reduction}",
                 "predicted",
-                e._backward_start + start * 1e6,
+                self.backward_start + start * 1e6,
                 (end - start) * 1e6,
                 bucket=bucket.index,
             )
 
     def grad_ready(self, p) -> None:
         e = self.engine
-        located = e._located_in_backward(p)
+        located = e.locate(p)
         if located is None:
             return
         bucket, j = located
-        if bucket.index in e._stale:
+        if bucket.index in self.stale:
             raise UsageError(
                 f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
                 f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
@@ -115,11 +117,11 @@ class ExactRounds:
         if bucket.complete or e.window.credit is not None:
             # with a credit window, an op held back for credit may start at any gradient hook once
             # earlier ops have finished, not only when the next bucket completes
-            e.issuer.pump(e.may_start)
+            e.issuer.start_ready(e.may_start)
 
     def end_backward(self) -> None:
         e = self.engine
-        e.timeline.span("backward", "compute", e._backward_start)
+        e.timeline.span("backward", "compute", self.backward_start)
         if e.timeline.enabled:
             self.show_predicted_sends()
         if e.round is None:
@@ -133,10 +135,10 @@ class ExactRounds:
         if e.profile.recording:
             e.profile.end_backward()
             e.issuer.observe()
-        e._complete_due(BACKWARD_END)
+        e.complete_due(BACKWARD_END)
         e.gradients.combine(BACKWARD_END)
         e.round.backward_done = True
-        e.issuer.pump(e.may_start)
+        e.issuer.start_ready(e.may_start)
         if e.bound.grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
             e.hooks.grad_guard.arm(e.bound.grad_views, e.bound.grad_params)
 
@@ -160,7 +162,7 @@ class ExactRounds:
         g.gathered_steps = g.gathered_steps + 1 if r.gathered else 0
         r.scaler_checked = scaler_checked
         t0 = e.timeline.now()
-        e._complete_due(STEP)
+        e.complete_due(STEP)
         g.combine(STEP)
         r.stepped = True
         regions = [op.piece.region(op.spec.result) for op in bound.checked_at_step]
@@ -199,7 +201,7 @@ class ExactRounds:
             self.update_shards()
         self.update([e.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
         if e.round is not None:
-            e.issuer.pump(e.may_start)  # the ops that start at step()
+            e.issuer.start_ready(e.may_start)  # the ops that start at step()
             e.hooks.guard.arm({id(p): b.index for b in e.buckets if b.pending for p in b.params})
         e.timeline.span("step", "update", t0)
 
@@ -220,7 +222,7 @@ class ExactRounds:
         if bucket is not None and bucket > r.forward_reached:
             self.reach_forward(bucket)
         elif e.window.credit is not None:
-            e.issuer.pump(e.may_start)  # ops held back for credit start as soon as room frees
+            e.issuer.start_ready(e.may_start)  # ops held back for credit start as soon as room frees
 
     def touched(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after ``step()``: its pending updates first."""
@@ -249,10 +251,10 @@ class ExactRounds:
             k = e.round.forward_reached + 1
             point = forward_of(k)
             t0 = time.perf_counter()
-            e._complete_due(point)
+            e.complete_due(point)
             e.profile.forward_waited(time.perf_counter() - t0)
             e.round.forward_reached = k
-            e.issuer.pump(e.may_start)  # e.g. prefetch the next bucket's all-gather
+            e.issuer.start_ready(e.may_start)  # e.g. prefetch the next bucket's all-gather
             due = e.bound.updates_at.get(point, ())
             if due:
                 self.update([e.buckets[b] for b in due], tags_checked=False)
@@ -309,7 +311,7 @@ class ExactRounds:
             bucket.zero(set_to_none=True)
             e.round.shards_updated = bucket.index + 1
             e.timeline.span("update shard", "update", t0, bucket=bucket.index)
-            e.issuer.pump(e.may_start)  # its gather (due first in forward) overlaps the next updates
+            e.issuer.start_ready(e.may_start)  # its gather (due first in forward) overlaps the next updates
 
     def update(self, buckets: List[BucketState], tags_checked: bool) -> None:
         """The optimizer's update of ``buckets``, due at the same moment: each checked, then one call of the
@@ -330,9 +332,9 @@ class ExactRounds:
             if chosen:
                 e.updater.apply_buckets(chosen)
         for bucket in buckets:
-            self.land(bucket, t0)
+            self.updated(bucket, t0)
 
-    def land(self, bucket: BucketState, t0: float) -> None:
+    def updated(self, bucket: BucketState, t0: float) -> None:
         """The bucket's update is in its parameters: no longer pending; the round ends with the last one."""
         e = self.engine
         bucket.pending = False

@@ -643,7 +643,7 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
         opt.deft_preserved,
         executor.mu,
         len(opt._executor.buckets),
-        [executor._unit_nbytes(u) for u in range(len(executor.units))],
+        [executor.unit_nbytes(u) for u in range(len(executor.units))],
         opt.deft_reduction,
         opt.deft_times,
         [list(b.params) for b in opt.plan.buckets],

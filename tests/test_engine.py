@@ -286,7 +286,7 @@ def _lm_distributed(steps=STEPS):
             opt.synchronize()
             out[(name, schedule)] = (
                 [p.detach().clone() for p in model.parameters()],
-                dict(opt._executor.issuer.rows_reductions),
+                dict(opt._executor.rows_reductions),
                 [b.spec.twin_of is not None for b in opt._executor.buckets].count(True),
                 type(model.decoder.weight) is torch.nn.Parameter and model.decoder.weight is model.embed.weight
                 if variant.get("tied", True)

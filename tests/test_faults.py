@@ -589,7 +589,7 @@ def test_an_internal_error_on_one_rank_keeps_its_cause(monkeypatch):
         def buggy(self, *args):
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(Executor, "_located_in_backward", buggy)  # called by the gradient hook
+        monkeypatch.setattr(Executor, "locate", buggy)  # called by the gradient hook
         x, y = global_batch(0, "mlp")
         with pytest.raises(dearopt.InternalError) as info:
             loss_fn("mlp", model(x), y).backward()

@@ -93,19 +93,19 @@ def test_ops_start_in_plan_order_when_their_moment_comes():
     plan, buckets, backend, issuer = make("dear", [8, 8, 8], 40)
     m = Moments()
     m.ready.add(1)  # bucket 1 is ready first, but bucket 2's reduce-scatter is ahead of it in the plan
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert backend.started == []
     m.ready.add(2)
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert [(n, i) for n, i, _ in backend.started] == [("reduce_scatter", 12), ("reduce_scatter", 12)]
     m.backward_done = True
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert len(backend.started) == 3 and issuer.cursor == 3  # the gathers wait for step()
     m.stepped = True
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert issuer.cursor == 4  # bucket 0's gather; bucket 1's waits for the forward of bucket 0
     m.forward = 0
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert issuer.cursor == 5
     assert [(k, b) for _, k, b, _ in issuer.launch_log] == [(op.kind, op.bucket) for op in plan.ops[:5]]
 
@@ -115,13 +115,13 @@ def test_the_credit_window_bounds_bytes_in_flight_and_forced_ops_wait_for_room()
     plan, buckets, backend, issuer = make("wfbp", [8, 8, 8, 8], 40, credit=100)
     m = Moments()
     m.backward_done = True
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert len(backend.started) == 2 and issuer.window.inflight_bytes == 96  # a third would exceed 100
     backend.started[0][2].finished = True  # the first finishes: room for one more
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert len(backend.started) == 3 and issuer.window.inflight_bytes == 96
     # forcing the last op (its result is due) waits for room on the oldest op in flight, on the host
-    issuer.pump(m, force_through=len(plan.ops) - 1)
+    issuer.start_ready(m, force_through=len(plan.ops) - 1)
     assert len(backend.started) == 4 and ("synchronize", "all_reduce") in backend.log
     assert issuer.window.max_inflight_bytes <= 100
 
@@ -130,7 +130,7 @@ def test_a_single_op_larger_than_the_credit_still_goes_alone():
     plan, buckets, backend, issuer = make("wfbp", [100, 100], 10**6, credit=16)
     m = Moments()
     m.backward_done = True
-    issuer.pump(m)
+    issuer.start_ready(m)
     assert len(backend.started) == 1  # alone in flight, over the credit: never a deadlock
 
 
@@ -138,14 +138,14 @@ def test_an_op_after_another_starts_once_that_one_finished_and_is_never_waited_f
     plan, buckets, backend, issuer = make("rsag", [8, 8], 40)
     m = Moments()
     m.ready.update({0, 1})
-    issuer.pump(m)
+    issuer.start_ready(m)
     # the first gather waits for its reduce-scatter to finish; a hook never blocks on it, and nothing passes it
     assert [n for n, _, _ in backend.started] == ["reduce_scatter"]
     backend.started[0][2].finished = True
-    issuer.pump(m)  # the next hook after it finished
+    issuer.start_ready(m)  # the next hook after it finished
     assert [n for n, _, _ in backend.started] == ["reduce_scatter", "all_gather", "reduce_scatter"]
     assert issuer.ops[0].done  # completed (averaged) before its gather read it
-    issuer.pump(m, force_through=len(plan.ops) - 1)  # due: the last gather waits for its reduce-scatter
+    issuer.start_ready(m, force_through=len(plan.ops) - 1)  # due: the last gather waits for its reduce-scatter
     assert [n for n, _, _ in backend.started][-1] == "all_gather" and issuer.ops[2].done
 
 
@@ -155,7 +155,7 @@ def test_completion_averages_the_result_region_once():
     bucket.views[0].copy_(torch.arange(6.0))
     m = Moments()
     m.backward_done = True
-    issuer.pump(m)
+    issuer.start_ready(m)
     rs = issuer.ops[0]
     issuer.complete(rs)
     issuer.complete(rs)  # idempotent

@@ -179,6 +179,23 @@ def test_the_engine_shape_measured_from_the_code():
     assert not found, found
 
 
+ENGINE_PARTS = ("rounds.py", "delayed.py", "gradients.py", "search.py", "binding.py", "issuer.py", "executor.py")
+
+
+def test_the_engine_parts_speak_through_public_names():
+    """The rounds parts (exact and DeFT's), the gradients, the search, the planner and the issuer use one another
+    through public names only: no ``engine._x``, ``e._x``, ``rounds._x`` (the hooks part, whose job is to install
+    the engine's hook callbacks, is not among them)."""
+    found = []
+    for name in ENGINE_PARTS:
+        for node in ast.walk(ast.parse((PACKAGE / name).read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = ast.unparse(node.value)
+                if owner in ("e", "engine", "r", "rounds", "self.engine", "self.rounds", "e.rounds", "self.e"):
+                    found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
 def _deft_through_the_issuer():
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
