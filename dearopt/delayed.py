@@ -118,6 +118,12 @@ REPARTITIONS = 3
 the job re-plans with smaller buckets, and a parameter larger than them in pieces (``partition_size``), and
 measures again, at most this many times, then raises."""
 
+RSAG_MARGIN = 0.10
+"""Measured alone, each unit once, the units summed as reduce-scatter + all-gather must take this fraction less
+time than as all-reduces for the schedule to use them: the pair needs a helper thread and a shard buffer per unit
+while training, and one measurement of each is noisier than that (on a shaped 1 Gbit/s link, BERT-Base's pair
+measured faster in 4 of 8 runs although it took 3 to 10 % longer on the whole)."""
+
 GROWTH = 4
 """A re-partition makes at most about this many times as many pieces as the plan had."""
 
@@ -338,12 +344,13 @@ class DeftMeasurement:
         return forward, backward, [latency + n / bandwidth for n in nbytes]
 
     def measured_reduction(self) -> str:
-        """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides)."""
+        """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides):
+        reduce-scatter + all-gather only where faster by :data:`RSAG_MARGIN`."""
         e = self.engine
         if (
             e.rounds.rsag is not None
             and len(self.comm_rsag) == len(self.comm)
-            and sum(self.comm_rsag.values()) < sum(self.comm.values())
+            and sum(self.comm_rsag.values()) < (1.0 - RSAG_MARGIN) * sum(self.comm.values())
         ):
             return RSAG
         return ALL_REDUCE
