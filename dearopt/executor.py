@@ -63,6 +63,11 @@ __all__ = ["Executor", "TrainingState", "Round"]
 _log = logging.getLogger("dearopt")
 _EngineHook = EngineHook  # (the name of old)
 
+REPLAN_COLLECT_BYTES = 16 * 2**20
+"""A re-plan that drops buckets holding at least this many bytes runs the cycle collector at once (see
+:meth:`Executor.replan`); below it, the collector's own pace frees them (a full collection costs ~0.1 s in a
+process that imported torch: a script that switches a small model's trainable set often paid it every time)."""
+
 GATHERED_STEPS_TO_ADAPT = 2
 """Steps in a row whose ``p.grad`` was read before ``step()`` after which ``dear`` (``allreduce="auto"`` or
 ``"predicted"``) re-plans every bucket as an all-reduce in backward: the loop reads the averaged gradients every
@@ -292,7 +297,9 @@ class Executor:
         had = {id(p) for b in self.buckets for p in b.params if p.grad is not None}
         # Buckets the new plan lays out alike (a change of the ops only: dear's all-reduced buckets, credit) are
         # kept with their gradients; a new bucket takes each p.grad from the old view (no copy held aside).
-        kept = self._build_plan(trainable, reuse=self.buckets)
+        old = self.buckets
+        kept = self._build_plan(trainable, reuse=old)
+        dropped = sum(b.buffer.numel() * b.buffer.element_size() for b in old if id(b) not in kept)
         for b in self.buckets:
             if id(b) in kept:
                 continue
@@ -310,8 +317,10 @@ class Executor:
             b.mark_seen()
         # The old buckets, their ops and handles refer to each other: only the cycle collector frees them, and
         # it runs by object count, not bytes, so a tuner's re-plans kept a model's worth of buffers alive each
-        # (BERT-Base: ~0.5 GiB per re-plan, out of memory after about twenty).  Re-plans are rare: collect now.
-        gc.collect()
+        # (BERT-Base: ~0.5 GiB per re-plan, out of memory after about twenty).  Collected now where that is much.
+        del old
+        if dropped >= REPLAN_COLLECT_BYTES:
+            gc.collect()
 
     def adapt_to_gradient_reads(self) -> bool:
         """After :data:`GATHERED_STEPS_TO_ADAPT` steps in a row whose ``p.grad`` was read before ``step()``: where

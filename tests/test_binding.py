@@ -70,3 +70,29 @@ def test_a_change_of_any_input_makes_a_new_plan_and_the_same_inputs_the_same():
         assert v["frozen set"] == (True, True, True)
         assert v["group"] == (2, True)
     assert got[0].value["fingerprint"] == got[1].value["fingerprint"]
+
+
+def _replan_frees():
+    import weakref
+
+    from dearopt.executor import REPLAN_COLLECT_BYTES
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4096))  # ~20 MiB of gradients
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="wfbp", buffer_size=2**26)
+    opt.zero_grad()
+    model(torch.randn(2, 1024)).square().mean().backward()
+    opt.step()
+    ex = opt._executor
+    dropped = sum(b.buffer.numel() * b.buffer.element_size() for b in ex.buckets)
+    old = [weakref.ref(b.buffer) for b in ex.buckets]
+    ex.replan(buffer_size=2**20)  # other buckets: the old ones dropped, in cycles only the collector frees
+    freed = [r() is None for r in old]
+    opt.close()
+    return dropped >= REPLAN_COLLECT_BYTES, freed
+
+
+def test_a_replan_that_drops_large_buckets_frees_them_at_once():
+    (o,) = run_workers(_replan_frees, 1, timeout=60)
+    large, freed = o.value
+    assert large and freed and all(freed)
