@@ -9,6 +9,7 @@ is this rank's part of the reduce-scatter result.
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -24,7 +25,9 @@ class PieceState:
     def __init__(
         self, bucket: "BucketState", index: int, start: int, end: int, shard: torch.Tensor, world: int, rank: int
     ):
-        self.bucket = bucket
+        # the bucket owns its pieces; a piece refers back weakly, so that a bucket a re-plan drops (and its
+        # buffer) is freed at once, without waiting for the cycle collector
+        self._bucket = weakref.ref(bucket)
         self.index = index
         self.full = bucket.buffer[start:end]
         self.shard = shard
@@ -39,6 +42,11 @@ class PieceState:
         # sharded update (dearopt.sharding): the all-gather carries the piece's parameters, not its gradients
         self.gather_full: Optional[torch.Tensor] = None
         self.gather_shard: Optional[torch.Tensor] = None
+
+    @property
+    def bucket(self) -> "BucketState":
+        """The bucket this is a piece of."""
+        return self._bucket()
 
     def region(self, result: str) -> torch.Tensor:
         """The gradient elements of an op's result: this rank's shard, or the whole piece."""

@@ -64,9 +64,9 @@ _log = logging.getLogger("dearopt")
 _EngineHook = EngineHook  # (the name of old)
 
 REPLAN_COLLECT_BYTES = 16 * 2**20
-"""A re-plan that drops buckets holding at least this many bytes runs the cycle collector at once (see
-:meth:`Executor.replan`); below it, the collector's own pace frees them (a full collection costs ~0.1 s in a
-process that imported torch: a script that switches a small model's trainable set often paid it every time)."""
+"""A re-plan that drops buckets holding at least this many bytes also runs the cycle collector (see
+:meth:`Executor.replan`; the buckets themselves are freed by reference counting): a full collection costs ~0.1 s
+in a process that imported torch, which a script switching a small model's trainable set paid at every switch."""
 
 GATHERED_STEPS_TO_ADAPT = 2
 """Steps in a row whose ``p.grad`` was read before ``step()`` after which ``dear`` (``allreduce="auto"`` or
@@ -315,9 +315,10 @@ class Executor:
                 # at a step boundary the stamps belong to the finished pass and nothing is ready yet
                 b.ready += self.state is TrainingState.BACKWARD and b.stamp[j] == self.pass_id
             b.mark_seen()
-        # The old buckets, their ops and handles refer to each other: only the cycle collector frees them, and
-        # it runs by object count, not bytes, so a tuner's re-plans kept a model's worth of buffers alive each
-        # (BERT-Base: ~0.5 GiB per re-plan, out of memory after about twenty).  Collected now where that is much.
+        # The old buckets are freed here by reference counting (a piece refers to its bucket weakly).  Left to
+        # the cycle collector, which runs by object count, not bytes, a tuner's re-plans kept a model's worth of
+        # buffers alive each (BERT-Base: ~0.5 GiB per re-plan, out of memory after about twenty): where much was
+        # dropped, a cycle not broken yet (a comm hook's, a user's) is collected now too.
         del old
         if dropped >= REPLAN_COLLECT_BYTES:
             gc.collect()

@@ -1,7 +1,8 @@
 """Run a function on N local ranks (gloo on CPU) with a hard time limit.
 
-Workers are forked from a forkserver that has torch imported already, so a
-3-rank test costs well under a second to start.  Every run has a timeout:
+Workers are forked from a forkserver that has torch, torch._dynamo (which
+torch.optim's constructors import: ~1.5 s a worker otherwise) and dearopt
+imported already, so a 3-rank test costs well under a second to start.  Every run has a timeout:
 a hang fails the test and its processes are killed.
 """
 
@@ -20,7 +21,7 @@ import torch
 from dearopt.launch import free_port  # noqa: F401  (re-exported for the tests)
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "dearopt"])
+_CTX.set_forkserver_preload(["torch", "torch._dynamo", "dearopt"])
 
 
 _LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "HOROVOD_")
