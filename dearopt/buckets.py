@@ -134,6 +134,28 @@ class BucketState:
         p.grad = self.views[j]
         self.mark_seen()
 
+    def reconcile(self) -> None:
+        """Before a backward: take in what user code did to ``p.grad`` since the engine last saw it, whichever way it
+        zeroed or replaced it (``model.zero_grad()``, a submodule's, the wrapped optimizer's, ``p.grad = None`` by
+        hand): a gradient set to None counts as cleared (its view is zeroed before the bucket is sent, unless
+        backward writes it first), a tensor put there becomes the view's contents.  A view zeroed in place needs
+        nothing: it is what the bucket sends."""
+        changed = False
+        for j, (p, view) in enumerate(zip(self.params, self.views)):
+            grad = p.grad
+            if grad is view:
+                continue
+            changed = True
+            if grad is None:
+                if not self.stale[j]:
+                    self.stale[j], self.used[j], self.has_grad[j] = True, False, False
+            else:
+                view.copy_(grad.to_dense() if grad.is_sparse else grad)
+                p.grad = view
+                self.stale[j], self.used[j], self.has_grad[j] = False, True, True
+        if changed:
+            self.mark_seen()
+
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
         grad = p.grad

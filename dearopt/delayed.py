@@ -638,6 +638,8 @@ class DelayedRounds:
         # before its own module ran, at its old value: refused in its gradient hook)
         self.stale = set(self.updates.due_buckets)
         self.updates.apply_due()
+        for b in e.buckets:  # what user code did to p.grad since (model.zero_grad(), p.grad = None, ...)
+            b.reconcile()
         torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
         e.hook_new_params()
         if any(id(p) not in e.bound.where for p in e.planner.trainable()):

@@ -65,6 +65,21 @@ class AveragedGradients:
                 e.round.combined.add(id(owner.params[j]))
                 owner.views[j].add_(twin.views[k])
                 owner.mark_seen()
+                # the twin's part now lives in its weight's gradient, which user code zeroes (model.zero_grad(),
+                # never sees the twin): the twin starts the next round from zero
+                twin.views[k].zero_()
+                twin.mark_seen()
+
+    def reconcile(self) -> None:
+        """Before a backward: each bucket takes in what user code did to ``p.grad`` (:meth:`BucketState.reconcile`);
+        a tied weight cleared by the user clears its twins' bookkeeping too (their gradients were moved into the
+        weight's when they were combined)."""
+        e = self.engine
+        for b in e.buckets:
+            b.reconcile()
+        for owner, j, twin, k, _ in e.bound.combines:
+            if owner.stale[j] and not twin.stale[k]:
+                twin.used[k] = twin.has_grad[k] = False
 
     def reduce(self) -> None:
         """Finish communication so that every ``p.grad`` holds the averaged gradient (under schedules that keep

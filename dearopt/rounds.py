@@ -57,6 +57,7 @@ class ExactRounds:
         self.stale = {b.index for b in e.buckets if b.pending}
         if self.stale:
             e.synchronize()
+        e.gradients.reconcile()
         self.backward_start = e.timeline.now()
         torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
         e.hook_new_params()

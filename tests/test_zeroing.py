@@ -1,0 +1,117 @@
+"""Every way a training loop zeroes or replaces gradients is exact, with tied weights and without.
+
+``model.zero_grad()`` (what Hugging Face's ``Trainer`` calls every step), ``optimizer.zero_grad()``, the wrapped
+optimizer's own ``zero_grad()``, ``p.grad = None`` by hand and a submodule's ``zero_grad()`` (the rest of the model
+then accumulates across steps, as in torch): each, with ``set_to_none`` True and False where it has one, under every
+exact schedule and the sharded update, against the same loop in one process on the global batch (fp32, 1e-5).
+The sharded update clears every gradient at ``step()`` (no rank holds a whole averaged gradient; its contract, as
+DeepSpeed's ZeRO), so a loop that carries gradients across steps is not run under it.
+The models: a tiny ``GPT2LMHeadModel`` (tied input and output embeddings), the same untied, and an MLP with a layer
+that never gets a gradient (its bucket must not send the gradient it held before the loop cleared it).
+"""
+
+import pytest
+import torch
+
+import dearopt
+from harness import run_workers
+from models import make_model
+
+transformers = pytest.importorskip("transformers")
+
+SCHEDULES = ["dear", "wfbp", "rsag", "bytescheduler", "prophet", "prophet-allreduce", "dear-sharded"]
+ZEROINGS = ["optimizer", "optimizer-keep", "inner", "model", "model-keep", "by-hand", "submodule"]
+STEPS = 5
+BATCH, SEQ, VOCAB = 4, 8, 37
+
+
+def _model(kind):
+    if kind == "unused":
+        return make_model("unused")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=kind == "tied",
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _loss(kind, model, step, rank, world):
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "unused":
+        x, y = torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+        if rank is not None:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        return torch.nn.functional.mse_loss(model(x), y)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    if rank is not None:
+        ids = ids.chunk(world)[rank]
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _zero(how, model, opt, inner):
+    if how == "optimizer":
+        opt.zero_grad()
+    elif how == "optimizer-keep":
+        opt.zero_grad(set_to_none=False)
+    elif how == "inner":
+        inner.zero_grad()
+    elif how == "model":
+        model.zero_grad()
+    elif how == "model-keep":
+        model.zero_grad(set_to_none=False)
+    elif how == "by-hand":
+        for p in model.parameters():
+            p.grad = None
+    elif how == "submodule":  # the rest of the model accumulates across steps, as in torch
+        part = model.fc1 if hasattr(model, "fc1") else model.transformer.h[0]
+        part.zero_grad()
+
+
+def _run(kind, how, schedule=None, rank=None, world=None):
+    model = _model(kind)
+    model.train()
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = inner
+    if schedule is not None:
+        extra = {"shard_optimizer": True} if schedule == "dear-sharded" else {}
+        opt = dearopt.DistOptim(inner, model, schedule=schedule.replace("-sharded", ""), buffer_size="4KB", **extra)
+    for step in range(STEPS):
+        _loss(kind, model, step, rank, world).backward()
+        opt.step()
+        _zero(how, model, opt, inner)
+    params = [p.detach().clone() for p in model.parameters()]
+    if schedule is not None:
+        opt.close()
+    return params
+
+
+def _zeroings(schedule):
+    return [how for how in ZEROINGS if not (schedule == "dear-sharded" and how == "submodule")]
+
+
+def _distributed(kind, schedule):
+    return {how: _run(kind, how, schedule, dearopt.rank(), dearopt.size()) for how in _zeroings(schedule)}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["tied", "untied", "unused"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_way_of_zeroing_gradients_is_exact(kind, schedule):
+    want = {how: _run(kind, how) for how in _zeroings(schedule)}
+    for o in run_workers(_distributed, 2, kind, schedule, timeout=180):
+        for how in _zeroings(schedule):
+            for i, (g, w) in enumerate(zip(o.value[how], want[how])):
+                scale = max(1.0, float(w.abs().max()))
+                torch.testing.assert_close(
+                    g / scale, w / scale, rtol=1e-5, atol=1e-5, msg=lambda m: f"{how}, param {i}, rank {o.rank}: {m}"
+                )
