@@ -256,6 +256,8 @@ class DistOptim(torch.optim.Optimizer):
             optimizer, model, engine, options, buffer, partition, credit_bytes, hook, on_step_landed=self._step_landed
         )
         self._search = PlanSearch(self._executor, tuner, tuning_steps)
+        self._closed = False
+        runtime.on_leave(self._complete_at_leave)  # the last step's updates, when this process leaves the job
         _WRAPPED.add(optimizer)
         functions.register_distoptim(model, self)  # for dearopt.no_sync(model)
 
@@ -582,8 +584,17 @@ class DistOptim(torch.optim.Optimizer):
                 )
         self._inner.add_param_group(dict(param_group, params=params))
 
+    def _complete_at_leave(self) -> None:
+        """This process leaves the job (:func:`dearopt.shutdown`, interpreter exit, ``destroy_process_group()``):
+        the pending updates are applied, on every rank alike, so a rank that alone saves or evaluates the model
+        after the last ``step()`` (``if rank == 0: torch.save(model.state_dict(), ...)``) is joined in the
+        all-gathers that takes, and every rank leaves with the last update in its parameters."""
+        if not self._closed:
+            self._executor.synchronize()
+
     def close(self) -> None:
         """Apply pending updates, remove the hooks and release the engine's communicator."""
+        self._closed = True
         self._executor.close()
         if self._engine_backend is not None:
             self._engine_backend.close()

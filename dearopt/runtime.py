@@ -18,10 +18,13 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import logging
 import os
 import re
 import socket
+import sys
 import time
+import weakref
 from typing import Mapping, Optional
 
 import torch
@@ -48,6 +51,8 @@ __all__ = [
     "launch_info",
     "get_backend",
     "get_timeout",
+    "on_leave",
+    "complete_pending",
     "DEFAULT_TIMEOUT",
     "BACKENDS",
 ]
@@ -72,6 +77,8 @@ class _Runtime:
 
 _runtime: Optional[_Runtime] = None
 _exit_hook_registered = False
+_leave_hooks: list = []  # weak methods called when this process leaves the job (pending work completed)
+_unhandled_error = False  # an exception reached the top of the main thread: leave without completing anything
 
 
 def _resolve_timeout(timeout: Optional[float], env: Mapping[str, str]) -> float:
@@ -334,15 +341,7 @@ def init(backend: Optional[str] = None, timeout: Optional[float] = None) -> None
     else:
         comm = TorchDistBackend(launch.rank, launch.size, seconds)
     _runtime = _Runtime(launch=launch, backend=comm, timeout=seconds, owns_process_group=owns)
-    global _exit_hook_registered
-    if not _exit_hook_registered:
-        # gloo's worker threads drop their last reference to a finished op's
-        # tensors after wait() has returned; if that happens while the
-        # interpreter is finalizing, the thread cannot take the GIL and the
-        # process aborts.  Tearing the process groups down (which joins those
-        # threads) before finalization closes that window.
-        atexit.register(_shutdown_at_exit)
-        _exit_hook_registered = True
+    _install_exit_hooks()
 
 
 def _bind_torch_defaults_before_init() -> None:
@@ -367,26 +366,107 @@ def _bind_torch_defaults_before_init() -> None:
 def _shutdown_at_exit() -> None:
     global _kept_store
     try:
-        shutdown()
+        shutdown(complete=not _unhandled_error)
     except Exception:  # a peer may be gone already; exiting anyway
         pass
     _kept_store = None  # the job's store (rank 0's server thread) closed while the interpreter is alive
 
 
-def shutdown() -> None:
+def on_leave(method) -> None:
+    """Call the bound ``method`` (held weakly) when this process leaves the job: :func:`shutdown`, interpreter
+    exit, or ``torch.distributed.destroy_process_group()`` (a :class:`~dearopt.DistOptim` completes its pending
+    updates there, so that a rank that alone saves or evaluates the model after the last step finds the others'
+    part of the collectives that takes)."""
+    _leave_hooks.append(weakref.WeakMethod(method))
+
+
+def complete_pending() -> None:
+    """Call the leave hooks (:func:`on_leave`) in the order they were registered; one that fails is logged and
+    the others still run (a peer may have gone already)."""
+    hooks, _leave_hooks[:] = list(_leave_hooks), []
+    for ref in hooks:
+        method = ref()
+        if method is None:
+            continue
+        try:
+            method()
+        except Exception as exc:  # leaving anyway: say what was not completed
+            logging.getLogger("dearopt").warning("dearopt: leaving the job without completing %s: %s", method, exc)
+
+
+def shutdown(complete: bool = True) -> None:
     """Leave the job; :func:`init` may be called again afterwards.
 
-    Every communicator dearopt made is closed, including those of existing
+    Every :class:`~dearopt.DistOptim` first applies its pending updates (``complete=False``: not; what a process
+    leaving on an error does), so the parameters every rank leaves with include the last ``step()``, and a rank
+    that saves or evaluates after the others left was joined in the collectives that needs.  Then every
+    communicator dearopt made is closed, including those of existing
     :class:`~dearopt.DistOptim` objects: using one after ``shutdown()`` raises
     :class:`~dearopt.CollectiveError`; make a new one after the next ``init()``.
     """
     global _runtime
     if _runtime is None:
         return
+    if complete:
+        complete_pending()
     runtime, _runtime = _runtime, None
+    _leave_hooks.clear()
     runtime.backend.close()
     if runtime.owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+        _torch_destroy_process_group()
+
+
+def _torch_destroy_process_group(*args, **kwargs):
+    return _ORIGINAL_DESTROY(*args, **kwargs)
+
+
+def _destroy_process_group(group=None):
+    """``torch.distributed.destroy_process_group`` while dearopt is initialized: pending updates are completed
+    first when the default group (and with it every group) goes (see :func:`on_leave`)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        shutdown()  # pending updates completed; dearopt's communicators go with torch's groups
+        if not dist.is_initialized():  # dearopt made the default group: it went with them
+            return None
+    return _ORIGINAL_DESTROY(group)
+
+
+def _note_unhandled(kind, value, tb):
+    """``sys.excepthook``: an exception ended the main thread; tell the peers (they stop waiting for this rank
+    within a fraction of a second) and leave without completing pending work."""
+    global _unhandled_error
+    _unhandled_error = True
+    if _runtime is not None and not isinstance(value, KeyboardInterrupt):
+        from .collectives import post_failure
+
+        post_failure(value)
+    _ORIGINAL_EXCEPTHOOK(kind, value, tb)
+
+
+def _install_exit_hooks() -> None:
+    """Once per process: leaving at interpreter exit, on ``destroy_process_group()``, and on an unhandled
+    exception (see :func:`shutdown`)."""
+    global _exit_hook_registered, _ORIGINAL_DESTROY, _ORIGINAL_EXCEPTHOOK
+    if _exit_hook_registered:
+        return
+    # gloo's worker threads drop their last reference to a finished op's tensors after wait() has returned; if
+    # that happens while the interpreter is finalizing, the thread cannot take the GIL and the process aborts.
+    # Tearing the process groups down (which joins those threads) before finalization closes that window.
+    atexit.register(_shutdown_at_exit)
+    _ORIGINAL_DESTROY = dist.destroy_process_group
+    dist.destroy_process_group = _destroy_process_group
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d.destroy_process_group = _destroy_process_group
+    except ImportError:  # pragma: no cover
+        pass
+    _ORIGINAL_EXCEPTHOOK = sys.excepthook
+    sys.excepthook = _note_unhandled
+    _exit_hook_registered = True
+
+
+_ORIGINAL_DESTROY = dist.destroy_process_group if dist.is_available() else None
+_ORIGINAL_EXCEPTHOOK = sys.excepthook
 
 
 def is_initialized() -> bool:

@@ -67,6 +67,7 @@ def _entry(target, rank, world_size, port, args, kwargs, queue, env, init_kwargs
 
     torch.set_num_threads(1)
     start = time.monotonic()
+    returned = False
     try:
         if init_kwargs is not None:
             dearopt.init(**init_kwargs)
@@ -74,6 +75,7 @@ def _entry(target, rank, world_size, port, args, kwargs, queue, env, init_kwargs
         buffer = io.BytesIO()
         torch.save(value, buffer)  # plain bytes: no shared-memory tensors that die with the process
         queue.put((rank, buffer.getvalue(), None, (), "", "", time.monotonic() - start, time.time()))
+        returned = True
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         queue.put(
             (
@@ -89,7 +91,7 @@ def _entry(target, rank, world_size, port, args, kwargs, queue, env, init_kwargs
         )
     finally:
         try:
-            dearopt.shutdown()
+            dearopt.shutdown(complete=returned)  # a rank that raised leaves as on an unhandled error
         except BaseException:
             pass
 
