@@ -30,7 +30,15 @@ def _reference():
 
 def _launch(launcher, schedule, leave, out):
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+        ]
     else:
         cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable]
     return subprocess.run(
