@@ -167,6 +167,10 @@ def rerender(directory: str) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--count" in argv:  # the host's work per step: Python calls and operator dispatches (dearopt.bench.count)
+        from .count import main as count_main
+
+        return count_main(argv)
     if "--memory" in argv:  # peak memory per rank and its breakdown (dearopt.bench.memory)
         from .memory import main as memory_main
 
