@@ -7,8 +7,8 @@ The public API::
     optimizer = dearopt.DistOptim(torch.optim.AdamW(model.parameters()), model)
 """
 
-from .collectives import CollectiveBackend, Handle, padded_numel
-from .errors import (
+from dearopt.backends.base import CollectiveBackend, Handle, padded_numel
+from dearopt.errors import (
     BackendUnavailableError,
     CheckpointMismatchError,
     CollectiveError,
@@ -25,7 +25,7 @@ from .errors import (
     StepMismatchError,
     UsageError,
 )
-from .functions import (
+from dearopt.collectives import (
     allreduce,
     broadcast_object,
     broadcast_optimizer_state,
@@ -33,20 +33,30 @@ from .functions import (
     check_same_model,
     no_sync,
 )
-from .runtime import get_backend, get_timeout, init, is_initialized, local_rank, local_size, rank, shutdown, size
+from dearopt.backends.runtime import (
+    get_backend,
+    get_timeout,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
 
 __version__ = "0.1.0"
-from . import schedules
-from . import checkpoint
-from .comm_hooks import CommHook, bf16_compress, fp16_compress
-from .optimizer import DistOptim
-from .options import Options
-from .plan import Plan, build_plan, parse_size
-from .schedules import RSAG, WFBP, ByteScheduler, DeAR, DeFT, Prophet, ProphetAllReduce, Schedule
-from .schedules.deft import Preserver
-from .sharding import register_elementwise
-from .sparsify import Sparsify
-from .tuner import BayesianTuner, ChoiceTuner, Knob, TuningController
+import dearopt.schedules as schedules
+import dearopt.checkpoint as checkpoint
+from dearopt.compression.hooks import CommHook, bf16_compress, fp16_compress
+from dearopt.optimizer import DistOptim
+from dearopt.engine.options import Options
+from dearopt.planning.plan import Plan, build_plan, parse_size
+from dearopt.schedules import RSAG, WFBP, ByteScheduler, DeAR, DeFT, Prophet, ProphetAllReduce, Schedule
+from dearopt.schedules.deft.schedule import Preserver
+from dearopt.engine.sharding import register_elementwise
+from dearopt.compression.sparsify import Sparsify
+from dearopt.planning.tuner import BayesianTuner, ChoiceTuner, Knob, TuningController
 
 # the public names (what the API reference and tests/test_docstrings.py cover); a new export is added here too
 __all__ = [

@@ -1,806 +1,399 @@
-"""One small asynchronous interface to collectives.
-
-A :class:`CollectiveBackend` starts an op and returns a :class:`Handle`; the
-handle is waited on (always with a timeout) or polled.  Everything above this
-module (the executor, the helpers, the Horovod face) talks only to this
-interface, so the transport can be swapped without touching them:
-
-* :class:`TorchDistBackend` runs over ``torch.distributed`` (gloo on CPU,
-  NCCL on GPU).
-* ``dearopt.nccl_native`` runs over the csrc NCCL extension.
-
-Semantics shared by every backend:
-
-* ``reduce_scatter(out_shard, in_full)``: ``in_full`` is a flat tensor of
-  ``size * n`` elements; rank ``r`` receives the element-wise sum over ranks of
-  ``in_full[r*n:(r+1)*n]`` in ``out_shard`` (``n`` elements).  Use
-  :func:`padded_numel` to size flat buffers.
-* ``all_gather(out_full, in_shard)``: the inverse layout.
-* ``all_reduce(tensor, op)`` in place, ``broadcast(tensor, root)`` in place.
-* A handle has two meanings of "done", the same on every backend:
-  ``wait`` returns once the result may be *used*: by the host on CPU, by work
-  queued afterwards on the caller's current stream on a GPU (the host may
-  run ahead).  ``synchronize`` returns once the op has *finished* (the host
-  waited for it), and ``is_completed`` says, without blocking, whether it
-  has finished.  Data waits use ``wait``; anything that accounts for time or
-  bytes in flight (the credit window, bandwidth profiles) uses
-  ``synchronize``/``is_completed``.  Both raise
-  :class:`~dearopt.errors.CollectiveTimeoutError` /
-  :class:`~dearopt.errors.PeerLostError` naming the rank and the op.
-
-Ops are matched across ranks by the order in which they are started, so
-callers must start the same ops in the same order on every rank.
-
-A rank whose engine fails with an unexpected exception (:func:`engine_failure`) posts it to the job's store
-(:func:`post_failure`); a wait that has lasted :data:`FAULT_POLL_SECONDS` looks there every
-:data:`FAULT_POLL_SECONDS` (one store round trip, ~0.1 ms on loopback; shorter waits never do) and raises
-:class:`~dearopt.errors.PeerFailedError` naming the failed rank and its error, also when that rank's process
-keeps running.  Every wait keeps its timeout.
-"""
+"""Collective helpers for training scripts: broadcasting state and reducing metrics; the check that every rank
+built the same model and optimizer; ``no_sync(model)`` over every ``DistOptim`` of a model."""
 
 from __future__ import annotations
 
-import abc
-import datetime
-import functools
-import queue
-import re
-import threading
-import time
+import contextlib
+import hashlib
+import io
+import pickle
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+import zlib
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
-from .errors import (
-    CollectiveError,
-    CollectiveTimeoutError,
-    DearoptError,
-    PeerFailedError,
-    PeerLostError,
-    internal_error,
-)
-from .plan import padded_numel
+import dearopt.backends.runtime as runtime
+from dearopt.errors import PlanMismatchError, StepMismatchError, UsageError
 
 __all__ = [
-    "Handle",
-    "JointHandle",
-    "ReduceScatterThenGather",
-    "CollectiveBackend",
-    "TorchDistBackend",
-    "padded_numel",
-    "REDUCE_OPS",
-    "FAULT_POLL_SECONDS",
-    "post_failure",
-    "posted_failure",
-    "engine_failure",
-    "engine_boundary",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "broadcast_object",
+    "allreduce",
+    "broadcast_tensors",
+    "check_same_model",
+    "no_sync",
 ]
 
-REDUCE_OPS = ("sum", "avg", "min", "max", "product")
+
+_OP_CODES = {"allreduce": 1, "broadcast": 2, "broadcast_object": 3, "check_model": 4}
+_sequence = weakref.WeakKeyDictionary()  # backend -> number of helper collectives issued
 
 
-_PEER_LOST_PATTERNS = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-    r"Connection refused|ECONNRESET|EPIPE|peer.*(closed|lost|died)|remote process exited",
-    re.IGNORECASE,
-)
-_TIMEOUT_PATTERNS = re.compile(r"timed out|timeout", re.IGNORECASE)
+def _agree(op: str, numel: int = 0, dtype: torch.dtype = None, root: int = 0) -> None:
+    """Check that every rank is issuing the same helper collective (op, sequence number, size, dtype).
+
+    Costs one small all-gather; turns "one rank ran an extra collective" into a
+    named error on every rank instead of a transport abort or a silent mix.
+    """
+    backend = runtime.get_backend()
+    if backend.size == 1:
+        return
+    seq = _sequence.get(backend, 0)
+    _sequence[backend] = seq + 1
+    code = zlib.crc32(str(dtype).encode()) if dtype is not None else -1
+    header = torch.tensor([seq, _OP_CODES[op], numel, code, root], dtype=torch.int64, device=backend.device)
+    everyone = torch.empty(backend.size * header.numel(), dtype=torch.int64, device=backend.device)
+    backend.all_gather(everyone, header, step=seq).wait()
+    rows = everyone.view(backend.size, -1).tolist()
+    if any(row != rows[0] for row in rows):
+        names = {v: k for k, v in _OP_CODES.items()}
+        seen = "; ".join(
+            f"rank {r}: #{row[0]} {names.get(row[1], row[1])} of {row[2]} elements, root {row[4]}"
+            for r, row in enumerate(rows)
+        )
+        raise StepMismatchError(
+            f"ranks issued different collectives ({seen}): a rank ran an extra or a different dearopt collective",
+            rank=backend.rank,
+            op=op,
+            step=seq,
+        )
 
 
-FAULT_KEY = "dearopt/failed"
-"""The job store's key under which the first rank whose engine failed posts ``"<rank>\\n<error text>"``."""
+def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, backend=None, **where) -> None:
+    """Overwrite every tensor in place with ``root_rank``'s, coalesced by dtype and device.
 
-FAULT_POLL_SECONDS = 0.25
-"""A wait on a collective looks for a peer's posted failure after this long, and again every this long."""
-
-
-_unreachable_stores: "weakref.WeakSet" = weakref.WeakSet()  # stores that failed once (their server is gone)
-
-
-def _job_store():
-    """The store of torch.distributed's default group (the job's rendezvous store), or None (also once it failed:
-    its server died with its process, and each failed call has torch log a warning with a stack trace)."""
-    try:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # no default group (torch.distributed torn down): nothing to post to
-        return None
-    return None if store in _unreachable_stores else store
-
-
-def _store_failed(store) -> None:
-    try:
-        _unreachable_stores.add(store)
-    except TypeError:  # not weakly referenceable: looked up again next time
-        pass
+    ``backend`` defaults to the runtime's (whose calls are checked to agree across ranks); another one (a subset
+    of the ranks) is used as given, with ``root_rank`` its own rank.
+    """
+    own = backend is None
+    backend = runtime.get_backend() if own else backend
+    groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.dtype, t.device)].append(t)
+    for (dtype, device), group in groups.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in group]).to(backend.device)
+        if own:
+            _agree("broadcast", flat.numel(), dtype, root_rank)
+        backend.broadcast(flat, root_rank, **where).wait()
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
 
 
-def post_failure(error: BaseException) -> bool:
-    """Tell the other ranks that this one failed with ``error`` (the first failure posted wins: later ones are
-    what followed from it).  Returns whether it was posted; never raises."""
-    store = _job_store()
-    if store is None:
-        return False
-    text = " ".join(str(error).split()) or type(error).__name__
-    try:
-        store.compare_set(FAULT_KEY, "", f"{dist.get_rank()}\n{type(error).__name__}: {text}")
-        return True
-    except Exception:  # the store is gone (its server died): the transport will tell the peers
-        _store_failed(store)
-        return False
+def broadcast_buffers_as_bytes(model: torch.nn.Module, backend, step: int) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics...) on every rank, as DDP does before each training
+    forward: all of them, of every dtype, as the bytes of one message (one collective, not one per dtype;
+    each buffer's bytes start at a multiple of 8 so that they can be viewed as its dtype again)."""
+    buffers = [b for b in model.buffers() if b.numel() > 0]
+    if not buffers:
+        return
+    spans, offset = [], 0
+    for b in buffers:
+        nbytes = b.numel() * b.element_size()
+        spans.append((offset, nbytes))
+        offset += -(-nbytes // 8) * 8
+    flat = torch.zeros(offset, dtype=torch.uint8, device=backend.device)
+    for b, (start, nbytes) in zip(buffers, spans):
+        flat[start : start + nbytes].copy_(b.detach().reshape(-1).view(torch.uint8))
+    backend.broadcast(flat, 0, step=step).wait()
+    for b, (start, nbytes) in zip(buffers, spans):
+        b.copy_(flat[start : start + nbytes].view(b.dtype).view_as(b))
 
 
-def posted_failure(members: Optional[Tuple[int, ...]] = None) -> Optional[Tuple[int, str]]:
-    """``(rank, error text)`` of the failure another rank posted (one of ``members``, global ranks, if given),
-    or None; never raises."""
-    store = _job_store()
-    if store is None:
-        return None
-    try:
-        if not store.check([FAULT_KEY]):
-            return None
-        rank, text = store.get(FAULT_KEY).decode("utf-8", "replace").split("\n", 1)
-        rank = int(rank)
-        if rank == dist.get_rank() or (members is not None and rank not in members):
-            return None
-        return rank, text
-    except Exception:  # the store is unreachable: no news
-        _store_failed(store)
-        return None
-
-
-def peer_failed_error(posted: Tuple[int, str], *, rank: int, op: str, **where) -> PeerFailedError:
-    failed, text = posted
-    return PeerFailedError(
-        f"rank {failed} failed, so {op} cannot complete: {text}",
-        failed_rank=failed,
-        failure=text,
-        rank=rank,
-        op=op,
-        **where,
+def _named_tensors(target) -> List[Tuple[str, torch.Tensor]]:
+    if isinstance(target, torch.nn.Module):
+        return list(target.state_dict(keep_vars=True).items())
+    if isinstance(target, dict):
+        return list(target.items())
+    if isinstance(target, (list, tuple)):
+        items = list(target)
+        if all(isinstance(i, tuple) and len(i) == 2 for i in items):
+            return items
+        return [(str(i), t) for i, t in enumerate(items)]
+    raise TypeError(
+        "broadcast_parameters expects an nn.Module, a state dict, or a list of (name, tensor) pairs; "
+        f"got {type(target).__name__}"
     )
 
 
-def engine_failure(exc: BaseException, owner=None, where: str = "engine") -> BaseException:
-    """What the engine raises for ``exc``: a :class:`~dearopt.errors.DearoptError` (or a ``BaseException`` that
-    is not an ``Exception``: ``KeyboardInterrupt``...) as it is; any other exception as an
-    :class:`~dearopt.errors.InternalError` naming the rank and step (from ``owner``, the executor), posted to the
-    job's store so that the other ranks stop waiting for this one (:func:`post_failure`)."""
-    if isinstance(exc, DearoptError) or not isinstance(exc, Exception):
-        return exc
-    rank = getattr(owner, "rank", None)
-    if rank is None:
-        try:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-        except Exception:
-            rank = None
-    error = internal_error(exc, rank=rank, step=getattr(owner, "step_count", None), where=where)
-    post_failure(error)
-    return error
+def broadcast_parameters(
+    model_or_state_dict: Union[torch.nn.Module, Dict[str, torch.Tensor], Iterable], root_rank: int = 0, backend=None
+) -> None:
+    """Copy ``root_rank``'s parameters and buffers into every rank's, in place (``backend``: see
+    :func:`broadcast_tensors`)."""
+    named = _named_tensors(model_or_state_dict)
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: entry {name!r} is a {type(t).__name__}, not a tensor")
+    # Tied parameters appear under several names; send each storage once.
+    unique: Dict[int, torch.Tensor] = {}
+    for _, t in named:
+        unique.setdefault(id(t), t)
+    broadcast_tensors([t.data if isinstance(t, torch.nn.Parameter) else t for t in unique.values()], root_rank, backend)
 
 
-def engine_boundary(method):
-    """Decorate a ``DistOptim`` method: an unexpected exception inside becomes :func:`engine_failure`'s error."""
+def broadcast_object(obj: Any = None, root_rank: int = 0, backend=None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; for small objects and state).
 
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as exc:
-            error = engine_failure(exc, getattr(self, "_executor", None), f"DistOptim.{method.__name__}()")
-            if error is exc:
-                raise
-            raise error from exc
-
-    return call
-
-
-def translate_error(exc: BaseException, *, rank: int, op: str, **where) -> CollectiveError:
-    """Map a transport exception to the dearopt hierarchy, keeping its text.  A failure another rank posted
-    (:func:`post_failure`) is what the transport's error followed from: it is named instead."""
-    if isinstance(exc, CollectiveError):
-        return exc
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    posted = posted_failure()
-    if posted is not None:
-        return peer_failed_error(posted, rank=rank, op=op, **where)
-    if _PEER_LOST_PATTERNS.search(str(exc)):
-        return PeerLostError(f"a peer process was lost during {op}: {text}", rank=rank, op=op, **where)
-    if _TIMEOUT_PATTERNS.search(str(exc)):
-        return CollectiveTimeoutError(f"{op} did not complete in time: {text}", rank=rank, op=op, **where)
-    return CollectiveError(f"{op} failed: {text}", rank=rank, op=op, **where)
-
-
-class Handle(abc.ABC):
-    """An op in flight.  ``wait``, ``synchronize`` and ``is_completed`` may be called any number of times."""
-
-    op: str
-
-    @abc.abstractmethod
-    def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until the result may be used by the caller (see the module docstring); ``timeout`` in seconds."""
-
-    def synchronize(self, timeout: Optional[float] = None) -> None:
-        """Block the host until the op has finished.  Equal to :meth:`wait` where the host is the consumer."""
-        self.wait(timeout)
-
-    @abc.abstractmethod
-    def is_completed(self) -> bool:
-        """True once the op has finished (``synchronize`` would return without blocking on the transport)."""
-
-
-class CompletedHandle(Handle):
-    """A handle for an op that finished when it was started (world size 1)."""
-
-    def __init__(self, op: str):
-        self.op = op
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class JointHandle(Handle):
-    """Several ops that complete together (a rows reduction's two all-gathers; a sparse exchange's parts)."""
-
-    def __init__(self, *handles: Handle):
-        self._handles = handles
-        self.op = "+".join(h.op for h in handles)
-
-    def wait(self, timeout=None) -> None:
-        for h in self._handles:
-            h.wait(timeout)
-
-    def synchronize(self, timeout=None) -> None:
-        for h in self._handles:
-            h.synchronize(timeout)
-
-    def is_completed(self) -> bool:
-        return all(h.is_completed() for h in self._handles)
-
-
-class CollectiveBackend(abc.ABC):
-    """The interface every transport implements."""
-
-    name: str = "abstract"
-
-    device: torch.device = torch.device("cpu")
-    """Where tensors handed to this backend must live."""
-
-    def __init__(self, rank: int, size: int, timeout: float):
-        self.rank = rank
-        self.size = size
-        self.timeout = float(timeout)
-        self._closed = False
-        self._forks: "weakref.WeakSet[CollectiveBackend]" = weakref.WeakSet()
-
-    def _check_open(self, op_name: str, where: dict) -> None:
-        if self._closed:
-            where = dict(where)
-            op_name = where.pop("op", op_name)
-            raise CollectiveError(
-                f"{op_name}: this collective backend is closed (dearopt.shutdown() was called)",
-                rank=self.rank,
-                op=op_name,
-                **where,
-            )
-
-    def members(self) -> Optional[Tuple[int, ...]]:
-        """The global ranks of this backend's communicator (None: the whole job)."""
-        return None
-
-    def check_peers(self, op: str, where: dict) -> None:
-        """Raise :class:`~dearopt.errors.PeerFailedError` if a rank of this communicator posted a failure."""
-        if self.size == 1:
-            return
-        posted = posted_failure(self.members())
-        if posted is not None:
-            raise peer_failed_error(posted, rank=self.rank, op=op, **where)
-
-    def _track_fork(self, child: "CollectiveBackend") -> "CollectiveBackend":
-        """Remember a fork so that :meth:`_close_forks` (called by ``close``) closes it too."""
-        self._forks.add(child)
-        return child
-
-    def _close_forks(self) -> None:
-        for child in list(self._forks):
-            child.close()
-        self._forks.clear()
-
-    @abc.abstractmethod
-    def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, **where) -> Handle:
-        """Sum ``in_full`` over ranks and keep this rank's shard in ``out_shard``."""
-
-    @abc.abstractmethod
-    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, **where) -> Handle:
-        """Concatenate every rank's ``in_shard`` (in rank order) into ``out_full``."""
-
-    @abc.abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", **where) -> Handle:
-        """Reduce ``tensor`` over ranks in place (``op`` in :data:`REDUCE_OPS`)."""
-
-    @abc.abstractmethod
-    def broadcast(self, tensor: torch.Tensor, root: int = 0, **where) -> Handle:
-        """Copy ``root``'s ``tensor`` into every rank's ``tensor``."""
-
-    def check_shapes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """Raise ``ValueError``/``TypeError`` unless ``full`` and ``shard`` are flat, contiguous, of one dtype, and
-        ``full`` has exactly ``size`` times ``shard``'s elements (what reduce-scatter and all-gather need)."""
-        if full.dim() != 1 or shard.dim() != 1:
-            raise ValueError(
-                f"{op}: tensors must be flat (1-D); got shapes {tuple(full.shape)} and {tuple(shard.shape)}"
-            )
-        if full.numel() != shard.numel() * self.size:
-            raise ValueError(
-                f"{op}: the full tensor has {full.numel()} elements but the shard has {shard.numel()} "
-                f"and the world size is {self.size}; pad the full tensor with dearopt.padded_numel"
-            )
-        if full.dtype != shard.dtype:
-            raise TypeError(f"{op}: dtypes differ ({full.dtype} vs {shard.dtype})")
-        if not full.is_contiguous() or not shard.is_contiguous():
-            raise ValueError(f"{op}: tensors must be contiguous")
-
-    def fork(self) -> "CollectiveBackend":
-        """A backend over a separate communicator: its ops are never matched with this one's.
-
-        The optimizer engine runs on a fork so that a user's own collectives
-        (metrics, barriers) can never be paired with the engine's.
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot fork a separate communicator")
-
-    def second_link(self) -> "CollectiveBackend":
-        """A communicator over the same ranks for concurrent traffic (DeFT's heterogeneous links): over another
-        transport where this backend has one (gloo beside NCCL), else a :meth:`fork`."""
-        return self.fork()
-
-    def release_workspace(self) -> None:
-        """Drop buffers kept between ops for reuse (none here).  Called when a re-plan makes new buckets, with
-        nothing in flight: buffers sized and keyed for the old buckets would otherwise stay alive."""
-
-    def close(self) -> None:
-        """Release resources, this backend's forks' first; the backend is unusable afterwards."""
-        self._closed = True
-        self._close_forks()
-
-
-class _ThenHandle(Handle):
-    """``inner``, then ``then()`` once its result is usable (the narrowing copy of a widened op)."""
-
-    def __init__(self, inner: Handle, then: Callable[[], None]):
-        self.op = getattr(inner, "op", "collective")
-        self._inner = inner
-        self._then = then
-
-    def _done(self) -> None:
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        self._inner.wait(timeout)
-        self._done()
-
-    def synchronize(self, timeout: Optional[float] = None) -> None:
-        self._inner.synchronize(timeout)
-        self._done()
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-
-class _TorchHandle(Handle):
-    def __init__(
-        self,
-        backend: "TorchDistBackend",
-        work,
-        op: str,
-        where: dict,
-        finish: Optional[Callable[[], None]] = None,
-    ):
-        self._backend = backend
-        self._work = work
-        where = dict(where)
-        self.op = where.pop("op", op)  # a caller may name the op it is part of ("check_model")
-        self._where = where
-        self._finish = finish
-        self._waited = False  # wait() returned: the result may be used
-        self._finished = False  # the host saw the op finish
-        # wait() from two threads at once (ReduceScatterThenGather's helper and a workspace making room): the
-        # second waits for the first, which lets go of the work object when done
-        self._lock = threading.Lock()
-
-    def is_completed(self) -> bool:
-        if self._finished:
-            return True
-        try:
-            self._finished = bool(self._work.is_completed())
-        except Exception:  # the transport failed; wait() will raise it
-            return True
-        return self._finished
-
-    def _seconds(self, timeout: Optional[float]) -> float:
-        return self._backend.timeout if timeout is None else float(timeout)
-
-    def _running(self) -> bool:
-        try:
-            return not self._work.is_completed()
-        except Exception:
-            return False
-
-    def _succeeded(self) -> bool:
-        """Whether the finished work ended without an error (a wait on it returns at once)."""
-        try:
-            self._work.wait(timeout=datetime.timedelta(seconds=FAULT_POLL_SECONDS))
-            return True
-        except Exception:
-            return False
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        if self._waited:
-            return
-        with self._lock:
-            if not self._waited:
-                self._wait(timeout)
-
-    def _wait(self, timeout: Optional[float]) -> None:
-        deadline = time.monotonic() + self._seconds(timeout)
-        while True:  # in slices of FAULT_POLL_SECONDS: between them, a failure a peer posted is looked for
-            left = deadline - time.monotonic()
-            try:
-                self._work.wait(timeout=datetime.timedelta(seconds=max(min(left, FAULT_POLL_SECONDS), 0.001)))
-                break
-            except Exception as exc:
-                if self._running():  # only this slice ran out
-                    self._backend.check_peers(self.op, self._where)
-                    if time.monotonic() < deadline:
-                        continue
-                elif self._succeeded():  # it finished as the slice ran out (its end seen late: a busy GIL)
-                    break
-                raise translate_error(exc, rank=self._backend.rank, op=self.op, **self._where) from exc
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-        self._waited = True
-        if self._backend.host_waits:  # gloo: the host itself waited for the op
-            self._finished = True
-            # torch's work object holds the op's tensors (a workspace buffer, kept for reuse or let go) until it
-            # is destroyed; this handle lives on in the engine until the next round: let them go now
-            self._work = None
-
-    def synchronize(self, timeout: Optional[float] = None) -> None:
-        deadline = time.monotonic() + self._seconds(timeout)
-        self.wait(timeout)
-        poll = time.monotonic() + FAULT_POLL_SECONDS
-        while not self.is_completed():  # NCCL: wait() ordered the stream; now the host waits
-            if time.monotonic() > poll:
-                self._backend.check_peers(self.op, self._where)
-                poll = time.monotonic() + FAULT_POLL_SECONDS
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"{self.op} did not finish in time", rank=self._backend.rank, op=self.op, **self._where
-                )
-            time.sleep(0.0002)
-        self._finished = True
-
-
-class ReduceScatterThenGather:
-    """A sum over ranks in place as a reduce-scatter on one communicator, then an all-gather on another.
-
-    On gloo this moves the same bytes as a ring all-reduce but measured 1.4-1.7x faster here (its all-reduce
-    reduces on one thread).  ``start`` begins the reduce-scatter and returns at once; a helper thread waits
-    for the reduce-scatters in the order they were started and starts each one's all-gather on the second
-    communicator, so either communicator sees its ops in the same order on every rank whatever the timing,
-    and the caller never blocks between the halves.  The handle's ``wait`` has the backends' timeout and
-    names the rank, the op and the bucket, like every other wait.
+    ``backend`` defaults to the runtime's; the engine passes its own control channel.
     """
-
-    def __init__(self, scatter: "CollectiveBackend", gather: "CollectiveBackend"):
-        self.scatter, self.gather = scatter, gather
-        self._queue: "queue.Queue" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="dearopt-rs-then-ag", daemon=True)
-        self._thread.start()
-
-    def start(self, full: torch.Tensor, shard: torch.Tensor, **where) -> Handle:
-        """Sum ``full`` over ranks in place; ``shard`` (``full.numel() / size`` elements) is the scratch the
-        reduce-scatter writes this rank's part into."""
-        handle = _ChainedHandle(self.scatter.reduce_scatter(shard, full, **where), self.scatter, where)
-        self._queue.put((handle, full, shard, where))
-        return handle
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            handle, full, shard, where = item
-            try:
-                handle.first.wait()
-                handle.second = self.gather.all_gather(full, shard, **where)
-            except BaseException as exc:  # raised to whoever waits on the handle
-                handle.error = exc
-            handle.started.set()
-
-    def close(self) -> None:
-        """Stop the helper thread once the ops already started have been handed on."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=self.scatter.timeout)
+    own = backend is None
+    backend = runtime.get_backend() if own else backend
+    if backend.size == 1:
+        return obj
+    if own:
+        _agree("broadcast_object", 0, None, root_rank)
+    if backend.rank == root_rank:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=backend.device)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=backend.device)
+    backend.broadcast(length, root_rank).wait()
+    if backend.rank != root_rank:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    data = payload.to(backend.device)
+    backend.broadcast(data, root_rank).wait()
+    if backend.rank == root_rank:
+        return obj
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
 
 
-class _ChainedHandle(Handle):
-    op = "reduce_scatter+all_gather"
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Make every rank's optimizer state and hyperparameters equal to ``root_rank``'s.
 
-    def __init__(self, first: Handle, backend: "CollectiveBackend", where: dict):
-        self.first, self.second = first, None
-        self.error: Optional[BaseException] = None
-        self.started = threading.Event()  # the all-gather was started (or the reduce-scatter failed)
-        self._backend, self._where = backend, where
-
-    def _second(self, timeout: Optional[float]) -> Handle:
-        seconds = self._backend.timeout if timeout is None else float(timeout)
-        if not self.started.wait(seconds):
-            raise CollectiveTimeoutError(
-                f"{self.op}: the reduce-scatter did not complete in time",
-                rank=self._backend.rank,
-                op=self.op,
-                **self._where,
-            )
-        if self.error is not None:
-            raise self.error
-        return self.second
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        self._second(timeout).wait(timeout)
-
-    def synchronize(self, timeout: Optional[float] = None) -> None:
-        self._second(timeout).synchronize(timeout)
-
-    def is_completed(self) -> bool:
-        return self.started.is_set() and (self.error is not None or self.second.is_completed())
-
-
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-_GLOO_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
-
-_TORCH_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "product": dist.ReduceOp.PRODUCT,
-}
-
-
-class TorchDistBackend(CollectiveBackend):
-    """Collectives over an initialized ``torch.distributed`` process group.
-
-    On gloo, ``reduce_scatter_tensor`` costs as much as a whole all-reduce, so
-    reduce-scatter is done as ``all_to_all_single`` followed by a local sum of
-    the received chunks, which moves the same bytes as the reduce-scatter half
-    of a ring all-reduce (see ``scripts/collective_bench.py``).  On NCCL the
-    native ``reduce_scatter_tensor`` is used.
+    Works when some ranks have not stepped yet (empty state): the root's whole
+    ``state_dict()`` is sent and loaded, so no dummy step is taken.
     """
+    if not hasattr(optimizer, "state_dict") or not hasattr(optimizer, "load_state_dict"):
+        raise TypeError(f"broadcast_optimizer_state expects a torch optimizer, got {type(optimizer).__name__}")
+    state = optimizer.state_dict() if runtime.rank() == root_rank else None
+    state = broadcast_object(state, root_rank)
+    if runtime.rank() != root_rank:
+        optimizer.load_state_dict(state)
 
-    name = "torch"
-    workspace_bytes = 64 * 2**20
-    """gloo: the reduce-scatters' receive buffers and the all-gathers' send buffers, in flight and kept for reuse,
-    at most this many bytes together (or one op's, if that is more)."""
 
-    def __init__(self, rank: int, size: int, timeout: float, group=None, owns_group: bool = True):
-        super().__init__(rank, size, timeout)
-        self.group = group
-        self._owns_group = owns_group
-        self.pg_backend = dist.get_backend(group)
-        self.name = f"torch-{self.pg_backend}"
-        self._workspace: Dict[tuple, List[torch.Tensor]] = {}  # spare receive buffers by (numel, dtype)
-        self._in_flight: Dict[int, tuple] = {}  # id(handle) -> (handle, receive buffer bytes), oldest first
-        self._use_all_to_all = self.pg_backend == "gloo"
-        self.host_waits = self.pg_backend == "gloo"
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
+def allreduce(value, op: str = "avg"):
+    """Reduce a metric over ranks; returns a new tensor (or a float for a float input)."""
+    backend = runtime.get_backend()
+    as_float = isinstance(value, (int, float)) and not isinstance(value, bool)
+    tensor = torch.as_tensor(value, dtype=torch.float64 if as_float else None).detach().clone()
+    original_device = tensor.device
+    if op == "avg" and not tensor.is_floating_point():
+        tensor = tensor.double()
+    work = tensor.to(backend.device).reshape(-1).contiguous()
+    _agree("allreduce", work.numel(), work.dtype)
+    backend.all_reduce(work, op).wait()
+    result = work.view(tensor.shape).to(original_device)
+    return result.item() if as_float else result
+
+
+# ------------------------------------------------------------------ the same model and optimizer on every rank
+def _describe_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What must be equal on every rank: the tensors ``broadcast_parameters`` sends (name, shape, dtype, and for a
+    parameter whether it is trained), the optimizer's class and which parameters each of its groups holds."""
+    tensors = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor):
+            trained = bool(t.requires_grad) if isinstance(t, torch.nn.Parameter) else None
+            tensors.append((name, tuple(t.shape), str(t.dtype).replace("torch.", ""), trained))
+    position: Dict[int, int] = {}
+    for i, p in enumerate(model.parameters()):
+        position.setdefault(id(p), i)
+    groups = [tuple(position.get(id(p), -1) for p in group["params"]) for group in optimizer.param_groups]
+    return {"tensors": tensors, "optimizer": type(optimizer).__name__, "groups": groups}
+
+
+def _fingerprint(description: dict) -> int:
+    digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _gather_objects(backend, obj) -> List[Any]:
+    """Every rank's ``obj`` (pickled), in rank order: two all-gathers (the lengths, then the padded bytes)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=backend.device)
+    lengths = torch.empty(backend.size, dtype=torch.int64, device=backend.device)
+    backend.all_gather(lengths, length, op="check_model").wait()
+    lengths = lengths.tolist()
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: payload.numel()] = payload
+    everyone = torch.empty(longest * backend.size, dtype=torch.uint8, device=backend.device)
+    backend.all_gather(everyone, mine.to(backend.device), op="check_model").wait()
+    rows = everyone.cpu().view(backend.size, longest)
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+
+
+def _names(names: List[str], most: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _tensor_text(entry) -> str:
+    _, shape, dtype, trained = entry
+    return f"{tuple(shape)} {dtype}" + ("" if trained is None else (" trained" if trained else " frozen"))
+
+
+def _differences(ref: dict, other: dict, r: int) -> List[str]:
+    """How rank ``r``'s description differs from rank 0's, in words."""
+    out = []
+    if ref["optimizer"] != other["optimizer"]:
+        out.append(f"the optimizer is {other['optimizer']} on rank {r} and {ref['optimizer']} on rank 0")
+    a = {e[0]: e for e in ref["tensors"]}
+    b = {e[0]: e for e in other["tensors"]}
+    if len(a) != len(b):
+        out.append(f"rank {r}'s model has {len(b)} parameters and buffers, rank 0's has {len(a)}")
+    only_ref = [n for n in a if n not in b]
+    only_other = [n for n in b if n not in a]
+    if only_ref:
+        out.append(f"{_names(only_ref)} only on rank 0")
+    if only_other:
+        out.append(f"{_names(only_other)} only on rank {r}")
+    changed = [n for n in a if n in b and a[n] != b[n]]
+    for n in changed[:3]:
+        out.append(f"{n!r} is {_tensor_text(b[n])} on rank {r} and {_tensor_text(a[n])} on rank 0")
+    if len(changed) > 3:
+        out.append(f"{len(changed) - 3} more tensors differ in shape, dtype or requires_grad")
+    if not (only_ref or only_other or changed) and [e[0] for e in ref["tensors"]] != [e[0] for e in other["tensors"]]:
+        out.append(f"the model's parameters and buffers are registered in another order on rank {r}")
+    if ref["groups"] != other["groups"]:
+        sizes_ref, sizes_other = [len(g) for g in ref["groups"]], [len(g) for g in other["groups"]]
+        if sizes_ref != sizes_other:
+            out.append(
+                f"the optimizer's param groups hold {sizes_other} parameters on rank {r} and {sizes_ref} on rank 0"
+            )
+        else:
+            out.append(f"the optimizer's param groups hold other parameters on rank {r} than on rank 0")
+    return out or [f"rank {r}'s model or optimizer differs from rank 0's"]
+
+
+def check_same_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend=None) -> None:
+    """Raise :class:`~dearopt.PlanMismatchError` on every rank if the ranks' models or optimizers differ (the
+    number, names, shapes, dtypes or ``requires_grad`` of the parameters and buffers, the optimizer's class or its
+    param groups), naming what differs and on which rank.
+
+    One small all-gather (a fingerprint); only when they differ, a second exchange of the descriptions for the
+    message.  ``DistOptim`` calls it before it broadcasts rank 0's parameters.  ``backend``: see
+    :func:`broadcast_tensors`.
+    """
+    own = backend is None
+    backend = runtime.get_backend() if own else backend
+    if backend.size == 1:
+        return
+    description = _describe_model(model, optimizer)
+    seq = -1
+    if own:  # part of the helper collectives' sequence: an extra or a missing one is a StepMismatchError
+        seq = _sequence.get(backend, 0)
+        _sequence[backend] = seq + 1
+    header = torch.tensor(
+        [seq, _OP_CODES["check_model"], len(description["tensors"]), _fingerprint(description)],
+        dtype=torch.int64,
+        device=backend.device,
+    )
+    everyone = torch.empty(backend.size * header.numel(), dtype=torch.int64, device=backend.device)
+    backend.all_gather(everyone, header, op="check_model", step=None if seq < 0 else seq).wait()
+    rows = everyone.view(backend.size, -1).tolist()
+    if any(row[:2] != rows[0][:2] for row in rows):
+        names = {v: k for k, v in _OP_CODES.items()}
+        seen = "; ".join(f"rank {r}: #{row[0]} {names.get(row[1], row[1])}" for r, row in enumerate(rows))
+        raise StepMismatchError(
+            f"ranks issued different collectives ({seen}): a rank ran an extra or a different dearopt collective",
+            rank=backend.rank,
+            op="check_model",
+            step=seq,
         )
+    differing = [r for r, row in enumerate(rows) if row[2:] != rows[0][2:]]
+    if not differing:
+        return
+    descriptions = _gather_objects(backend, description)
+    details = [d for r in differing for d in _differences(descriptions[0], descriptions[r], r)]
+    raise PlanMismatchError(
+        f"the ranks built different models or optimizers: ranks {differing} differ from rank 0: "
+        f"{'; '.join(details[:8])}{'; ...' if len(details) > 8 else ''}. Every rank must build the same model and "
+        f"wrapped optimizer (the same parameters, shapes, dtypes and param groups) before DistOptim",
+        rank=backend.rank,
+        op="check_model",
+    )
 
-    def _start(self, op_name: str, where: dict, fn, *args, finish=None, **kwargs) -> Handle:
-        where = dict(where)
-        op_name = where.pop("op", op_name)
-        try:
-            work = fn(*args, group=self.group, async_op=True, **kwargs)
-        except Exception as exc:
-            raise translate_error(exc, rank=self.rank, op=op_name, **where) from exc
-        return _TorchHandle(self, work, op_name, where, finish)
 
-    @staticmethod
-    def _then(handle: Handle, then: Callable[[], None]) -> Handle:
-        return _ThenHandle(handle, then)
+# ------------------------------------------------------------------ every DistOptim of a model
+_distoptims: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> [weakref to DistOptim], in order
 
-    def _widened(self, tensors):
-        """Gloo has no 16-bit integers: such tensors travel widened (exact, also for sums, which wrap alike).
 
-        Returns the tensors to hand to torch.distributed and a function that
-        copies the wide results back, or ``None`` when nothing was widened.
-        """
-        if self.pg_backend != "gloo" or tensors[0].dtype not in _GLOO_WIDER:
-            return tensors, None
-        wide = [t.to(_GLOO_WIDER[t.dtype]) for t in tensors]
+def register_distoptim(model: torch.nn.Module, optimizer) -> None:
+    """Note that ``optimizer`` (a ``DistOptim``) was built on ``model`` (``DistOptim.__init__`` calls it)."""
+    refs = [ref for ref in _distoptims.get(model, []) if ref() is not None]
+    refs.append(weakref.ref(optimizer))
+    _distoptims[model] = refs
 
-        def narrow():
-            for t, w in zip(tensors, wide):
-                t.copy_(w)
 
-        return wide, narrow
+def distoptims_of(model: torch.nn.Module) -> list:
+    """The live ``DistOptim`` objects built on ``model`` or on any module inside it, in the order they were built."""
+    found, seen = [], set()
+    for module in model.modules():
+        for ref in _distoptims.get(module, ()):
+            opt = ref()
+            if opt is not None and id(opt) not in seen:
+                seen.add(id(opt))
+                found.append(opt)
+    return found
 
-    def fork(self, pg_backend: Optional[str] = None) -> "TorchDistBackend":
-        """A new process group over the same ranks (of ``pg_backend``, default this one's)."""
-        self._check_open("fork", {})
-        if self.size == 1:  # nothing is ever exchanged: no new communicator (none to agree on with anyone)
-            return self._track_fork(TorchDistBackend(self.rank, 1, self.timeout, group=self.group, owns_group=False))
-        timeout = datetime.timedelta(seconds=self.timeout)
-        kind = pg_backend or self.pg_backend
-        members = None if self.group is None else dist.get_process_group_ranks(self.group)
-        if members is None or len(members) == dist.get_world_size():
-            group = dist.new_group(backend=kind, timeout=timeout)
-        else:  # a subset of the ranks: only its members take part in making the new group
-            group = dist.new_group(ranks=members, backend=kind, timeout=timeout, use_local_synchronization=True)
-        return self._track_fork(TorchDistBackend(self.rank, self.size, self.timeout, group=group))
 
-    def members(self) -> Optional[Tuple[int, ...]]:
-        if self.group is None:
-            return None
-        if not hasattr(self, "_members"):
-            try:
-                self._members = tuple(dist.get_process_group_ranks(self.group))
-            except Exception:  # torn down
-                return None
-        return self._members
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module):
+    """Backward passes inside accumulate gradients locally in every ``DistOptim`` built on ``model`` (or on a
+    module inside it), as DDP's ``model.no_sync()`` does; the first backward after the block communicates the
+    accumulated sums.  ``optimizer.no_sync()`` holds back only its own optimizer's parameters."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"dearopt.no_sync expects the model (an nn.Module), got {type(model).__name__}")
+    optimizers = distoptims_of(model)
+    if not optimizers:
+        raise UsageError(
+            f"dearopt.no_sync(model): no DistOptim was built on this {type(model).__name__} or on a "
+            f"module inside it; pass the model given to DistOptim (or one that contains it)"
+        )
+    with contextlib.ExitStack() as stack:
+        for opt in optimizers:
+            stack.enter_context(opt.no_sync())
+        yield
 
-    def second_link(self) -> "TorchDistBackend":
-        """Beside NCCL: a gloo group (its all-reduce takes CUDA tensors through host memory); beside gloo:
-        another gloo group (its own connections and thread)."""
-        return self.fork("gloo")
 
-    def close(self) -> None:
-        """Close the forks made from this backend, then this one's own group.
+def _distoptim_text(executor, number: Optional[int] = None, count: Optional[int] = None) -> str:
+    names = [
+        executor.planner.names.get(id(p), f"<shape {tuple(p.shape)}>")
+        for group in executor.optimizer.param_groups
+        for p in group["params"]
+    ]
+    which = f"DistOptim {number} of {count} on this model" if number is not None and count > 1 else "this DistOptim"
+    return f"{which} ({type(executor.optimizer).__name__} over {_names(names)})"
 
-        The group object is released here, not left to whoever still holds
-        this backend: a process group's worker threads are joined only when
-        its last reference goes, and if that happened while the interpreter
-        is finalizing (an optimizer freed at exit), a worker thread dropping
-        its last tensor could not take the GIL and the process would abort.
-        """
-        if self._closed:
-            return
-        super().close()
-        group, self.group = self.group, None
-        if group is not None and self._owns_group and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # already torn down with the default group
-                pass
-        self._workspace.clear()
 
-    def release_workspace(self) -> None:
-        """The spare receive buffers of the reduce-scatters (sized for the old buckets)."""
-        self._workspace.clear()
-
-    def reduce_scatter(self, out_shard, in_full, **where) -> Handle:
-        self._check_open("reduce_scatter", where)
-        self.check_shapes("reduce_scatter", in_full, out_shard)
-        if self.size == 1:
-            out_shard.copy_(in_full)
-            return CompletedHandle("reduce_scatter")
-        (wide_out, wide_in), narrow = self._widened([out_shard, in_full])
-        if narrow is not None:
-            return self._then(self.reduce_scatter(wide_out, wide_in, **where), narrow)
-        if not self._use_all_to_all:
-            return self._start("reduce_scatter", where, dist.reduce_scatter_tensor, out_shard, in_full)
-        recv = self._workspace_like(in_full)
-        chunks = recv.view(self.size, out_shard.numel())
-
-        def finish():
-            torch.sum(chunks, dim=0, out=out_shard)
-            self._in_flight.pop(id(handle), None)
-            self._spare(recv)
-
-        handle = self._start("reduce_scatter", where, dist.all_to_all_single, recv, in_full, finish=finish)
-        self._in_flight[id(handle)] = (handle, recv.numel() * recv.element_size())
-        return handle
-
-    def _workspace_like(self, full: torch.Tensor) -> torch.Tensor:
-        """gloo: a buffer as large as ``full`` for a reduce-scatter's receive or an all-gather's send, within
-        :attr:`workspace_bytes` for all of them together: past it, the oldest such ops in flight are waited for
-        first (gloo runs one op at a time in issue order, so the link stays busy with the ones behind them) and
-        their buffers reused."""
-        in_full = full
-        need = in_full.numel() * in_full.element_size()
-        budget = max(self.workspace_bytes, need)
-        while self._in_flight and sum(n for _, n in self._in_flight.values()) + need > budget:
-            oldest, _ = next(iter(self._in_flight.values()))
-            oldest.wait()  # runs its finish: sums into its shard, spares its buffer
-        key = (in_full.numel(), in_full.dtype)
-        spare = self._workspace.get(key)
-        if spare:
-            buffer = spare.pop()
-            if not spare:
-                del self._workspace[key]
-            return buffer
-        return torch.empty_like(in_full)
-
-    def _spare(self, recv: torch.Tensor) -> None:
-        """Keep a finished op's buffer for the next of its size (a new one costs its page faults again), within
-        the budget: the spares kept longest make room; one larger than the budget is let go."""
-        size = recv.numel() * recv.element_size()
-        if size > self.workspace_bytes:  # one op larger than the budget: not kept (its page faults each time)
-            return
-        kept = sum(t.numel() * t.element_size() for ts in self._workspace.values() for t in ts)
-        while self._workspace and kept + size > self.workspace_bytes:
-            key = next(iter(self._workspace))
-            spares = self._workspace[key]
-            if spares:
-                old = spares.pop(0)
-                kept -= old.numel() * old.element_size()
-            if not spares:
-                del self._workspace[key]
-        self._workspace.setdefault((recv.numel(), recv.dtype), []).append(recv)
-
-    def all_gather(self, out_full, in_shard, **where) -> Handle:
-        self._check_open("all_gather", where)
-        self.check_shapes("all_gather", out_full, in_shard)
-        if self.size == 1:
-            out_full.copy_(in_shard)
-            return CompletedHandle("all_gather")
-        (wide_out, wide_in), narrow = self._widened([out_full, in_shard])
-        if narrow is not None:
-            return self._then(self.all_gather(wide_out, wide_in, **where), narrow)
-        if not self._use_all_to_all:
-            return self._start("all_gather", where, _all_gather_flat, out_full, in_shard)
-        # gloo's all-gather copies through a temporary as large as the output, made when the op is issued and kept
-        # while it waits its turn: with a model's all-gathers issued at once that is a whole model's worth.  An
-        # all-to-all of the shard sent to every rank writes the output in place, from a send buffer of the
-        # bounded workspace (the same bytes on the link).
-        send = self._workspace_like(out_full)
-        send.view(self.size, -1).copy_(in_shard.view(1, -1).expand(self.size, -1))
-
-        def finish():
-            self._in_flight.pop(id(handle), None)
-            self._spare(send)
-
-        handle = self._start("all_gather", where, dist.all_to_all_single, out_full, send, finish=finish)
-        self._in_flight[id(handle)] = (handle, send.numel() * send.element_size())
-        return handle
-
-    def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
-        self._check_open("all_reduce", where)
-        if op not in REDUCE_OPS:
-            raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
-        if self.size == 1:
-            return CompletedHandle("all_reduce")
-        (wide,), narrow = self._widened([tensor])
-        if narrow is not None:
-            return self._then(self.all_reduce(wide, op, **where), narrow)
-        if op == "avg":
-            size = self.size
-
-            def finish():
-                tensor.div_(size)
-
-            return self._start("all_reduce", where, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, finish=finish)
-        return self._start("all_reduce", where, dist.all_reduce, tensor, op=_TORCH_OPS[op])
-
-    def broadcast(self, tensor, root: int = 0, **where) -> Handle:
-        self._check_open("broadcast", where)
-        if not 0 <= root < self.size:
-            raise ValueError(f"broadcast: root {root} is not a rank of a world of size {self.size}")
-        if self.size == 1:
-            return CompletedHandle("broadcast")
-        (wide,), narrow = self._widened([tensor])
-        if narrow is not None:
-            return self._then(self.broadcast(wide, root, **where), narrow)
-        # torch names the source by its rank in the whole job
-        src = root if self.group is None else dist.get_global_rank(self.group, root)
-        return self._start("broadcast", where, dist.broadcast, tensor, src=src)
+def second_backward_refusal(executor) -> UsageError:
+    """The error for a backward after ``executor`` sent the gradients of its step: it names the ``DistOptim``
+    that communicated and, where the model has several, those that accumulated inside their own ``no_sync()``."""
+    mates = [opt for opt in distoptims_of(executor.model) if getattr(opt, "_executor", None) is not None]
+    number = next((i + 1 for i, opt in enumerate(mates) if opt._executor is executor), None)
+    me = _distoptim_text(executor, number, len(mates))
+    held = [(i + 1, opt) for i, opt in enumerate(mates) if opt._executor is not executor and opt._executor.no_sync]
+    message = (
+        f"backward() was called again after {me} sent the gradients of this step "
+        f"(backward_passes_per_step={executor.options.backward_passes_per_step}); call step() first, or "
+        f"accumulate inside `with dearopt.no_sync(model):`, which holds back every DistOptim of the model"
+    )
+    if held:
+        others = "; ".join(_distoptim_text(opt._executor, i, len(mates)) for i, opt in held)
+        message += (
+            f" (`optimizer.no_sync()` holds back only its own optimizer: {others} accumulated inside its "
+            f"own no_sync(), this one did not)"
+        )
+    else:
+        message += " (or `with optimizer.no_sync():` for this optimizer alone)"
+    return UsageError(f"{message} [rank {executor.rank}, step {executor.step_count}]")

@@ -4,7 +4,7 @@ It *is* a ``torch.optim.Optimizer``, built through ``Optimizer.__init__``
 (LR schedulers, step hooks and existing loops accept it), that shares
 ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
 hyperparameter changes reach the wrapped optimizer at once.  The work is done
-by :class:`dearopt.executor.Executor`; this face only validates, builds and
+by :class:`dearopt.engine.engine.Executor`; this face only validates, builds and
 forwards.
 """
 
@@ -20,90 +20,21 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.optim.optimizer as _torch_optimizer
 
-from . import runtime
-from .errors import NotInitializedError, UsageError
-from . import functions
-from .collectives import engine_boundary
-from .comm_hooks import resolve_comm_hook
-from .sparsify import Sparsify
-from .executor import Executor
-from .options import Options
-from .search import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS, PlanSearch
-from .plan import DEFAULT_BUFFER_SIZE
-from .schedules import Schedule
+import dearopt.backends.runtime as runtime
+from dearopt.errors import NotInitializedError, UsageError
+import dearopt.collectives as functions
+from dearopt.backends.base import engine_boundary
+from dearopt.compression.hooks import resolve_comm_hook
+from dearopt.compression.sparsify import Sparsify
+from dearopt.engine.engine import Executor
+from dearopt.engine.options import Options
+from dearopt.engine.search import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS, PlanSearch
+from dearopt.planning.plan import DEFAULT_BUFFER_SIZE
+from dearopt.schedules import Schedule
 
 __all__ = ["DistOptim", "PLAN_CHOICE_STEPS", "PLAN_CHOICE_REMATCH"]
 
 _WRAPPED = weakref.WeakSet()
-
-
-_MOVED_TO_SCHEDULE = {
-    "first_bucket_size": "first_bucket_size",
-    "embedding_rows": "embedding_rows",
-    "allreduce": "allreduce",
-    "partition_size": "partition_size",
-    "credit": "credit",
-    "priority": "priority",
-    "link_check_every": "link_check_every",
-    "profile": "profile",
-    "deft_schedule": "given",
-    "preserver": "preserver",
-    "deft_links": "links",
-    "deft_apply": "apply",
-}
-"""``DistOptim`` keywords that moved onto the schedule object (old name: the schedule's knob)."""
-
-_MOVED_ELSEWHERE = {
-    "check_agreement": "checks='off' (check_agreement=False) or checks='step'",
-    "debug": "checks='full'",
-    "tuning_steps": "tuner=dearopt.BayesianTuner(knobs, steps_per_trial=N)",
-}
-
-
-def _moved_keywords(schedule, moved: dict):
-    """The schedule object with the knobs passed in the old flat spelling applied, each with a
-    ``DeprecationWarning`` naming the new one; the shared knobs that were renamed; and ``tuning_steps``."""
-    from .schedules import get_schedule
-
-    unknown = sorted(set(moved) - set(_MOVED_TO_SCHEDULE) - set(_MOVED_ELSEWHERE))
-    if unknown:
-        raise TypeError(f"DistOptim() got unexpected keyword argument(s) {unknown}")
-    policy = get_schedule(schedule)
-    knobs = {_MOVED_TO_SCHEDULE[k]: v for k, v in moved.items() if k in _MOVED_TO_SCHEDULE}
-    for old, value in moved.items():
-        if old in _MOVED_TO_SCHEDULE:
-            new = f"schedule=dearopt.{type(policy).__name__}({_MOVED_TO_SCHEDULE[old]}=...)"
-        else:
-            new = _MOVED_ELSEWHERE[old]
-        warnings.warn(f"DistOptim({old}=...) is deprecated; pass {new}", DeprecationWarning, stacklevel=3)
-    deft_only = [k for k in ("deft_schedule", "deft_links", "deft_apply") if k in moved]
-    if (
-        deft_only
-        and not policy.delays_updates
-        and any(
-            not _default(moved[k], {"deft_schedule": None, "deft_links": 1, "deft_apply": "bucket"}[k])
-            for k in deft_only
-        )
-    ):
-        raise ValueError(
-            "deft_schedule=, deft_links= and deft_apply= are for schedule='deft' "
-            "(now knobs of dearopt.DeFT: given=, links=, apply=)"
-        )
-    knobs = {k: v for k, v in knobs.items() if policy.delays_updates or k not in ("given", "links", "apply")}
-    try:
-        policy = policy.with_knobs(**knobs) if knobs else policy
-    except (TypeError, ValueError) as exc:
-        old = [k for k in moved if k in _MOVED_TO_SCHEDULE and _MOVED_TO_SCHEDULE[k] in str(exc)]
-        raise type(exc)(f"{', '.join(old) or 'DistOptim'}: {exc}") from None
-    shared = {k: moved[k] for k in ("check_agreement", "debug") if k in moved}
-    return policy, shared, moved.get("tuning_steps")
-
-
-def _default(value, default) -> bool:
-    try:
-        return bool(value == default)
-    except Exception:
-        return value is default
 
 
 def _check_arguments(optimizer, model):
@@ -164,28 +95,23 @@ class DistOptim(torch.optim.Optimizer):
             :func:`dearopt.schedules.register`), or its name (``"dear"``, the default, ...) for its defaults.
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``; ``"auto"``: tuned online.
         shard_optimizer: under ``dear``, each rank updates its shard of every bucket at ``step()`` and the next
-            forward's all-gather carries parameters (ZeRO stage 1 with DeAR's overlap, :mod:`dearopt.sharding`):
+            forward's all-gather carries parameters (ZeRO stage 1 with DeAR's overlap, :mod:`dearopt.engine.sharding`):
             optimizer state and work per rank are 1/N.  Elementwise optimizers only.  :meth:`state_dict` gathers
             the ordinary layout (on every rank), :meth:`sharded_state_dict` saves this rank's part; after
             ``step()`` every ``p.grad`` is None.
         comm_hook: how gradients travel: ``"auto"`` (default: bfloat16/float16 gradients summed in float32;
             others as they are), ``None`` (every gradient as it is), ``"fp16"``, ``"bf16"``, a
-            :class:`dearopt.CommHook`, or a :class:`dearopt.Sparsify` (not exact, :mod:`dearopt.sparsify`).
+            :class:`dearopt.CommHook`, or a :class:`dearopt.Sparsify` (not exact, :mod:`dearopt.compression.sparsify`).
         backward_passes_per_step: local accumulation before communicating.
         broadcast_parameters: copy rank 0's parameters and buffers at construction.
         broadcast_buffers: copy rank 0's buffers before every training forward (DDP's default).
         nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"`` for non-finite averaged gradients.
-        checks: ``"step"`` (default), ``"full"`` or ``"off"`` (:data:`dearopt.options.CHECKS`).
+        checks: ``"step"`` (default), ``"full"`` or ``"off"`` (:data:`dearopt.engine.options.CHECKS`).
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
-        tuner: a :class:`dearopt.tuner.BayesianTuner` over ``buffer_size``, ``partition_size`` and ``credit``;
+        tuner: a :class:`dearopt.planning.tuner.BayesianTuner` over ``buffer_size``, ``partition_size`` and ``credit``;
             built by default for the knobs set to ``"auto"``.  Its trials and result: ``optimizer.tuning``.
         backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); one over a
-            subset of the ranks restricts the averaging to them (``dearopt.horovod``'s process sets).
-        **moved: the keywords of old that moved onto the schedule object (``allreduce``, ``first_bucket_size``,
-            ``embedding_rows``, ``partition_size``, ``credit``, ``priority``, ``link_check_every``, ``profile``;
-            ``deft_schedule``, ``preserver``, ``deft_links``, ``deft_apply``: ``DeFT``'s ``given``,
-            ``preserver``, ``links``, ``apply``) or were renamed (``check_agreement``, ``debug``: ``checks``;
-            ``tuning_steps``: the tuner's ``steps_per_trial``) still work, with a ``DeprecationWarning``.
+            subset of the ranks restricts the averaging to them (``dearopt.integrations.horovod``'s process sets).
 
     Step hooks registered on this optimizer (``register_step_pre_hook``,
     ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
@@ -212,11 +138,12 @@ class DistOptim(torch.optim.Optimizer):
         timeline: Optional[str] = None,
         tuner=None,
         backend=None,
-        **moved,
     ):
         _check_arguments(optimizer, model)
         hook = resolve_comm_hook(comm_hook)
-        policy, shared, tuning_steps = _moved_keywords(schedule, moved)
+        from dearopt.schedules import get_schedule
+
+        policy = get_schedule(schedule)
         options = Options(
             policy,
             buffer_size,
@@ -228,7 +155,6 @@ class DistOptim(torch.optim.Optimizer):
             checks=checks,
             timeline=timeline,
             sparsify=isinstance(hook, Sparsify),
-            **shared,
         )
         if not runtime.is_initialized():
             raise NotInitializedError("call dearopt.init() before creating a DistOptim")
@@ -255,7 +181,7 @@ class DistOptim(torch.optim.Optimizer):
         self._executor = Executor(
             optimizer, model, engine, options, buffer, partition, credit_bytes, hook, on_step_landed=self._step_landed
         )
-        self._search = PlanSearch(self._executor, tuner, tuning_steps)
+        self._search = PlanSearch(self._executor, tuner)
         self._closed = False
         runtime.on_leave(self._complete_at_leave)  # the last step's updates, when this process leaves the job
         _WRAPPED.add(optimizer)
@@ -278,7 +204,7 @@ class DistOptim(torch.optim.Optimizer):
 
     @property
     def timeline(self):
-        """The :class:`dearopt.timeline.Timeline` this optimizer records to (disabled unless asked for)."""
+        """The :class:`dearopt.engine.timeline.Timeline` this optimizer records to (disabled unless asked for)."""
         return self._executor.timeline
 
     @property
@@ -334,15 +260,15 @@ class DistOptim(torch.optim.Optimizer):
     @property
     def tuning(self):
         """The online tuner of the knobs set to ``"auto"`` (DeAR section IV.B): a
-        :class:`dearopt.tuner.TuningController` with its trials and result; None when nothing is tuned."""
+        :class:`dearopt.planning.tuner.TuningController` with its trials and result; None when nothing is tuned."""
         return self._search.tuning
 
     @property
     def plan_choice(self):
         """The measured choice of ``dear``'s all-reduced buckets (``allreduce="auto"``): a
-        :class:`dearopt.tuner.TuningController` over a :class:`dearopt.tuner.ChoiceTuner` whose ``history``
-        holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is nothing
-        to choose."""
+        :class:`dearopt.planning.tuner.TuningController` over a :class:`dearopt.planning.tuner.ChoiceTuner` whose
+        ``history`` holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is
+        nothing to choose."""
         return self._search.plan_choice
 
     @property
@@ -354,7 +280,7 @@ class DistOptim(torch.optim.Optimizer):
 
     @property
     def deft_schedule(self):
-        """Under ``schedule="deft"``: the :class:`dearopt.schedules.deft.DeftSchedule` in force (None until the
+        """Under ``schedule="deft"``: the :class:`dearopt.schedules.deft.schedule.DeftSchedule` in force (None until the
         plan is made; its ``update_frequency`` per bucket); None under every other schedule."""
         return self._deft("deft")
 
@@ -369,7 +295,7 @@ class DistOptim(torch.optim.Optimizer):
     @property
     def deft_preserved(self):
         """Under ``schedule="deft"`` with a solved, checked schedule: the Preserver's outcome (a
-        :class:`dearopt.schedules.deft.Preserved`: ratio, capacity factor, re-solves, passed); else None."""
+        :class:`dearopt.schedules.deft.schedule.Preserved`: ratio, capacity factor, re-solves, passed); else None."""
         return self._deft("preserved")
 
     @property
@@ -585,10 +511,7 @@ class DistOptim(torch.optim.Optimizer):
         self._inner.add_param_group(dict(param_group, params=params))
 
     def _complete_at_leave(self) -> None:
-        """This process leaves the job (:func:`dearopt.shutdown`, interpreter exit, ``destroy_process_group()``):
-        the pending updates are applied, on every rank alike, so a rank that alone saves or evaluates the model
-        after the last ``step()`` (``if rank == 0: torch.save(model.state_dict(), ...)``) is joined in the
-        all-gathers that takes, and every rank leaves with the last update in its parameters."""
+        """Leaving the job (:func:`dearopt.backends.runtime.on_leave`): the pending updates, on every rank alike."""
         if not self._closed:
             self._executor.synchronize()
 

@@ -2,7 +2,7 @@
 
 Written exactly as for Horovod; only the import differs::
 
-    import dearopt.horovod as hvd      # instead of: import horovod.torch as hvd
+    import dearopt.integrations.horovod as hvd      # instead of: import horovod.torch as hvd
 
 Run it with any launcher (or none, for one process)::
 
@@ -21,7 +21,7 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-import dearopt.horovod as hvd
+import dearopt.integrations.horovod as hvd
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=6)

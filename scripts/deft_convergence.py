@@ -18,7 +18,7 @@ Two local ranks train, under each of:
 * ``deft-progress``: the same with the default Preserver (``statistic="progress"``): the expected loss decrease
   over one period at least 99 % of exact training's.
 
-Each ``deft-*`` applies a bucket's sum as soon as all of it is sent (``deft_apply="bucket"``, the default); the
+Each ``deft-*`` applies a bucket's sum as soon as all of it is sent (``DeFT(apply="bucket")``, the default); the
 same name with ``-group`` appended (``deft-late-group``...) applies each group at once, the paper's way.
 
 The tasks: digits, examples/digits_dearopt.py's CNN (Adam 2e-3, 32 samples per rank and step, test accuracy
@@ -44,7 +44,7 @@ sys.path.insert(0, HERE)
 def fixed_profile(model, world: int, forward: float, backward: float, comm: float):
     """A :class:`dearopt.sim.Profile` that gives every bucket (one per parameter, ``buffer_size=1``) these
     forward, backward and all-reduce seconds: what ``deft_times`` reads."""
-    from dearopt.plan import ParamSpec
+    from dearopt.planning.plan import ParamSpec
     from dearopt.sim.cost import CommCost
     from dearopt.sim.profile import Profile
 
@@ -74,23 +74,22 @@ def _optimizer(name, model, world, lr):
     import torch
 
     import dearopt
-    from dearopt.schedules.deft import Preserver, deft_schedule
+    from dearopt.schedules.deft.schedule import Preserver, deft_schedule
 
     n_params = len(list(model.parameters()))
     inner = torch.optim.Adam(model.parameters(), lr=lr)
-    kwargs = {}
+    knobs = {}  # the DeFT schedule object's
     if name.endswith("-group"):
-        name, kwargs["deft_apply"] = name[: -len("-group")], "group"
+        name, knobs["apply"] = name[: -len("-group")], "group"
     if name == "deft-late":
-        kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [2.0] * n_params, [0.5] * n_params)
+        knobs["given"] = deft_schedule([1.0] * n_params, [2.0] * n_params, [0.5] * n_params)
     elif name == "deft-merged":
-        kwargs["deft_schedule"] = deft_schedule([1.0] * n_params, [1.0] * n_params, [2.5] * n_params)
+        knobs["given"] = deft_schedule([1.0] * n_params, [1.0] * n_params, [2.5] * n_params)
     elif name in ("deft-preserved", "deft-progress"):
-        kwargs["profile"] = fixed_profile(model, world, 1.0, 1.0, 2.5)
-        kwargs["preserver"] = Preserver(statistic="progress" if name == "deft-progress" else "loss")
-    return dearopt.DistOptim(
-        inner, model, schedule="deft" if name.startswith("deft") else "dear", buffer_size=1, **kwargs
-    )
+        knobs["profile"] = fixed_profile(model, world, 1.0, 1.0, 2.5)
+        knobs["preserver"] = Preserver(statistic="progress" if name == "deft-progress" else "loss")
+    schedule = dearopt.DeFT(**knobs) if name.startswith("deft") else "dear"
+    return dearopt.DistOptim(inner, model, schedule=schedule, buffer_size=1)
 
 
 def _summary(opt, steps) -> dict:

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.src:
         sys.path.insert(0, os.path.abspath(args.src))  # spawned ranks inherit sys.path
-    from dearopt.launch import free_port
+    from dearopt.backends.launch import free_port
 
     configs = tuple(args.configs.split(","))
     mp.start_processes(

@@ -41,12 +41,12 @@ def _rank(args) -> dict:
     from dearopt.bench.models import build
 
     rank = dearopt.rank()
-    backend = dearopt.runtime.get_backend()
+    backend = dearopt.backends.runtime.get_backend()
     runs = {}
     for name, every in (("monitored", args.every),):
         work = build(args.model, seed=0)
         inner = torch.optim.SGD(work.model.parameters(), lr=0.01, momentum=0.9)
-        opt = dearopt.DistOptim(inner, work.model, schedule="prophet", link_check_every=every)
+        opt = dearopt.DistOptim(inner, work.model, schedule=dearopt.Prophet(link_check_every=every))
         runs[name] = (work, opt)
     batch = build(args.model, seed=0).make_batch(rank)
     times = {name: [] for name in runs}
@@ -100,7 +100,7 @@ def _rank(args) -> dict:
 def _summary(result: dict, change_at: int, steps: int) -> dict:
     replans = [s for s, _, _ in result["monitored"]["link_changes"] if s > change_at]
     replan_at = replans[0] if replans else steps
-    from dearopt.profiling import ReadyProfile
+    from dearopt.planning.profile import ReadyProfile
 
     blocks_from = ReadyProfile.STEP + ReadyProfile.STEPS + 1  # the step after the first re-plan to the blocks
     windows = {

@@ -92,7 +92,7 @@ def _rank(args) -> dict:
     import dearopt
 
     rank = dearopt.rank()
-    backend = dearopt.runtime.get_backend()
+    backend = dearopt.backends.runtime.get_backend()
     schedules = args.schedules.split(",")
     times = {s: [] for s in schedules}
     state = {s: 0 for s in schedules}

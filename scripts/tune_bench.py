@@ -59,7 +59,9 @@ def _run(cfg):
     for r in range(cfg["rounds"]):
         for size_mb in cfg["grid"]:
             workload, inner = make()
-            opt = dearopt.DistOptim(inner, workload.model, buffer_size=int(size_mb * MB), allreduce=cfg["allreduce"])
+            opt = dearopt.DistOptim(
+                inner, workload.model, schedule=dearopt.DeAR(allreduce=cfg["allreduce"]), buffer_size=int(size_mb * MB)
+            )
             t = _timed(opt, workload.model, workload, cfg["iterations"], cfg["warmup"], 100 * r, samples[size_mb])
             opt.close()
             if rank == 0:
@@ -73,8 +75,17 @@ def _run(cfg):
         }
     workload, inner = make()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
+    from dearopt.planning.tuner import MB as TUNER_MB, BayesianTuner, buffer_size_knob
+
+    model_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+    high = min(100 * TUNER_MB, max(model_bytes, 2 * TUNER_MB))
+    tuner = BayesianTuner(
+        [buffer_size_knob(high=high, initial=min(25 * TUNER_MB, high))],
+        budget=10,
+        steps_per_trial=cfg["tuning_steps"],
+    )
     opt = dearopt.DistOptim(
-        inner, workload.model, buffer_size="auto", tuning_steps=cfg["tuning_steps"], allreduce=cfg["allreduce"]
+        inner, workload.model, schedule=dearopt.DeAR(allreduce=cfg["allreduce"]), buffer_size="auto", tuner=tuner
     )
     boundary_costs, steps = [], 0
     while not opt.tuning.finished and steps < 400:

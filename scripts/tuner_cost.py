@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from dearopt.tuner import MB, BayesianTuner, Knob, buffer_size_knob
+from dearopt.planning.tuner import MB, BayesianTuner, Knob, buffer_size_knob
 
 
 def one(knobs, f, seed):

@@ -4,7 +4,7 @@
     python -m dearopt.bench --model resnet50 --rate 3gbit --profile --out B          # a profile (B/profile.json)
     python scripts/tuner_start.py --grid tune.json --profile B/profile.json
 
-The buffer-size tuner (:class:`dearopt.tuner.BayesianTuner`, as ``DistOptim``
+The buffer-size tuner (:class:`dearopt.planning.tuner.BayesianTuner`, as ``DistOptim``
 builds it: budget 10, early stop) is replayed offline against the *measured*
 throughput of the grid (log-linear interpolation between grid sizes, and 2 %
 Gaussian noise per trial, the noise of a few-step average here), from two
@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 from dearopt import sim
-from dearopt.tuner import MB, BayesianTuner, buffer_size_knob
+from dearopt.planning.tuner import MB, BayesianTuner, buffer_size_knob
 
 
 def objective(grid):

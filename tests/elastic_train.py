@@ -3,8 +3,9 @@
 
 ``python elastic_train.py dearopt|horovod``: the dearopt API (``dearopt.checkpoint``, ``shard_optimizer=True``: the
 restarted process reads its shard of the optimizer state at its first step) or Horovod's elastic API
-(``dearopt.horovod.elastic``, the script as Horovod's with the import changed).  With ``ELASTIC_CRASH_AT=k`` in
-its environment, the first attempt of this node kills its own agent and exits before step ``k`` (a node lost).
+(``dearopt.integrations.horovod.elastic``, the script as Horovod's with the import changed).  With
+``ELASTIC_CRASH_AT=k`` in its environment, the first attempt of this node kills its own agent and exits before step
+``k`` (a node lost).
 Each rank logs ``restart world rank step sample...`` per step to ``$DEAROPT_ELASTIC_DIR/log_<restart>_<rank>``;
 rank 0 saves the final parameters to ``final.pt`` there.
 """
@@ -79,7 +80,7 @@ def with_dearopt(root):
 
 
 def with_horovod(root):
-    import dearopt.horovod as hvd
+    import dearopt.integrations.horovod as hvd
 
     hvd.init()
     data = dataset()

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from dearopt.launch import free_port  # noqa: F401  (re-exported for the tests)
+from dearopt.backends.launch import free_port  # noqa: F401  (re-exported for the tests)
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch._dynamo", "dearopt"])

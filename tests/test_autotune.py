@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.tuner import BayesianTuner, Knob
+from dearopt.planning.tuner import BayesianTuner, Knob
 from harness import run_workers
 from models import make_model, make_optimizer, train_step
 from test_distoptim import assert_params_match, reference
@@ -22,8 +22,8 @@ def _train_tuned(opt_name, schedule, knob_names):
         "partition_size": Knob("partition_size", 32, 512, log=True, initial=128, integer=True),
         "credit": Knob("credit", 128, 4096, log=True, initial=512, integer=True),
     }
-    tuner = BayesianTuner([knobs[k] for k in knob_names], budget=5, seed=0)
-    opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, tuner=tuner, tuning_steps=1)
+    tuner = BayesianTuner([knobs[k] for k in knob_names], budget=5, seed=0, steps_per_trial=1)
+    opt = dearopt.DistOptim(make_optimizer(opt_name, model), model, schedule=schedule, tuner=tuner)
     plans = []
     old, current, plan = [], [], None  # weak references to the buffers of the plans replaced, of the one in force
     for step in range(STEPS):
@@ -112,7 +112,7 @@ def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
     few steps after the profile, the close ones twice, keeps the fastest on rank 0's clock on every rank, and
     trains as one process would throughout."""
     from dearopt.optimizer import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS
-    from dearopt.profiling import ReadyProfile
+    from dearopt.planning.profile import ReadyProfile
 
     profiled = ReadyProfile.STEP + ReadyProfile.STEPS  # the steps up to the end of the profile's window
     steps = profiled + 1 + 8 * (1 + PLAN_CHOICE_STEPS) + 2  # four candidates, each at most twice
@@ -150,12 +150,14 @@ def test_allreduce_auto_measures_the_plans_and_keeps_the_fastest_exactly(world):
 
 
 def _train_on_blocks(steps, switch):
-    from dearopt.profiling import Measurement
+    from dearopt.planning.profile import Measurement
     from dearopt.schedules.prophet import profile_blocks
 
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, buffer_size=4096, allreduce=0.0)
+    opt = dearopt.DistOptim(
+        make_optimizer("adamw", model), model, schedule=dearopt.DeAR(allreduce=0.0), buffer_size=4096
+    )
     for step in range(steps):
         if step == switch:
             sized = [list(b.params) for b in opt.plan.buckets]
@@ -196,7 +198,7 @@ def test_dear_on_prophets_blocks_trains_exactly(world):
 
 
 def test_choice_tuner_under_the_controller_tries_each_candidate_once_and_keeps_the_best():
-    from dearopt.tuner import ChoiceTuner, TuningController
+    from dearopt.planning.tuner import ChoiceTuner, TuningController
 
     clock = iter([0.0, 1.0, 3.0, 3.5, 4.0, 4.5, 4.6, 5.6, 8.6])  # step ends; after each switch one step is discarded
     tuner = ChoiceTuner([{"r": "a"}, {"r": "b"}, {"r": "c"}])
@@ -246,7 +248,7 @@ def test_choice_tuner_under_the_controller_tries_each_candidate_once_and_keeps_t
 def _replan_ops_only():
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
-    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule="dear", buffer_size=64, allreduce=0.0)
+    opt = dearopt.DistOptim(make_optimizer("adamw", model), model, schedule=dearopt.DeAR(allreduce=0.0), buffer_size=64)
     buffers = None
     for step in range(STEPS):
         if step == 2:

@@ -313,10 +313,9 @@ def _timeline_run(path, steps):
     opt = dearopt.DistOptim(
         torch.optim.SGD(model.parameters(), lr=0.1),
         model,
-        schedule="dear",
+        schedule=dearopt.DeAR(allreduce=0.0),
         buffer_size=2048,
         timeline=path,
-        allreduce=0.0,
     )  # DeAR's spans in every bucket
     g = torch.Generator().manual_seed(dearopt.rank())
     for _ in range(steps):
@@ -331,7 +330,7 @@ def _timeline_run(path, steps):
 
 @pytest.mark.timeout(60)
 def test_distoptim_timeline_has_every_span(tmp_path):
-    from dearopt.timeline import timeline_path_for_rank
+    from dearopt.engine.timeline import timeline_path_for_rank
 
     path = str(tmp_path / "trace.json")
     steps = 3

@@ -76,7 +76,7 @@ def _replan_frees(width):
     import gc
     import weakref
 
-    from dearopt.executor import REPLAN_COLLECT_BYTES
+    from dearopt.engine.engine import REPLAN_COLLECT_BYTES
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 4 * width))

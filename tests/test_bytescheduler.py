@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.plan import ParamSpec, build_plan, priority_sequence
+from dearopt.planning.plan import ParamSpec, build_plan, priority_sequence
 from harness import run_workers
 from models import global_batch, loss_fn, make_model, shard
 from test_distoptim import assert_params_match, reference
@@ -43,12 +43,13 @@ def test_partitions_are_at_most_partition_size_and_cover_the_buffer():
 def _train(schedule, steps=5, sleepy_rank=None, **knobs):
     rank, world = dearopt.rank(), dearopt.size()
     model = make_model("mlp")
+    if knobs:  # the schedule's own knobs, on its object
+        schedule = dearopt.schedules.get_schedule(schedule).with_knobs(**knobs)
     opt = dearopt.DistOptim(
         torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
         model,
         schedule=schedule,
         buffer_size=256,
-        **knobs,
     )
     if rank == sleepy_rank:
         rng = random.Random(1234)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.collectives import CollectiveBackend, padded_numel
+from dearopt.backends.base import CollectiveBackend, padded_numel
 from harness import run_workers
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -64,7 +64,7 @@ def _reductions():
     results["broadcast"] = b
     results["metric"] = dearopt.allreduce(float(r))
     # a sum as reduce-scatter then all-gather on a second communicator, several in flight at once
-    from dearopt.collectives import ReduceScatterThenGather
+    from dearopt.backends.base import ReduceScatterThenGather
 
     chain = ReduceScatterThenGather(backend, backend.fork())
     w = dearopt.size()
@@ -157,7 +157,7 @@ def test_wait_times_out_with_named_error():
 
 
 def _lonely_chained_sum():
-    from dearopt.collectives import ReduceScatterThenGather
+    from dearopt.backends.base import ReduceScatterThenGather
 
     backend = dearopt.get_backend()
     chain = ReduceScatterThenGather(backend, backend.fork())
@@ -238,7 +238,7 @@ def test_an_op_named_by_its_caller_fails_with_a_named_error_not_a_key_error():
     """A caller may name the op it is part of (``op=...`` among the ``where`` keywords, as the model check does).
     When a wait's slice ran out just as the op ended in an error, the error was built with ``op`` twice and came
     out as a bare ``KeyError: 'op'`` (seen once in the suite); it must be the named error of that op."""
-    from dearopt.collectives import _TorchHandle
+    from dearopt.backends.base import _TorchHandle
 
     class Work:
         def wait(self, timeout=None):

@@ -1,4 +1,4 @@
-"""The ``cuda-relay`` test backend (dearopt/relay.py): several ranks on one GPU with NCCL's stream contract.
+"""The ``cuda-relay`` test backend (dearopt/backends/relay.py): several ranks on one GPU with NCCL's stream contract.
 
 On a GPU: 2 and 3 ranks share it, every schedule trains the MLP with CUDA
 parameters against one process on the global batch (on the CPU), and the
@@ -30,8 +30,8 @@ CUDA_RTOL, CUDA_ATOL = 1e-4, 1e-5  # CUDA's float32 kernels against the CPU's (T
 
 def _relay_on_cpu():
     """Wrap the runtime's gloo backend in a CPU relay (its logic without streams)."""
-    from dearopt import runtime
-    from dearopt.relay import HostRelayBackend
+    from dearopt.backends import runtime
+    from dearopt.backends.relay import HostRelayBackend
 
     rt = runtime._require()
     rt.backend = HostRelayBackend(rt.backend, torch.device("cpu"))
@@ -51,7 +51,7 @@ def _train(schedules, on_cpu: bool, backend_name: str = "cuda-relay"):
         opt = make_optimizer("adamw", model)
         if schedule == DEFT:
             opt = dearopt.DistOptim(
-                opt, model, schedule="deft", buffer_size=64, deft_schedule=DEFT_SCHEDULES["given: one step late"]
+                opt, model, schedule=dearopt.DeFT(given=DEFT_SCHEDULES["given: one step late"]), buffer_size=64
             )
         else:
             opt = _wrap(opt, model, schedule, buffer_size=64)

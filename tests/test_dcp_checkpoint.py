@@ -96,9 +96,8 @@ def _save_at_2(root):
     opt = dearopt.DistOptim(
         make_optimizer("sgd", model),
         model,
-        schedule="deft",
+        schedule=dearopt.DeFT(given=SCHEDULES["given: one step late"]),
         buffer_size=64,
-        deft_schedule=SCHEDULES["given: one step late"],
     )
     _train(opt, model, 0, 3)
     ckpt.save(os.path.join(root, "a_deft"), model, opt, extra={"step": 3})
@@ -145,8 +144,8 @@ def _load_at_3(root):
     # deft's group in flight at 2 ranks does not move to 3
     for schedule in ("deft", "wfbp"):
         model = _model()
-        kwargs = {"deft_schedule": SCHEDULES["given: one step late"]} if schedule == "deft" else {}
-        opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule=schedule, buffer_size=64, **kwargs)
+        policy = dearopt.DeFT(given=SCHEDULES["given: one step late"]) if schedule == "deft" else schedule
+        opt = dearopt.DistOptim(make_optimizer("sgd", model), model, schedule=policy, buffer_size=64)
         try:
             ckpt.load(os.path.join(root, "a_deft"), model, opt)
             out[f"deft->{schedule}"] = None
@@ -182,9 +181,8 @@ def _load_at_2(root):
     opt = dearopt.DistOptim(
         make_optimizer("sgd", model),
         model,
-        schedule="deft",
+        schedule=dearopt.DeFT(given=SCHEDULES["given: one step late"]),
         buffer_size=64,
-        deft_schedule=SCHEDULES["given: one step late"],
     )
     step = ckpt.load(os.path.join(root, "a_deft"), model, opt)["step"]
     _train(opt, model, step, 6)

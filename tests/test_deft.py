@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.delayed import RSAG
-from dearopt.schedules.deft import DeftIteration, DeftSchedule, Preserver, deft_schedule
+from dearopt.schedules.deft.rounds import RSAG
+from dearopt.schedules.deft.schedule import DeftIteration, DeftSchedule, Preserver, deft_schedule
 from harness import Attempts, run_workers
 from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard, train_step
 from test_distoptim import assert_params_match, reference
@@ -35,8 +35,8 @@ PIECES = "solver: pieces (partition_size=64)"  # every parameter of more than 16
 def pieces_units(world):
     """The MLP's units (bucket, piece) with its buckets split at 64 bytes (the pieces depend on the world size:
     each a multiple of it)."""
-    from dearopt.delayed import plan_units
-    from dearopt.plan import build_plan
+    from dearopt.schedules.deft.rounds import plan_units
+    from dearopt.planning.plan import build_plan
 
     return plan_units(build_plan(_synthetic_profile().params, 64, world, "deft", partition_size=64))
 
@@ -155,12 +155,13 @@ def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
         opt = dearopt.DistOptim(
             make_optimizer(opt_name, model),
             model,
-            schedule="deft",
+            schedule=dearopt.DeFT(
+                partition_size=64 if name == PIECES else None,
+                given=schedule,
+                links=2 if schedule.mu else 1,
+                apply="bucket" if clip == "bucket" else "group",
+            ),
             buffer_size=64,
-            partition_size=64 if name == PIECES else None,
-            deft_schedule=schedule,
-            deft_links=2 if schedule.mu else 1,
-            deft_apply="bucket" if clip == "bucket" else "group",
         )
         norms = []
         for step in range(STEPS):
@@ -251,10 +252,8 @@ def _accumulating_runs():
             opt = dearopt.DistOptim(
                 make_optimizer("adamw", model),
                 model,
-                schedule="deft",
+                schedule=dearopt.DeFT(given=SCHEDULES[name], apply=apply),
                 buffer_size=64,
-                deft_schedule=SCHEDULES[name],
-                deft_apply=apply,
                 backward_passes_per_step=2 if how == "bpps" else 1,
             )
             for step in range(STEPS):
@@ -286,7 +285,7 @@ def test_deft_accumulates_micro_batches_by_no_sync_and_backward_passes_per_step(
 def _synthetic_profile(halves=False):
     """A hand-made profile of the MLP (one bucket per parameter at buffer_size=64); with ``halves``, also
     reduce-scatter and all-gather fits that make the pair slightly cheaper than the all-reduce."""
-    from dearopt.plan import ParamSpec
+    from dearopt.planning.plan import ParamSpec
     from dearopt.sim.cost import CommCost
     from dearopt.sim.profile import Profile
 
@@ -326,7 +325,7 @@ def _synthetic_profile(halves=False):
 def test_the_measured_reduction_is_the_pair_only_where_faster_by_the_margin():
     from types import SimpleNamespace
 
-    from dearopt.delayed import ALL_REDUCE, RSAG_MARGIN, DeftMeasurement
+    from dearopt.schedules.deft.rounds import ALL_REDUCE, RSAG_MARGIN, DeftMeasurement
 
     m = DeftMeasurement(SimpleNamespace(rounds=SimpleNamespace(rsag=object())), None, None)
     m.comm = {0: 1.0, 1: 3.0}  # all-reduce of each unit alone: 4 s in all
@@ -341,8 +340,8 @@ def test_the_measured_reduction_is_the_pair_only_where_faster_by_the_margin():
 
 
 def test_bucket_times_from_a_profile_by_hand():
-    from dearopt.delayed import deft_times
-    from dearopt.plan import build_plan
+    from dearopt.schedules.deft.rounds import deft_times
+    from dearopt.planning.plan import build_plan
 
     profile = _synthetic_profile()
     plan = build_plan(profile.params, 64, 2, "deft")
@@ -374,7 +373,10 @@ def _from_profile_and_resume():
     def run(steps, start=0, load=None):
         params, saved, opt = resumable_run(
             lambda model: dearopt.DistOptim(
-                make_optimizer("adam", model), model, schedule="deft", buffer_size=64, profile=profile, preserver=False
+                make_optimizer("adam", model),
+                model,
+                schedule=dearopt.DeFT(profile=profile, preserver=False),
+                buffer_size=64,
             ),
             steps,
             rank,
@@ -420,11 +422,8 @@ def _pieces_resume():
         return lambda model: dearopt.DistOptim(
             make_optimizer("adam", model),
             model,
-            schedule="deft",
+            schedule=dearopt.DeFT(partition_size=64, given=pieces_schedule(world), apply=apply),
             buffer_size=64,
-            partition_size=64,
-            deft_schedule=pieces_schedule(world),
-            deft_apply=apply,
         )
 
     out = {}
@@ -449,7 +448,7 @@ def test_pieces_sent_across_a_checkpoint_resume_bit_identically():
             want, _ = emulate(pieces_schedule(2), "adam", apply="bucket", units=pieces_units(2))
             assert_params_match(whole, want)
             assert all(torch.equal(a, b) for a, b in zip(whole, resumed)), save_at
-        assert "resume with deft_apply='bucket'" in o.value["mismatch"]
+        assert "resume with schedule=dearopt.DeFT(apply='bucket')" in o.value["mismatch"]
 
 
 def _refusals():
@@ -466,9 +465,8 @@ def _refusals():
     opt = dearopt.DistOptim(
         torch.optim.SGD(model.parameters(), lr=0.1),
         model,
-        schedule="deft",
+        schedule=dearopt.DeFT(given=SCHEDULES["given: one step late"]),
         buffer_size=64,
-        deft_schedule=SCHEDULES["given: one step late"],
     )
     x, y = global_batch(0, "mlp")
     loss_fn("mlp", model(x), y).backward()
@@ -481,20 +479,21 @@ def _refusals():
     attempt(
         "apply how",
         lambda: dearopt.DistOptim(
-            torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", deft_apply="now"
+            torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=dearopt.DeFT(apply="now")
         ),
     )
     attempt(
         "apply not deft",
-        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, deft_apply="group"),
+        lambda: dearopt.DistOptim(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=dearopt.DeAR(apply="group")
+        ),
     )
     model = make_model("mlp")
     opt = dearopt.DistOptim(
         torch.optim.SGD(model.parameters(), lr=0.1),
         model,
-        schedule="deft",
+        schedule=dearopt.DeFT(given=SCHEDULES["given: one step late"]),
         buffer_size=4096,
-        deft_schedule=SCHEDULES["given: one step late"],
     )
     attempt("wrong bucket count", lambda: loss_fn("mlp", model(x), y).backward())
     opt.close()
@@ -503,25 +502,25 @@ def _refusals():
         lambda: dearopt.DistOptim(
             torch.optim.SGD(model.parameters(), lr=0.1),
             model,
-            schedule="deft",
-            deft_schedule=SCHEDULES["solver: two links"],
+            schedule=dearopt.DeFT(given=SCHEDULES["solver: two links"]),
         ),
     )
     attempt(
         "three links",
-        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", deft_links=3),
+        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=dearopt.DeFT(links=3)),
     )
     attempt(
         "preserver type",
-        lambda: dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", preserver="yes"),
+        lambda: dearopt.DistOptim(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=dearopt.DeFT(preserver="yes")
+        ),
     )
     model = make_model("mlp")  # the Preserver on (the default), a profile for the times, no loss reported
     opt = dearopt.DistOptim(
         torch.optim.SGD(model.parameters(), lr=0.1),
         model,
-        schedule="deft",
+        schedule=dearopt.DeFT(profile=_synthetic_profile()),
         buffer_size=64,
-        profile=_synthetic_profile(),
     )
 
     def three_steps():
@@ -536,7 +535,7 @@ def _refusals():
     model = make_model("mlp")  # a given schedule that forms a group every step and applies none
     never = DeftSchedule(N_BUCKETS, (), (DeftIteration(4, (), (), (N_BUCKETS - 1,), False, None, 0),))
     opt = dearopt.DistOptim(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule="deft", buffer_size=64, deft_schedule=never
+        torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=dearopt.DeFT(given=never), buffer_size=64
     )
     loss_fn("mlp", model(x), y).backward()
     opt.step()
@@ -555,13 +554,13 @@ def test_what_deft_cannot_do_is_refused_by_name():
             "unscale": ("UsageError", "unscaling them"),
             "reduce now": ("UsageError", "reduce_gradients() are not supported"),
             "torch clip": ("UsageError", "already taken into a delayed group"),
-            "clip per bucket": ("UsageError", "pass deft_apply='group'"),
-            "apply how": ("ValueError", "deft_apply"),
-            "apply not deft": ("ValueError", "are for schedule='deft'"),
+            "clip per bucket": ("UsageError", "pass schedule=dearopt.DeFT(apply='group')"),
+            "apply how": ("ValueError", "apply must be one of"),
+            "apply not deft": ("TypeError", "apply"),
             "wrong bucket count": ("UsageError", "6 buckets"),
             "preserver type": ("TypeError", "preserver="),
-            "second link not asked for": ("UsageError", "deft_links=2"),
-            "three links": ("ValueError", "deft_links"),
+            "second link not asked for": ("UsageError", "DeFT(links=2)"),
+            "three links": ("ValueError", "links must be 1 or 2"),
             # named at the step that solves the schedule: the third, after the exact measuring steps
             "no loss": ("UsageError", "optimizer.step(loss=loss)"),
             # refused at the backward that would start a second group, before anything of it is sent
@@ -620,10 +619,8 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
     opt = dearopt.DistOptim(
         make_optimizer("adamw", model),
         model,
-        schedule="deft",
+        schedule=dearopt.DeFT(preserver=preserver, links=links),
         buffer_size=buffer_size,
-        preserver=preserver,
-        deft_links=links,
         backward_passes_per_step=micro,
     )
     executor = opt._executor.rounds  # deft's part of the engine
@@ -788,9 +785,8 @@ def _timeline_run(path):
     opt = dearopt.DistOptim(
         make_optimizer("sgd", model),
         model,
-        schedule="deft",
+        schedule=dearopt.DeFT(given=SCHEDULES["solver: communication-bound"]),
         buffer_size=64,
-        deft_schedule=SCHEDULES["solver: communication-bound"],
         timeline=path,
     )
     schedule = SCHEDULES["solver: communication-bound"]
@@ -811,7 +807,7 @@ def test_the_timeline_shows_every_send_of_the_schedule(tmp_path):
     group's sends in flight and ``synchronize()`` waits for them."""
     import json
 
-    from dearopt.timeline import timeline_path_for_rank
+    from dearopt.engine.timeline import timeline_path_for_rank
 
     path = str(tmp_path / "trace.json")
     run_workers(_timeline_run, 2, path, timeout=50)

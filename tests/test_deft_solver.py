@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dearopt.schedules.deft import (
+from dearopt.schedules.deft.schedule import (
     RESOLUTION,
     check_partition,
     deft_schedule,
@@ -211,7 +211,7 @@ def test_the_partition_constraint_is_checked():
 
 
 def test_equation_1_by_hand():
-    from dearopt.schedules.deft import expected_loss
+    from dearopt.schedules.deft.schedule import expected_loss
 
     # far from the objective the rebound does not matter: the loss falls by lr * mean
     assert expected_loss(10.0, 0.1, 2.0, 0.5, 32) == pytest.approx(10.0 - 0.2, abs=1e-12)
@@ -224,7 +224,7 @@ def test_equation_1_by_hand():
 
 
 def test_the_preserver_raises_the_capacity_until_updates_keep_up():
-    from dearopt.schedules.deft import (
+    from dearopt.schedules.deft.schedule import (
         Preserver,
         _period_losses,
         expected_loss,

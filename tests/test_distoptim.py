@@ -53,6 +53,10 @@ def _train(
     **options,
 ):
     rank, world = dearopt.rank(), dearopt.size()
+    policy = dearopt.schedules.get_schedule(schedule)
+    knobs = {k: options.pop(k) for k in list(options) if k in policy.knob_names()}  # the schedule's own
+    if knobs:
+        schedule = policy.with_knobs(**knobs)
     results = {}
     for opt_name in opt_names:
         model = make_model(kind)

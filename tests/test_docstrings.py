@@ -3,7 +3,7 @@
 Public: every name not starting with ``_`` that a package below exports (its ``__all__`` where it has one), and for a
 class defined in dearopt, every public method and property defined in that class's own body.  Modules are skipped
 (their public names are checked where they are exported, or listed here: ``dearopt.checkpoint`` and
-``dearopt.horovod.elastic``).
+``dearopt.integrations.horovod.elastic``).
 """
 
 import importlib
@@ -13,11 +13,11 @@ import pytest
 
 PACKAGES = [
     "dearopt",
-    "dearopt.horovod",
+    "dearopt.integrations.horovod",
     "dearopt.sim",
-    "dearopt.lightning",
+    "dearopt.integrations.lightning",
     "dearopt.checkpoint",
-    "dearopt.horovod.elastic",
+    "dearopt.integrations.horovod.elastic",
 ]
 
 
@@ -65,7 +65,7 @@ def _undocumented(package_name):
 
 @pytest.mark.parametrize("package_name", PACKAGES)
 def test_public_names_have_docstrings(package_name):
-    if package_name == "dearopt.lightning":
+    if package_name == "dearopt.integrations.lightning":
         pytest.importorskip("lightning")
     missing = _undocumented(package_name)
     assert not missing, f"{len(missing)} public names without a docstring: " + ", ".join(missing)

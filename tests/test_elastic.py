@@ -1,7 +1,7 @@
 """Elastic jobs (issue 45): under torchrun's elastic agent a job that loses a node restarts with the survivors and
 resumes from the last checkpoint by itself at the new world size, its sampler where the checkpoint was; with the
-dearopt API (``dearopt.checkpoint``) and with Horovod's elastic API (``dearopt.horovod.elastic``).  The end state
-equals one process that trained the same global batches (1e-5)."""
+dearopt API (``dearopt.checkpoint``) and with Horovod's elastic API (``dearopt.integrations.horovod.elastic``).  The
+end state equals one process that trained the same global batches (1e-5)."""
 
 import os
 import subprocess
@@ -153,7 +153,7 @@ def test_elastic_sampler_continues_the_epoch_at_another_world_size():
 
 
 def test_torch_state_commits_restores_and_syncs_in_one_process(tmp_path, monkeypatch):
-    import dearopt.horovod as hvd
+    import dearopt.integrations.horovod as hvd
 
     monkeypatch.delenv(hvd.elastic.CHECKPOINT_DIR_ENV, raising=False)
 

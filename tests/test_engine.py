@@ -7,7 +7,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 import dearopt
-from dearopt.plan import ALL_REDUCE, BACKWARD_END, STEP, CommOp
+from dearopt.planning.plan import ALL_REDUCE, BACKWARD_END, STEP, CommOp
 from dearopt.schedules import Schedule, mark_updates, register
 from harness import run_workers
 from models import global_batch, loss_fn, make_model, shard

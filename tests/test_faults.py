@@ -171,7 +171,11 @@ def _nonfinite(policy, bad_step=2, steps=4, scale=None, allreduce=0.0):
     # allreduce=0.0: every bucket keeps this rank's own gradient until the next forward (DeAR as in the paper),
     # which is what lets the error name the rank a non-finite gradient came from
     opt = dearopt.DistOptim(
-        _nonfinite_optimizer(model, scale), model, buffer_size=64, nonfinite=policy, allreduce=allreduce
+        _nonfinite_optimizer(model, scale),
+        model,
+        schedule=dearopt.DeAR(allreduce=allreduce),
+        buffer_size=64,
+        nonfinite=policy,
     )
     for step in range(steps):
         x, y = global_batch(step, "mlp")
@@ -236,9 +240,9 @@ def _nonfinite_written_after_averaging():
     seen = {}
     for case, knobs in [
         ("written", dict(schedule="wfbp")),
-        ("written .data", dict(allreduce=1.0)),
-        ("unscaled", dict(allreduce=1.0)),
-        ("clean", dict(allreduce=1.0)),
+        ("written .data", dict(schedule=dearopt.DeAR(allreduce=1.0))),
+        ("unscaled", dict(schedule=dearopt.DeAR(allreduce=1.0))),
+        ("clean", dict(schedule=dearopt.DeAR(allreduce=1.0))),
         ("clean rs", {}),
     ]:
         model = make_model("mlp")
@@ -295,7 +299,7 @@ def test_unscale_misuse_is_named():
 
 def _diverged_parameters():
     model = make_model("mlp")
-    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, debug=True)
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, checks="full")
     if dearopt.rank() == 1:
         with torch.no_grad():
             model.fc3.bias.add_(1.0)  # silent divergence after construction
@@ -500,8 +504,8 @@ def test_models_that_differ_across_ranks_are_a_plan_mismatch_at_construction(wor
 def _internal_failure(where, fault_dir, keeps_running):
     """Rank 1's engine raises an IndexError (a bug) at step 2: in a forward hook, or in step().  With
     `keeps_running` its code catches the error and the process lives on until rank 0 is done."""
-    from dearopt.gradients import AveragedGradients
-    from dearopt.rounds import ExactRounds
+    from dearopt.engine.gradients import AveragedGradients
+    from dearopt.engine.rounds import ExactRounds
 
     rank, world = dearopt.rank(), dearopt.size()
     stamp, done = os.path.join(fault_dir, "fault_time"), os.path.join(fault_dir, "rank0_done")
@@ -579,7 +583,7 @@ def test_an_internal_error_is_named_on_its_rank_and_on_every_peer_promptly(where
 
 
 def test_an_internal_error_on_one_rank_keeps_its_cause(monkeypatch):
-    from dearopt.executor import Executor
+    from dearopt.engine.engine import Executor
 
     dearopt.init()
     try:

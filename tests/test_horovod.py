@@ -1,4 +1,4 @@
-"""``dearopt.horovod``: every name of horovod.torch checked against hand computation on 2 (and 3) ranks."""
+"""``dearopt.integrations.horovod``: every name of horovod.torch checked against hand computation on 2 (and 3) ranks."""
 
 import os
 import re
@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-import dearopt.horovod as hvd
+import dearopt.integrations.horovod as hvd
 from harness import free_port, launcher_free_env, run_workers
 from models import global_batch, loss_fn, make_model, shard
 from test_distoptim import assert_params_match
@@ -150,7 +150,7 @@ print("RESULT", repr(_reinit_then_allreduce()), flush=True)
 
 @pytest.mark.timeout(60)
 def test_shutdown_then_init_under_horovodrun_gloo_environment():
-    from dearopt.horovod.rendezvous import RendezvousServer, horovodrun_env
+    from dearopt.integrations.horovod.rendezvous import RendezvousServer, horovodrun_env
 
     with RendezvousServer() as server:
         procs = []
@@ -182,7 +182,7 @@ def _duplicate_names():
     """Horovod's test_horovod_allreduce_duplicate_name_error, with the transport certainly done: rank 1's first
     op pairs with rank 0's, waiting since before the barrier, so it finishes at once; its name stays taken until
     this rank has seen it finish or done something else since (a dropped handle's name is freed, as Horovod's)."""
-    from dearopt.horovod import mpi_ops
+    from dearopt.integrations.horovod import mpi_ops
 
     r, t = hvd.rank(), torch.ones(3)
     out = {"second": None}

@@ -7,11 +7,11 @@ decisions can be checked step by step against the plan.
 
 import torch
 
-from dearopt.buckets import BucketState
-from dearopt.collectives import CollectiveBackend, Handle
-from dearopt.issuer import CreditWindow, Issuer
-from dearopt.plan import ParamSpec, When, build_plan
-from dearopt.timeline import Timeline
+from dearopt.engine.buckets import BucketState
+from dearopt.backends.base import CollectiveBackend, Handle
+from dearopt.engine.issuer import CreditWindow, Issuer
+from dearopt.planning.plan import ParamSpec, When, build_plan
+from dearopt.engine.timeline import Timeline
 
 
 class FakeHandle(Handle):

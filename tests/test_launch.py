@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dearopt.errors import LaunchEnvironmentError
-from dearopt.launch import detect_launch
+from dearopt.backends.launch import detect_launch
 from harness import free_port, launcher_free_env, run_workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,7 +296,7 @@ def test_slurm_style_environment_with_explicit_rendezvous():
 def test_horovodrun_gloo_environment_init_reinit_and_one_collective():
     # As horovodrun -np 2 (gloo mode) launches: no MASTER_ADDR/MASTER_PORT, only the address of its HTTP
     # rendezvous server, where rank 0 publishes its store's address once (the store outlives shutdown()).
-    from dearopt.horovod.rendezvous import RendezvousServer, horovodrun_env
+    from dearopt.integrations.horovod.rendezvous import RendezvousServer, horovodrun_env
 
     with RendezvousServer() as server:
         stdout = _run_each([horovodrun_env(r, 2, server) for r in range(2)])

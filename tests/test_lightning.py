@@ -1,5 +1,5 @@
-"""dearopt.lightning.DearStrategy: a LightningModule trained by Lightning's Trainer on 2 CPU ranks under ``dear``,
-``wfbp`` and ``shard_optimizer=True``, with gradient clipping, ``accumulate_grad_batches=2`` and a per-step LR
+"""dearopt.integrations.lightning.DearStrategy: a LightningModule trained by Lightning's Trainer on 2 CPU ranks under
+``dear``, ``wfbp`` and ``shard_optimizer=True``, with gradient clipping, ``accumulate_grad_batches=2`` and a per-step LR
 scheduler, equals a plain torch loop on the global batch in one process; resuming from a Lightning checkpoint
 (``fit(ckpt_path=...)``) equals the uninterrupted run.
 
@@ -113,7 +113,7 @@ def _fit(scenario, *, max_steps=-1, max_epochs=None, ckpt_dir=None, ckpt_path=No
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    import dearopt.lightning
+    import dearopt.integrations.lightning
 
     strategy_kwargs, kind, clip, algorithm, precision = scenario
     dataset = TensorDataset(*_data())
@@ -128,7 +128,7 @@ def _fit(scenario, *, max_steps=-1, max_epochs=None, ckpt_dir=None, ckpt_path=No
                 dirpath=ckpt_dir, filename="first", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True
             )
         )
-    strategy = dearopt.lightning.DearStrategy(**strategy_kwargs)
+    strategy = dearopt.integrations.lightning.DearStrategy(**strategy_kwargs)
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -160,7 +160,7 @@ def _fit(scenario, *, max_steps=-1, max_epochs=None, ckpt_dir=None, ckpt_path=No
 def _count_calls(calls):
     """Count the DistOptim clips and the dearopt.no_sync blocks the strategy enters (in this rank's process)."""
     import dearopt
-    import dearopt.lightning
+    import dearopt.integrations.lightning
 
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         original = getattr(dearopt.DistOptim, name)
@@ -170,13 +170,13 @@ def _count_calls(calls):
             return _original(self, *args, **kwargs)
 
         setattr(dearopt.DistOptim, name, counting)
-    original_no_sync = dearopt.lightning.no_sync
+    original_no_sync = dearopt.integrations.lightning.no_sync
 
     def counting_no_sync(model):
         calls["no_sync"] += 1
         return original_no_sync(model)
 
-    dearopt.lightning.no_sync = counting_no_sync
+    dearopt.integrations.lightning.no_sync = counting_no_sync
 
 
 def _all_scenarios(ckpt_dir):
@@ -251,16 +251,16 @@ def test_lightning_resume_from_checkpoint(results):
 def test_missing_lightning_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lightning", None)  # what an environment without Lightning imports
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
-    monkeypatch.delitem(sys.modules, "dearopt.lightning", raising=False)
+    monkeypatch.delitem(sys.modules, "dearopt.integrations.lightning", raising=False)
     with pytest.raises(ImportError, match=r"pip install dearopt\[lightning\]"):
-        importlib.import_module("dearopt.lightning")
+        importlib.import_module("dearopt.integrations.lightning")
 
 
 def test_unknown_strategy_argument_is_refused():
-    import dearopt.lightning
+    import dearopt.integrations.lightning
 
     with pytest.raises(TypeError, match="shard_optimiser"):
-        dearopt.lightning.DearStrategy(shard_optimiser=True)
+        dearopt.integrations.lightning.DearStrategy(shard_optimiser=True)
 
 
 _SCRIPT = """
@@ -269,7 +269,7 @@ _SCRIPT = """
     assert not any(m == "lightning" or m.startswith("lightning.") for m in sys.modules), "import dearopt imported it"
     import torch, lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
-    import dearopt.lightning
+    import dearopt.integrations.lightning
 
     class M(pl.LightningModule):
         def __init__(self):
@@ -282,7 +282,8 @@ _SCRIPT = """
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     data = TensorDataset(torch.arange(32.0).reshape(8, 4) / 32)
-    trainer = pl.Trainer(strategy=dearopt.lightning.DearStrategy(schedule="wfbp"), accelerator="cpu", devices=2,
+    strategy = dearopt.integrations.lightning.DearStrategy(schedule="wfbp")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2,
                          max_steps=2, enable_progress_bar=False, logger=False, enable_checkpointing=False,
                          enable_model_summary=False)
     model = M()

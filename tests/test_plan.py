@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 import dearopt
-from dearopt.plan import (
+from dearopt.planning.plan import (
     ALL_GATHER,
     ALL_REDUCE,
     BACKWARD_END,

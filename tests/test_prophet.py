@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.plan import STEP, ParamSpec, build_plan
+from dearopt.planning.plan import STEP, ParamSpec, build_plan
 from dearopt.schedules import get_schedule
 from dearopt.schedules.prophet import prophet_blocks
 from harness import run_workers
@@ -123,9 +123,8 @@ def _prophet_training(opt_names, schedules):
             opt = dearopt.DistOptim(
                 make_optimizer(opt_name, model),
                 model,
-                schedule=schedule.split("+")[0],
+                schedule=get_schedule(schedule.split("+")[0]).with_knobs(**KNOBS[schedule]),
                 buffer_size=4096,
-                **KNOBS[schedule],
             )
             plans = []
             for step in range(STEPS):
@@ -173,23 +172,23 @@ def test_prophet_training_equals_single_process_with_a_replan_in_the_middle(worl
 
 
 def test_the_link_monitor_needs_a_change_beyond_the_threshold_twice_in_a_row():
-    from dearopt.profiling import LinkMonitor
+    from dearopt.planning.profile import LinkMonitor
 
     m = LinkMonitor(threshold=0.25, patience=2)
     # within 25 %: never; one slow measurement, then a fast one: the streak restarts; two fast ones: re-plan
     assert [m.observe(s, 100.0, bw) for s, bw in enumerate([120, 79, 126, 130])] == [False, False, False, True]
     assert m.changes == [(3, 100.0, 130)]
     assert [m.observe(s, 130.0, bw) for s, bw in enumerate([110, 60, 50], start=4)] == [False, False, True]
-    from dearopt.options import Options
+    from dearopt.engine.options import Options
 
     assert Options(schedule="prophet").link_check_every == 20 and Options(schedule="dear").link_check_every is None
     with pytest.raises(ValueError, match="link_check_every must be"):
-        Options(schedule="prophet", link_check_every=0)
+        dearopt.Prophet(link_check_every=0)
     with pytest.raises(ValueError, match="has none"):  # only the schedules whose buckets come from the profile
-        Options(schedule="dear", link_check_every=5)
+        get_schedule("dear").with_knobs(link_check_every=5)
 
 
-class _SlowLink(dearopt.collectives.CollectiveBackend):
+class _SlowLink(dearopt.backends.base.CollectiveBackend):
     """The job's backend, with every data collective taking ``delay[0]`` seconds longer once it is set: an
     emulated link whose bandwidth drops in the middle of a run."""
 
@@ -220,7 +219,7 @@ class _SlowLink(dearopt.collectives.CollectiveBackend):
         self.inner.close()
 
 
-class _Late(dearopt.collectives.Handle):
+class _Late(dearopt.backends.base.Handle):
     def __init__(self, handle, delay):
         import time
 
@@ -245,10 +244,9 @@ def _link_drops_midway(steps=14, slow_from=6):
     opt = dearopt.DistOptim(
         make_optimizer("adamw", model),
         model,
-        schedule="prophet",
+        schedule=dearopt.Prophet(link_check_every=2),
         buffer_size=4096,
-        link_check_every=2,
-        backend=_SlowLink(dearopt.runtime.get_backend(), delay),
+        backend=_SlowLink(dearopt.backends.runtime.get_backend(), delay),
     )
     for step in range(steps):
         delay[0] = 0.05 if step >= slow_from else 0.0  # 50 ms more per collective: the link got much slower
@@ -288,7 +286,7 @@ def test_prophet_replans_when_the_link_slows_down_and_stays_exact():
 
 
 def test_the_fixed_cost_per_collective_is_fitted_from_the_reductions():
-    from dearopt.profiling import fit_latency
+    from dearopt.planning.profile import fit_latency
 
     # seconds = 0.002 + bytes / 1e6 for three ops, one observed late (its end seen at a later hook)
     services = [(1000, 0.003), (10_000, 0.012), (5000, 0.017)]
@@ -298,7 +296,7 @@ def test_the_fixed_cost_per_collective_is_fitted_from_the_reductions():
 
 
 def test_the_link_fit_does_not_depend_on_how_the_bytes_are_cut():
-    from dearopt.profiling import fit_link
+    from dearopt.planning.profile import fit_link
 
     def ops(sizes, late=()):  # seconds = 0.004 + bytes / 2e8; the ops in ``late`` were seen 0.5 s late
         return [(n, 0.004 + n / 2e8 + (0.5 if k in late else 0.0)) for k, n in enumerate(sizes)]
@@ -331,7 +329,7 @@ class _Control:
 
 
 def test_the_profile_is_the_median_of_a_window_of_steps_and_is_shared_once_at_its_end(monkeypatch):
-    from dearopt import profiling
+    from dearopt.planning import profile as profiling
 
     clock = [0.0]
     monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
@@ -415,9 +413,9 @@ def _prophet_timeline(path, steps):
 def test_the_timeline_shows_each_block_as_predicted_beside_the_measured_reductions(tmp_path):
     import json
 
-    from dearopt.profiling import ReadyProfile
+    from dearopt.planning.profile import ReadyProfile
     from dearopt.schedules.prophet import Prophet, predicted_sends
-    from dearopt.timeline import timeline_path_for_rank
+    from dearopt.engine.timeline import timeline_path_for_rank
 
     path, steps = str(tmp_path / "trace.json"), 7
     outcomes = run_workers(_prophet_timeline, 2, path, steps, timeout=80)

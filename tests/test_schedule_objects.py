@@ -1,17 +1,15 @@
-"""Schedules as objects that own their knobs: the new spelling, the old one (deprecated, same result), traits
-instead of names, and the limits of the engine's shape measured from the code."""
+"""Schedules as objects that own their knobs, traits instead of names, and the limits of the engine's shape measured
+from the code."""
 
 import ast
 import inspect
 import pathlib
-import warnings
 
 import pytest
 import torch
 
 import dearopt
-from dearopt.options import Options
-from dearopt.optimizer import _moved_keywords
+from dearopt.engine.options import Options
 from dearopt.schedules import WFBP, register
 from harness import run_workers
 from models import global_batch, loss_fn, make_model
@@ -50,40 +48,11 @@ def test_a_schedule_object_owns_and_validates_its_knobs():
     assert Options(dearopt.DeAR(allreduce=0.5)).allreduce == 0.5
 
 
-def test_old_flat_keywords_warn_naming_the_new_spelling_and_mean_the_same():
-    new = dearopt.ByteScheduler(partition_size=128, credit=384, priority=True)
-    with pytest.warns(DeprecationWarning) as caught:
-        policy, shared, steps = _moved_keywords(
-            "bytescheduler", dict(partition_size=128, credit=384, priority=True, check_agreement=False, tuning_steps=4)
-        )
-    messages = [str(w.message) for w in caught]
-    assert any("dearopt.ByteScheduler(credit=...)" in m for m in messages)
-    assert any("checks='off'" in m for m in messages) and any("steps_per_trial" in m for m in messages)
-    assert policy == new and shared == {"check_agreement": False} and steps == 4
-    assert Options(policy, **shared).checks == "off"
-    with pytest.warns(DeprecationWarning, match=r"dearopt.DeFT\(links=...\)"):
-        policy, _, _ = _moved_keywords("deft", dict(deft_links=2, deft_apply="group", preserver=False))
-    assert policy == dearopt.DeFT(links=2, apply="group", preserver=False)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="are for schedule='deft'"):
-        _moved_keywords("dear", dict(deft_links=2))
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        _moved_keywords("dear", dict(bucket_cap_mb=25))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _moved_keywords(dearopt.DeAR(allreduce=0.0), {})  # the new spelling warns nothing
-
-
-def _train_old_spelling():
-    with pytest.warns(DeprecationWarning):
-        return train_bytescheduler("bytescheduler", partition_size=128, credit=384, priority=True)
-
-
 @pytest.mark.timeout(120)
-def test_the_object_spelling_trains_as_the_old_one_and_as_one_process():
-    """ByteScheduler's three knobs on the object: bit-identical to the flat keywords, equal to one process."""
+def test_the_object_spelling_trains_as_one_process():
+    """ByteScheduler's three knobs on the object: equal to one process."""
     knobs = dict(partition_size=128, credit=384, priority=True)
     new = run_workers(train_bytescheduler, 2, dearopt.ByteScheduler(**knobs), timeout=100)
-    old = run_workers(_train_old_spelling, 2, timeout=100)
     model = make_model("mlp")
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     for step in range(5):
@@ -95,9 +64,13 @@ def test_the_object_spelling_trains_as_the_old_one_and_as_one_process():
     for o in new:
         assert_params_match(o.value["params"], want)
         assert o.value["priority_plan"] and o.value["max_inflight"] <= knobs["credit"]
-    for n, o in zip(new, old):  # the same plan and sums (the priority order follows each run's own profile)
-        assert all(torch.equal(a, b) for a, b in zip(n.value["params"], o.value["params"]))
-        assert n.value["pieces"] == o.value["pieces"] and n.value["priority_plan"] == o.value["priority_plan"]
+
+
+def test_a_schedule_knob_passed_to_distoptim_is_a_type_error():
+    """The API has no flat spelling of a schedule's knobs (it was never released): Python names the keyword."""
+    model = make_model("mlp")
+    with pytest.raises(TypeError, match="allreduce"):
+        dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model, allreduce=0.5)
 
 
 def test_what_combines_is_answered_by_traits_not_names():
@@ -179,7 +152,15 @@ def test_the_engine_shape_measured_from_the_code():
     assert not found, found
 
 
-ENGINE_PARTS = ("rounds.py", "delayed.py", "gradients.py", "search.py", "binding.py", "issuer.py", "executor.py")
+ENGINE_PARTS = (
+    "engine/rounds.py",
+    "schedules/deft/rounds.py",
+    "engine/gradients.py",
+    "engine/search.py",
+    "engine/bound_plan.py",
+    "engine/issuer.py",
+    "engine/engine.py",
+)
 
 
 def test_the_engine_parts_speak_through_public_names():

@@ -255,8 +255,8 @@ def _refusals():
 def test_what_cannot_be_sharded_is_refused_by_name():
     for kwargs, match in [
         (dict(schedule="wfbp"), "needs schedule='dear'"),
-        (dict(allreduce=0.5), "reduce-scatters every bucket"),
-        (dict(embedding_rows=True), "reduces embeddings densely"),
+        (dict(schedule=dearopt.DeAR(allreduce=0.5)), "reduce-scatters every bucket"),
+        (dict(schedule=dearopt.DeAR(embedding_rows=True)), "reduces embeddings densely"),
     ]:
         with pytest.raises(ValueError, match=match):
             dearopt.Options(shard_optimizer=True, **kwargs)

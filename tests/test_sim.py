@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from dearopt.plan import ParamSpec, build_plan
+from dearopt.planning.plan import ParamSpec, build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
 from dearopt.sim.profile import Profile, contention_from_overlap, stream_calibrated
 from dearopt.sim.simulator import cpu_per_byte, simulate
@@ -289,7 +289,7 @@ def _deft_profile(comm_seconds, n=3):
 
 
 def test_deft_replays_its_schedule_by_hand():
-    from dearopt.schedules.deft import deft_schedule
+    from dearopt.schedules.deft.schedule import deft_schedule
     from dearopt.sim.deft import schedule_from_json, schedule_to_json, simulate_deft
 
     # communication-bound (2.5 s per bucket against 1 + 1 s of compute): the solver's period is two steps.  Step A
@@ -319,7 +319,7 @@ def test_deft_replays_its_schedule_by_hand():
 
 
 def test_deft_replay_lets_the_new_groups_sends_run_into_the_next_forward():
-    from dearopt.schedules.deft import DeftIteration, DeftSchedule
+    from dearopt.schedules.deft.schedule import DeftIteration, DeftSchedule
     from dearopt.sim.deft import simulate_deft
 
     # two buckets (1 s forward and backward each, 1.5 s on the link); every step sends the new group's bucket 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.sparsify import Fragment, allocate, assign_k, dense_by_default, fragments, selection_cost
+from dearopt.compression.sparsify import Fragment, allocate, assign_k, dense_by_default, fragments, selection_cost
 from harness import Attempts, run_workers
 from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard
 from test_distoptim import assert_params_match, reference

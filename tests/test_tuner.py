@@ -1,4 +1,4 @@
-"""Tests of dearopt.tuner: BayesianTuner on injected objectives, TuningController with a fake clock."""
+"""Tests of dearopt.planning.tuner: BayesianTuner on injected objectives, TuningController with a fake clock."""
 
 import copy
 import logging
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dearopt.tuner import MB, BayesianTuner, Knob, TuningController, buffer_size_knob
+from dearopt.planning.tuner import MB, BayesianTuner, Knob, TuningController, buffer_size_knob
 
 # ----------------------------------------------------------------- objectives
 
@@ -78,7 +78,7 @@ def test_deterministic_under_seed():
 
 @pytest.mark.timeout(30)
 def test_first_suggestion_is_25MB():
-    from dearopt.plan import DEFAULT_BUFFER_SIZE
+    from dearopt.planning.plan import DEFAULT_BUFFER_SIZE
 
     tuner = BayesianTuner([buffer_size_knob()])
     first = tuner.suggest()
@@ -269,7 +269,7 @@ def test_controller_lockstep_fake_clock(caplog):
     )
     assert world.controllers[0].current == {"buffer_size": 25 * MB}
     assert world.controllers[1].current == {"buffer_size": 25 * MB}
-    caplog.set_level(logging.INFO, logger="dearopt.tuner")
+    caplog.set_level(logging.INFO, logger="dearopt.planning.tuner")
     n_steps = 0
     while not world.controllers[0].finished:
         world.step()

@@ -23,12 +23,12 @@ import glob
 import os
 import sys
 
-from .netns import SHAPED_ENV, can_shape, run_shaped
+from dearopt.bench.netns import SHAPED_ENV, can_shape, run_shaped
 
 
 def parse_args(argv):
-    from .models import MODELS
-    from .runner import SCHEDULES, known_schedule
+    from dearopt.bench.models import MODELS
+    from dearopt.bench.runner import SCHEDULES, known_schedule
 
     p = argparse.ArgumentParser(
         prog="python -m dearopt.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,7 +149,7 @@ def load_results(directory: str) -> dict:
     """DIR/results.json of a finished run, every number recomputed from its samples."""
     import json
 
-    from . import report
+    import dearopt.bench.report as report
 
     with open(os.path.join(directory, "results.json")) as fh:
         return report.derive(json.load(fh))
@@ -157,7 +157,7 @@ def load_results(directory: str) -> dict:
 
 def rerender(directory: str) -> int:
     """Recompute every number from the samples in DIR/results.json; rewrite it, table.txt and chart.png."""
-    from . import report
+    import dearopt.bench.report as report
 
     doc = load_results(directory)
     print(report.table(doc), flush=True)
@@ -168,22 +168,22 @@ def rerender(directory: str) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--count" in argv:  # the host's work per step: Python calls and operator dispatches (dearopt.bench.count)
-        from .count import main as count_main
+        from dearopt.bench.count import main as count_main
 
         return count_main(argv)
     if "--memory" in argv:  # peak memory per rank and its breakdown (dearopt.bench.memory)
-        from .memory import main as memory_main
+        from dearopt.bench.memory import main as memory_main
 
         return memory_main(argv)
     args = parse_args(argv)
     if args.markdown:  # tables for docs/benchmarks.md from finished runs
-        from . import report
+        import dearopt.bench.report as report
 
         for directory in args.markdown:
             print(report.markdown(load_results(directory)) + "\n")
         return 0
     if args.summary:  # one row per finished run: iteration times, dear vs DDP and vs its bound
-        from . import report
+        import dearopt.bench.report as report
 
         print(report.summary([load_results(directory) for directory in args.summary]))
         return 0
@@ -198,9 +198,9 @@ def main(argv=None) -> int:
                 reason = str(exc)
         print(f"note: cannot emulate {args.rate} ({reason}); running unshaped", flush=True)
     link = os.environ.get(SHAPED_ENV) or "unshaped loopback"
-    from . import report
-    from .runner import run_rank
-    from .spawn import spawn
+    import dearopt.bench.report as report
+    from dearopt.bench.runner import run_rank
+    from dearopt.bench.spawn import spawn
 
     out = os.path.abspath(args.out) if args.out else None
     timeline = os.path.join(out, "timeline.json") if args.timeline else None

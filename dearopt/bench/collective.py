@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from .netns import SHAPED_ENV, can_shape, run_shaped
+from dearopt.bench.netns import SHAPED_ENV, can_shape, run_shaped
 
 
 def _measure(sizes_bytes, repeats):
@@ -24,7 +24,7 @@ def _measure(sizes_bytes, repeats):
     import torch.distributed as dist
 
     import dearopt
-    from dearopt.collectives import padded_numel
+    from dearopt.backends.base import padded_numel
 
     backend = dearopt.get_backend()
     w = dearopt.size()
@@ -63,7 +63,7 @@ def _measure(sizes_bytes, repeats):
 
 
 def _parse_size(text: str) -> int:
-    from dearopt.plan import parse_size
+    from dearopt.planning.plan import parse_size
 
     return parse_size(text)
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", default=None, help="emulated link rate, e.g. 3gbit (needs root); default unshaped")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    from .spawn import spawn
+    from dearopt.bench.spawn import spawn
 
     if args.rate and not __import__("os").environ.get(SHAPED_ENV):
         reason = can_shape()

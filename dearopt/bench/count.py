@@ -203,7 +203,7 @@ def count(name: str, ranks: int, layers: int, warmup: int, steps: int, device: s
     """Counts of one configuration, measured in fresh processes."""
     import torch.multiprocessing as mp
 
-    from dearopt.launch import free_port
+    from dearopt.backends.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "count.json")

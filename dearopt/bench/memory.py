@@ -44,8 +44,8 @@ def _workspace_mib(dist_opt) -> float:
 def _rank(variant: str, model_name: str, steps: int, batch, size, device_kind: str) -> dict:
     import dearopt
 
-    from .models import build
-    from .single import breakdown, variant_options
+    from dearopt.bench.models import build
+    from dearopt.bench.single import breakdown, variant_options
 
     rank = dearopt.rank()
     device = torch.device("cuda", dearopt.local_rank()) if device_kind == "cuda" else torch.device("cpu")
@@ -92,7 +92,7 @@ def measure(
     timeout: float = 1800,
 ) -> List[dict]:
     """One row per variant: its peak (the largest over ranks) and rank 0's breakdown."""
-    from .spawn import spawn
+    from dearopt.bench.spawn import spawn
 
     rows = []
     for variant in variants:

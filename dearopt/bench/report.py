@@ -35,7 +35,7 @@ import statistics
 import sys
 from typing import Dict, List, Optional
 
-from .runner import base_schedule, iterations_per_round
+from dearopt.bench.runner import base_schedule, iterations_per_round
 
 BOUND_FORMULAS = {
     "dear": "max(t_ff, t_ag) + max(t_bp, t_rs)",
@@ -175,12 +175,12 @@ def predictions(doc: dict) -> Dict[str, dict]:
     the profile as deft sees the model (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one
     gradient, every gradient dense)."""
     from dearopt.errors import UsageError
-    from dearopt.plan import build_plan
+    from dearopt.planning.plan import build_plan
     from dearopt.schedules import get_schedule
     from dearopt.sim import Profile, predict
     from dearopt.sim.deft import schedule_from_json, simulate_deft
 
-    from .runner import variant
+    from dearopt.bench.runner import variant
 
     profile = Profile.from_json(doc["profile"])
     out = {}

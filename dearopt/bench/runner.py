@@ -24,21 +24,20 @@ import gc
 import math
 import os
 import time
-import warnings
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from dearopt.schedules import names as _dearopt_schedules
-from dearopt.schedules.deft import Preserver
-from dearopt.sparsify import Sparsify
+from dearopt.schedules.deft.schedule import Preserver
+from dearopt.compression.sparsify import Sparsify
 
 VARIANTS = {
     # name: (dearopt schedule, extra knobs: the schedule object's and DistOptim's); the bucket size is --bucket-mb
     "dear+pc": ("dear", {"priority": True, "partition_size": 4 * 2**20, "credit": 16 * 2**20}),
     "dear-nocheck": ("dear", {"checks": "off", "nonfinite": "ignore"}),
     "dear-paper": ("dear", {"allreduce": 0.0}),
-    "dear-tuned": ("dear", {"buffer_size": "auto", "tuning_steps": 3}),
+    "dear-tuned": ("dear", {"buffer_size": "auto", "steps_per_trial": 3}),
     "deft-2links": ("deft", {"links": 2}),
     "deft-group": ("deft", {"apply": "group"}),
     "deft-paper": ("deft", {"preserver": Preserver(statistic="loss")}),
@@ -107,7 +106,7 @@ class _Runner:
 
     def __init__(self, schedule: str, cfg: dict, timeline_path=None):
         import dearopt
-        from .models import build
+        from dearopt.bench.models import build
 
         self.schedule = schedule
         self.workload = build(cfg["model"], cfg["batch_size"], cfg["size"], seed=cfg["seed"])
@@ -130,11 +129,18 @@ class _Runner:
             knobs = {
                 "buffer_size": int(cfg["bucket_mb"] * 2**20),
                 "timeline": timeline_path,
-                **{k: v for k, v in extra.items() if k not in own},
+                **{k: v for k, v in extra.items() if k not in own and k != "steps_per_trial"},
             }
-            with warnings.catch_warnings():  # tuning_steps (dear-tuned): 3 steps per trial of the default tuner
-                warnings.simplefilter("ignore", DeprecationWarning)
-                self.opt = dearopt.DistOptim(inner, model, schedule=policy.with_knobs(**own), **knobs)
+            if "steps_per_trial" in extra:  # dear-tuned: the default tuner's buffer size, fewer steps per trial
+                from dearopt.planning.tuner import MB, BayesianTuner, buffer_size_knob
+
+                high = min(100 * MB, max(sum(p.numel() * p.element_size() for p in model.parameters()), 2 * MB))
+                knobs["tuner"] = BayesianTuner(
+                    [buffer_size_knob(high=high, initial=min(25 * MB, high))],
+                    budget=10,
+                    steps_per_trial=extra["steps_per_trial"],
+                )
+            self.opt = dearopt.DistOptim(inner, model, schedule=policy.with_knobs(**own), **knobs)
             if timeline_path:
                 self.timeline = self.opt.timeline  # forward/iteration spans from the benchmark side
         self.iteration = 0
@@ -224,7 +230,7 @@ def _barrier(backend) -> None:
 
 def _forward_order_specs(model, workload):
     """Parameters in forward execution order, as dearopt's planner sees them."""
-    from dearopt.forward_order import param_specs, parameters_in_forward_order, record_forward_order
+    from dearopt.planning.order import param_specs, parameters_in_forward_order, record_forward_order
 
     def run():
         with torch.no_grad():
@@ -240,8 +246,8 @@ class _Parts:
     """The plain model and the bucket buffers for t_ff, t_bp, t_ar, t_rs, t_ag."""
 
     def __init__(self, cfg: dict, world: int, backend):
-        from dearopt.plan import build_plan
-        from .models import build
+        from dearopt.planning.plan import build_plan
+        from dearopt.bench.models import build
 
         self.cfg = cfg
         self.backend = backend
@@ -335,7 +341,7 @@ def run_rank(cfg: dict) -> dict:
     backend = dearopt.get_backend()
     schedules = cfg["schedules"]
     t_start = time.perf_counter()
-    from .report import source
+    from dearopt.bench.report import source
 
     code = source() if rank == 0 else None  # the commit these processes imported, not the one at the end
     parts = _Parts(cfg, world, backend)

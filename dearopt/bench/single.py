@@ -105,7 +105,7 @@ def _run_variant(variant: str, args, device: torch.device) -> dict:
 
     import dearopt
 
-    from .models import build
+    from dearopt.bench.models import build
 
     cuda = device.type == "cuda"
     gc.collect()
@@ -200,7 +200,7 @@ def _count_syncs(step, first: int, device, steps: int = 3):
 def _profile_and_predict(args, device: torch.device, ranks: List[int], link: str, latency: float) -> List[dict]:
     from dearopt.sim import predict, record_profile
 
-    from .models import build
+    from dearopt.bench.models import build
 
     workload = build(args.model, args.batch_size, args.size, seed=args.seed)
     model = workload.model.to(device)

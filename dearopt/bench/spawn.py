@@ -7,7 +7,7 @@ import os
 import traceback
 from typing import Any, Callable, List
 
-from dearopt.launch import free_port
+from dearopt.backends.launch import free_port
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .base import Schedule, mark_updates
-from .bytescheduler import ByteScheduler
-from .dear import DeAR
-from .deft import DeFT
-from .prophet import Prophet, ProphetAllReduce
-from .rsag import RSAG
-from .wfbp import WFBP
+from dearopt.schedules.base import Schedule, mark_updates
+from dearopt.schedules.bytescheduler import ByteScheduler
+from dearopt.schedules.dear import DeAR
+from dearopt.schedules.deft.schedule import DeFT
+from dearopt.schedules.prophet import Prophet, ProphetAllReduce
+from dearopt.schedules.rsag import RSAG
+from dearopt.schedules.wfbp import WFBP
 
 __all__ = [
     "Schedule",

@@ -6,7 +6,7 @@ import abc
 import dataclasses
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
-from ..plan import DEFAULT_FIRST_BUCKET_SIZE, CommOp, Layout, ParamSpec, Point, parse_size
+from dearopt.planning.plan import DEFAULT_FIRST_BUCKET_SIZE, CommOp, Layout, ParamSpec, Point, parse_size
 
 __all__ = ["Schedule", "mark_updates", "KNOB_DEFAULTS"]
 
@@ -48,7 +48,7 @@ class Schedule(abc.ABC):
 
     Knobs every schedule has: ``first_bucket_size`` (bytes of the first bucket backward fills; 1 MB as DDP;
     None: no cap), ``embedding_rows`` (reduce ``nn.Embedding`` weights as the rows a batch touched: default on
-    for CPU parameters where the schedule allows it; see :mod:`dearopt.tied`) and ``profile`` (a
+    for CPU parameters where the schedule allows it; see :mod:`dearopt.engine.tied`) and ``profile`` (a
     :class:`dearopt.sim.Profile` of the model: the buffer tuner's first trial, and ``deft``'s times).  Where
     :attr:`takes_ordering_knobs`: ``partition_size`` (ByteScheduler's partitions: at most this many bytes per
     collective; ``"auto"``: tuned), ``credit`` (bytes in flight at most; ``"auto"``: tuned) and ``priority``
@@ -67,7 +67,7 @@ class Schedule(abc.ABC):
     """Whether updates are applied during the next forward (the model's forward hooks must run)."""
     delays_updates: ClassVar[bool] = False
     """Whether a step's gradients may be applied at a later step (DeFT): carried out by
-    :class:`dearopt.delayed.DelayedRounds` instead of the exact rounds."""
+    :class:`dearopt.schedules.deft.rounds.DelayedRounds` instead of the exact rounds."""
     needs_profile: ClassVar[bool] = False
     """Whether the plan is made from rank 0's profile of steps 1-3 (gradient ready times, the link's bandwidth)."""
     shards_update: ClassVar[bool] = False
@@ -258,7 +258,7 @@ def _default_of(cls, knob: str):
 
 
 def _takers(knob: str) -> List[str]:
-    from . import _REGISTRY
+    from dearopt.schedules import _REGISTRY
 
     return [s.name for s in _REGISTRY.values() if knob in s.knob_names()]
 

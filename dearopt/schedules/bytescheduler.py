@@ -10,8 +10,8 @@ step (``nonfinite="skip"`` is refused).
 
 from __future__ import annotations
 
-from ..plan import ALL_REDUCE, GRADS_READY, CommOp, forward_of
-from .base import Schedule, mark_updates
+from dearopt.planning.plan import ALL_REDUCE, GRADS_READY, CommOp, forward_of
+from dearopt.schedules.base import Schedule, mark_updates
 
 
 class ByteScheduler(Schedule):

@@ -10,7 +10,7 @@ when the forward reaches the one before (one bucket ahead), or, with a
 choice's plan on Prophet's blocks), all at ``step()``, back to back.
 
 Buckets in ``layout.allreduce`` (the output side, whose gradients are ready
-first; see :func:`dearopt.plan.allreduce_buckets`) are instead all-reduced in
+first; see :func:`dearopt.planning.plan.allreduce_buckets`) are instead all-reduced in
 backward as ``wfbp`` does, complete when backward returns and updated at
 ``step()``: where the link has room in backward, one all-reduce costs less CPU
 than a reduce-scatter plus an all-gather, and the next forward waits for fewer
@@ -19,8 +19,17 @@ gathers.
 
 from __future__ import annotations
 
-from ..plan import ALL_GATHER, ALL_REDUCE, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, forward_of
-from .base import Schedule, mark_updates
+from dearopt.planning.plan import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BACKWARD_END,
+    GRADS_READY,
+    REDUCE_SCATTER,
+    STEP,
+    CommOp,
+    forward_of,
+)
+from dearopt.schedules.base import Schedule, mark_updates
 
 
 class DeAR(Schedule):
@@ -28,7 +37,7 @@ class DeAR(Schedule):
 
     ``allreduce``: which buckets are all-reduced in backward instead of reduce-scattered and gathered in the
     next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the link's idle time in
-    backward (:func:`dearopt.plan.allreduce_buckets`).  ``"auto"`` (default): that prediction, then measured
+    backward (:func:`dearopt.planning.plan.allreduce_buckets`).  ``"auto"`` (default): that prediction, then measured
     against none (DeAR's plan), all (DDP's) and DeAR's plan on Prophet's gradient blocks for a few steps each,
     and the fastest is kept (``optimizer.plan_choice``).  A fraction in [0, 1] of the bytes from the output
     side (0: DeAR as in the paper) fixes the plan.  The other knobs: :class:`Schedule`.

@@ -43,8 +43,8 @@ being an all-reduce).  The plan is made from rank 0's profile of steps 1-3 (the
 bandwidth measured on the job's own reductions), shared once, so every rank
 builds the same blocks; before the profile exists (steps 0-3) the buckets
 are fused by ``buffer_size``.  The fixed cost per collective in ``E`` is
-fitted from the same steps' reductions (:func:`dearopt.profiling.fit_link`); ``link_check_every`` re-measures and
-re-plans when the bandwidth changes (:class:`dearopt.profiling.LinkMonitor`).
+fitted from the same steps' reductions (:func:`dearopt.planning.profile.fit_link`); ``link_check_every`` re-measures and
+re-plans when the bandwidth changes (:class:`dearopt.planning.profile.LinkMonitor`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from ..plan import (
+from dearopt.planning.plan import (
     ALL_GATHER,
     ALL_REDUCE,
     GRADS_READY,
@@ -64,15 +64,15 @@ from ..plan import (
     forward_of,
     must_split,
 )
-from .base import Schedule, mark_updates
-from .bytescheduler import ByteScheduler
+from dearopt.schedules.base import Schedule, mark_updates
+from dearopt.schedules.bytescheduler import ByteScheduler
 
 __all__ = ["Prophet", "ProphetAllReduce", "prophet_blocks", "profile_blocks", "block_latency", "predicted_sends"]
 
 DEFAULT_LATENCY = 1e-3
 """Seconds of fixed cost per collective at least (``E = latency + s / B``: the paper's throughput loss of small
 blocks, its Eq. 10); the profile fits it from the job's own reductions
-(:func:`dearopt.profiling.fit_latency`), which on a link that is rarely busy finds about nothing."""
+(:func:`dearopt.planning.profile.fit_latency`), which on a link that is rarely busy finds about nothing."""
 
 
 def prophet_blocks(
@@ -203,7 +203,7 @@ class Prophet(Schedule):
 
     ``link_check_every``: every this many steps rank 0 re-measures the gradients' ready times and the link's
     bandwidth on the job's own reductions; when the bandwidth moved by more than 25 % in two measurements in a
-    row every rank re-plans at the same step (:class:`dearopt.profiling.LinkMonitor`; the re-plans:
+    row every rank re-plans at the same step (:class:`dearopt.planning.profile.LinkMonitor`; the re-plans:
     ``optimizer.link_changes``).  ``"auto"``: 20; ``None``: never.  The other knobs: :class:`Schedule`.
     """
 

@@ -8,8 +8,8 @@ averaged gradient when ``loss.backward()`` returns; ``step()`` applies the optim
 
 from __future__ import annotations
 
-from ..plan import ALL_GATHER, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, after
-from .base import Schedule, mark_updates
+from dearopt.planning.plan import ALL_GATHER, BACKWARD_END, GRADS_READY, REDUCE_SCATTER, STEP, CommOp, after
+from dearopt.schedules.base import Schedule, mark_updates
 
 
 class RSAG(Schedule):

@@ -11,8 +11,8 @@ optimizer to the whole model.
 
 from __future__ import annotations
 
-from ..plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
-from .base import Schedule, mark_updates
+from dearopt.planning.plan import ALL_REDUCE, BACKWARD_END, GRADS_READY, STEP, CommOp
+from dearopt.schedules.base import Schedule, mark_updates
 
 
 class WFBP(Schedule):

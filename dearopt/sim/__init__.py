@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-from ..plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, Plan, build_plan
-from .cost import CommCost, fit, parse_link
-from .profile import Profile, contention_from_overlap, record_profile
-from .simulator import Prediction, simulate
+from dearopt.planning.plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, Plan, build_plan
+from dearopt.sim.cost import CommCost, fit, parse_link
+from dearopt.sim.profile import Profile, contention_from_overlap, record_profile
+from dearopt.sim.simulator import Prediction, simulate
 
 __all__ = [
     "Profile",
@@ -46,8 +46,8 @@ def plan_for(
     allreduce; ``allreduce="auto"`` decides from the profile, as the executor does from its profile of steps 1-3)."""
     world = ranks or profile.world
     if knobs.get("allreduce", "auto") == "auto" and profile.comm:
-        from ..plan import layout_buckets
-        from ..schedules import get_schedule
+        from dearopt.planning.plan import layout_buckets
+        from dearopt.schedules import get_schedule
 
         buckets = layout_buckets(profile.params, buffer_size, world, None, first_bucket_size)
         # the bandwidth the executor's profile measures: of the schedule's own reduction

@@ -15,8 +15,9 @@ import json
 import os
 import sys
 
-from . import Profile, predict
-from ..plan import parse_size
+from dearopt.sim import Profile
+from dearopt.sim import predict
+from dearopt.planning.plan import parse_size
 
 
 def trace(prediction, path: str) -> None:
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     if args.timeline:
         root, _ = os.path.splitext(args.timeline)
         trace(prediction, root + ".json")
-        from ..bench.report import have_matplotlib, render_timeline
+        from dearopt.bench.report import have_matplotlib, render_timeline
 
         if have_matplotlib():
             paths = ([args.measured] if args.measured else []) + [root + ".json"]

@@ -2,10 +2,10 @@
 
 DeFT's work crosses iterations: a group of gradients is sent in later
 iterations' forward and backward stages, as its
-:class:`~dearopt.schedules.deft.DeftSchedule` says, and applied at the
+:class:`~dearopt.schedules.deft.schedule.DeftSchedule` says, and applied at the
 ``step()`` that completes it.  The iterations of one period differ, so the
 prediction is their mean in the steady state.  The walk follows
-:class:`dearopt.delayed.DelayedRounds`:
+:class:`dearopt.schedules.deft.rounds.DelayedRounds`:
 
 * forward: at its start the old group's units of the forward stage are sent
   (the link carries one collective at a time, in the order started);
@@ -34,11 +34,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..plan import Plan
-from ..schedules.deft import DeftIteration, DeftSchedule
-from .cost import CommCost
-from .profile import Profile
-from .simulator import Prediction, compute_rate, cpu_bytes, cpu_per_byte
+from dearopt.planning.plan import Plan
+from dearopt.schedules.deft.schedule import DeftIteration, DeftSchedule
+from dearopt.sim.cost import CommCost
+from dearopt.sim.profile import Profile
+from dearopt.sim.simulator import Prediction, compute_rate, cpu_bytes, cpu_per_byte
 
 __all__ = ["simulate_deft", "schedule_to_json", "schedule_from_json"]
 
@@ -116,7 +116,7 @@ def simulate_deft(
     """Predict ``plan`` (its buckets and pieces: the units) carried out by ``schedule`` on ``world`` ranks; the
     iteration time is the mean over one period in the steady state (after the warm-up and ``periods - 1``
     periods), its parts likewise.  ``apply``: ``deft_apply`` (``"group"`` or ``"bucket"``)."""
-    from ..delayed import deft_times, plan_units
+    from dearopt.schedules.deft.rounds import deft_times, plan_units
 
     world = world or plan.world_size
     comm = comm or profile.comm

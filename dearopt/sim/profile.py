@@ -34,8 +34,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..plan import ParamSpec
-from .cost import KINDS, CommCost, fit, op_steps
+from dearopt.planning.plan import ParamSpec
+from dearopt.sim.cost import KINDS, CommCost, fit, op_steps
 
 __all__ = ["Profile", "record_profile", "contention_from_overlap", "stream_calibrated"]
 
@@ -191,10 +191,10 @@ def record_profile(
     (a temporary buffer above the allocator's reuse threshold, paid per call), which the engine's buckets
     never pay and which had bent the all-gather fit by as much.
     """
-    from .. import runtime
-    from ..forward_order import ForwardOrderRecorder, parameters_in_forward_order
-    from ..functions import broadcast_object
-    from ..tied import TiedEmbeddings
+    import dearopt.backends.runtime as runtime
+    from dearopt.planning.order import ForwardOrderRecorder, parameters_in_forward_order
+    from dearopt.collectives import broadcast_object
+    from dearopt.engine.tied import TiedEmbeddings
 
     backend = runtime.get_backend()
     world = backend.size

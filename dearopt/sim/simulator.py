@@ -3,7 +3,7 @@
 Two resources: the **compute** stream (one rank's forward, backward, the
 executor's waits and its optimizer updates) and the **link** (collectives,
 one at a time, in the order they were started).  The simulator walks the
-compute stream of several iterations exactly as :class:`dearopt.executor.Executor`
+compute stream of several iterations exactly as :class:`dearopt.engine.engine.Executor`
 acts on the plan:
 
 * forward: before each parameter-owning module, the buckets up to its own
@@ -36,9 +36,9 @@ import math
 import statistics
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ..plan import REDUCE_SCATTER, ROWS, Plan, When
-from .cost import CommCost
-from .profile import Profile
+from dearopt.planning.plan import REDUCE_SCATTER, ROWS, Plan, When
+from dearopt.sim.cost import CommCost
+from dearopt.sim.profile import Profile
 
 __all__ = ["Prediction", "simulate", "op_time", "op_bytes", "cpu_bytes", "compute_rate", "cpu_per_byte"]
 

@@ -1,4 +1,4 @@
-"""A stand-in ``horovod`` package whose ``horovod.torch`` is ``dearopt.horovod``.
+"""A stand-in ``horovod`` package whose ``horovod.torch`` is ``dearopt.integrations.horovod``.
 
 Used by ``scripts/horovod_suite`` to run Horovod's own test suite against
 dearopt; not installed with the library.
@@ -6,6 +6,6 @@ dearopt; not installed with the library.
 
 import sys
 
-import dearopt.horovod as torch  # noqa: F401  (``import horovod.torch as hvd``)
+import dearopt.integrations.horovod as torch  # noqa: F401  (``import horovod.torch as hvd``)
 
 sys.modules[__name__ + ".torch"] = torch

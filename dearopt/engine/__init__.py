@@ -1,0 +1,1 @@
+"""The engine: the life cycle that carries out a bound plan, and the parts it is made of."""

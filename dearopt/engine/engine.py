@@ -1,0 +1,466 @@
+"""The engine: the life cycle that carries out a bound plan, moment by moment.
+
+The engine is parts by lifetime, as FSDP2 and Megatron-core split theirs:
+
+* :class:`~dearopt.engine.hooks.EngineHooks`: the hooks on the model and its
+  parameters, and the guards on user code (for the engine's whole life);
+* :class:`~dearopt.engine.bound_plan.Planner` and :class:`~dearopt.engine.bound_plan.BoundPlan`:
+  the plan laid onto the tensors, immutable, swapped whole by a re-plan (one
+  plan's life), with the :class:`~dearopt.engine.issuer.Issuer` that starts its ops;
+* :class:`~dearopt.engine.gradients.AveragedGradients`: finishing, clipping,
+  unscaling and checking the averages between ``backward()`` and ``step()``;
+* this :class:`Executor`: the life cycle, one :class:`TrainingState` plus,
+  while a step's gradients are on their way, one :class:`Round`.
+
+It records the forward order on the first iteration, has the schedule build
+the plan, and then drives the plan through the moments of every iteration:
+
+* **backward**: a post-accumulate-grad hook per parameter counts its bucket's
+  ready gradients; the issuer starts every op whose moment has come, strictly
+  in plan order.  When backward ends every bucket counts as ready, so all
+  ranks always issue the same collectives.
+* **step()**: completes the ops due at ``step()`` (waits, averages), runs the
+  checks (:mod:`dearopt.engine.checks`), applies the updates due at ``step()``
+  (:mod:`dearopt.engine.updates`), and starts the ops that start at ``step()``.
+* **forward**: a pre-hook on each module that owns parameters reaches the
+  module's bucket: ops that start there are started, ops due there are
+  completed, and updates due there are applied, bucket by bucket in order.
+
+The executor knows moments, not schedules: which op goes when is the plan's.
+Nothing waits without a timeout, and the engine's collectives run on their own
+communicator (``backend.fork()``), so a user's collectives can never be paired
+with them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from dearopt.engine.bound_plan import BoundPlan, PlanKnobs, Planner
+from dearopt.engine.buckets import BucketState
+from dearopt.engine.checks import Checks
+from dearopt.backends.base import CollectiveBackend
+from dearopt.compression.hooks import CommHook, hooks_for
+from dearopt.errors import UsageError
+from dearopt.collectives import broadcast_buffers_as_bytes
+from dearopt.engine.hooks import EngineHook, EngineHooks, Round, TrainingState
+from dearopt.engine.issuer import Issuer, OpState
+from dearopt.engine.options import Options
+from dearopt.planning.plan import ALL_GATHER, Point, When
+from dearopt.planning.profile import LinkMonitor, ReadyProfile
+from dearopt.engine.sharding import ShardedUpdate
+from dearopt.engine.tied import TiedEmbeddings
+from dearopt.engine.timeline import Timeline
+from dearopt.engine.updates import BucketUpdater
+from dearopt.engine.rounds import ExactRounds
+
+__all__ = ["Executor", "TrainingState", "Round"]
+
+_log = logging.getLogger("dearopt")
+_EngineHook = EngineHook  # (the name of old)
+
+REPLAN_COLLECT_BYTES = 16 * 2**20
+"""A re-plan that drops buckets holding at least this many bytes also runs the cycle collector (see
+:meth:`Executor.replan`; the buckets themselves are freed by reference counting): a full collection costs ~0.1 s
+in a process that imported torch, which a script switching a small model's trainable set paid at every switch."""
+
+GATHERED_STEPS_TO_ADAPT = 2
+"""Steps in a row whose ``p.grad`` was read before ``step()`` after which ``dear`` (``allreduce="auto"`` or
+``"predicted"``) re-plans every bucket as an all-reduce in backward: the loop reads the averaged gradients every
+step (torch's clip, ``GradScaler.unscale_``), so the gathers cannot overlap the next forward anyway."""
+
+
+class Executor:
+    """Carries out a :class:`~dearopt.planning.plan.Plan` for one model and optimizer (see the module)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        backend: CollectiveBackend,
+        options: Options,
+        buffer_size: int,
+        partition_size: Optional[int] = None,
+        credit: Optional[int] = None,
+        comm_hook: Optional[CommHook] = None,
+        on_step_landed: Optional[Callable[[], None]] = None,
+    ):
+        self.optimizer = optimizer
+        self.model = model
+        self.backend = backend
+        self.options = options
+        from dearopt.compression.sparsify import SparseExchange, Sparsify
+
+        # a sparsifier owns its buckets' exchange (dearopt.compression.sparsify); a cast hook only encodes what travels
+        self.sparse = SparseExchange(comm_hook, self.rank, self.world) if isinstance(comm_hook, Sparsify) else None
+        self.comm_hook = None if self.sparse is not None else comm_hook
+        if getattr(self.comm_hook, "auto", False) and not self._low_precision():
+            self.comm_hook = None  # the default, with nothing in bfloat16 or float16: every gradient as it is
+        # Data collectives follow the plan's order on `backend`; the few control
+        # messages (buffers, plan check, norms, profile) go on their own channel,
+        # so that their place among the data ops never depends on timing.
+        try:
+            self.control = backend.fork()
+        except NotImplementedError:
+            self.control = backend
+        self.timeline = Timeline(options.timeline, self.rank)
+        self.checks = Checks(options, self.control, self.rank, self.world)
+        self.updater = BucketUpdater(optimizer)
+        self.sharding = (
+            ShardedUpdate(optimizer, self.control, self.rank, self.world) if options.shard_optimizer else None
+        )
+        policy = options.policy
+        self.profile = ReadyProfile(
+            options.priority
+            or policy.needs_profile
+            or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")),
+            every=options.link_check_every,
+        )
+        self.on_step_landed = on_step_landed
+        self.planner = Planner(
+            self,
+            PlanKnobs(buffer_size, partition_size, credit, options.allreduce),
+            LinkMonitor() if options.link_check_every else None,
+        )
+        self.bound: Optional[BoundPlan] = None  # the plan on the tensors (set by _build_plan)
+        self.issuer: Optional[Issuer] = None
+        if options.policy.delays_updates:  # a step's gradients may be applied at a later step (deft)
+            from dearopt.schedules.deft.rounds import DelayedRounds as Rounds
+        else:
+            Rounds = ExactRounds
+        self.rounds = Rounds(self)  # the moments protocol: what a step's gradients do, from backward to update
+        self.gradients = self.rounds.Gradients(self)
+        # the life cycle
+        self.state = TrainingState.IDLE
+        self.round: Optional[Round] = None
+        self.step_count = 0
+        self.forwards = 0  # training forwards since the last step(), part of the step tag
+        self.skipped_steps = 0
+        self.pass_id = 0
+        self.accumulated = 0  # backward passes since the last communicating one
+        self.no_sync = False
+        trainable = self.planner.trainable()
+        rows = options.embedding_rows
+        if rows and not options.embedding_rows_given and any(p.is_cuda for p in trainable):
+            # on a GPU the rows' count is read on the host (which then waits for the device) and NCCL's dense
+            # all-reduce is fast: rows only where asked for
+            rows = False
+        self.tied = TiedEmbeddings(model, {id(p) for p in trainable} if rows else set(), EngineHook)
+        self.hooks = EngineHooks(self, model)
+        self.hook_new_params()
+
+    def _low_precision(self) -> bool:
+        from dearopt.compression.hooks import LOW_PRECISION
+
+        return any(p.dtype in LOW_PRECISION for g in self.optimizer.param_groups for p in g["params"])
+
+    # ------------------------------------------------- what the parts hold
+    rank = property(lambda self: self.backend.rank, doc="This rank.")
+    world = property(lambda self: self.backend.size, doc="How many ranks average the gradients.")
+    plan = property(lambda self: self.bound.plan if self.bound is not None else None, doc="The plan in force.")
+    buckets = property(lambda self: self.bound.buckets if self.bound is not None else (), doc="Its buckets.")
+    window = property(lambda self: self.planner.window, doc="The credit window the issuer starts ops in.")
+    launch_log = property(lambda self: self.planner.launch_log, doc="The issuer's (step, kind, bucket, piece) log.")
+    guard = property(lambda self: self.hooks.guard, doc="The guard that applies pending updates on a touch.")
+
+    @property
+    def rows_reductions(self) -> dict:
+        """How row-sparse buckets were reduced over the run: ``{"rows": n, "dense": m}`` (the rows hook outlives
+        every plan)."""
+        rows = self.planner.rows
+        return rows.counts if rows is not None else {"rows": 0, "dense": 0}
+
+    # ------------------------------------------------------------------ hooks
+    def hook_new_params(self) -> None:
+        """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
+        self.hooks.hook_params(self.planner.planned(), self._on_grad_ready, self._note_sparse)
+
+    def _note_sparse(self, pid: int, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            self.hooks.sparse_ids.add(pid)
+            located = self.bound.where.get(pid) if self.bound is not None else None
+            if located is not None:
+                located[0].sparse[located[1]] = True
+
+    def _synchronize_hook(self, *args, **kwargs) -> None:
+        self.synchronize()
+
+    def _root_pre_hook(self, module, args) -> None:
+        self.hooks.guard.disarm()  # from here the module hooks apply pending updates as the forward reaches them
+        if self.bound is None:
+            self.hooks.recorder.start()
+        if not (module.training and torch.is_grad_enabled()):
+            self.synchronize()  # (an evaluation between backward and step() leaves the gradient guard armed)
+            return
+        self.hooks.grad_guard.disarm()
+        self.forwards += 1
+        self.hook_new_params()
+        if self.options.broadcast_buffers and self.world > 1:
+            broadcast_buffers_as_bytes(self.model, self.control, self.step_count)
+        self.profile.begin_forward()
+        self.rounds.forward_started()
+
+    def _root_post_hook(self, module, args, output) -> None:
+        """A training forward ended: where this step's backward will leave ``p.grad`` without the average, the
+        gradient guard goes on the stack here, on the thread that runs the user's code (armed when backward ends)."""
+        if (
+            module.training
+            and torch.is_grad_enabled()
+            and (self.bound is None or self.bound.grad_params)
+            and not self.no_sync
+            and self.accumulated + 1 >= self.options.backward_passes_per_step
+        ):
+            self.hooks.grad_guard.push()
+
+    def _module_pre_hook(self, module, args) -> None:
+        self.hooks.recorder.saw(module)
+        self.rounds.module_reached(module)
+
+    # ------------------------------------------------------------- planning
+    def _build_plan(
+        self, trainable: Optional[List[torch.nn.Parameter]] = None, reuse: Sequence[BucketState] = ()
+    ) -> set:
+        """Plan for ``trainable`` (by default the trainable set now) and swap the bound plan whole.  A re-plan
+        passes the old buckets as ``reuse``: one the new plan lays out alike is kept as it is; returns the ids of
+        those kept."""
+        planner = self.planner
+        if self.hooks.recorder.recording:
+            planner.module_order = self.hooks.recorder.stop()
+        trainable = planner.trainable() if trainable is None else trainable
+        if self.issuer is not None:  # a re-plan (nothing in flight): buffers kept for the old buckets go
+            self.backend.release_workspace()
+
+        def make_issuer(plan, buckets):
+            if self.sparse is not None:  # the residuals follow their parameters into the new buckets
+                position = {id(p): i for i, p in enumerate(self.model.parameters())}
+                self.sparse.bind(
+                    buckets, [[position.get(id(p), -1 - i) for i, p in enumerate(b.params)] for b in buckets]
+                )
+            issuer = Issuer(
+                plan,
+                buckets,
+                self.backend,
+                planner.window,
+                hooks_for(plan, self.comm_hook, planner.rows, self.sparse),
+                self.timeline,
+                prepare=self._write_meta,
+                control=self.control,
+            )
+            issuer.launch_log = planner.launch_log
+            return issuer
+
+        reuse = reuse if self.rounds.reuses_buckets else ()
+        self.bound, self.issuer, kept = planner.bind(trainable, reuse, make_issuer)
+        self.rounds.plan_bound()
+        return kept
+
+    def plan_choices(self):
+        """The plans worth measuring against each other (:meth:`dearopt.engine.bound_plan.Planner.choices`)."""
+        return self.planner.choices(self.plan, self.gradients.reads)
+
+    def replan(
+        self,
+        buffer_size: Optional[int] = None,
+        partition_size: Optional[int] = None,
+        credit: Optional[int] = None,
+        allreduce: Union[float, str, None] = None,
+        blocks: Optional[bool] = None,
+        _inside_backward: bool = False,
+    ) -> None:
+        """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly.  ``blocks``:
+        form the buckets as Prophet's blocks from the profile (True) or by ``buffer_size`` (False)."""
+        self.synchronize()
+        if self.state is TrainingState.REDUCING or (self.state is TrainingState.BACKWARD and not _inside_backward):
+            raise UsageError("replan() must be called between step() and the next backward()")
+        self.rounds.may_replan()
+        self.planner.change(
+            buffer_size=buffer_size,
+            partition_size=partition_size,
+            credit=credit,
+            allreduce=allreduce,
+            blocks=None if blocks is None else bool(blocks),
+        )
+        if self.bound is None:  # nothing recorded yet: the first plan will use the new knobs
+            return
+        if self.sharding is not None:  # the state back in the ordinary layout; the new buckets cut it anew
+            self.sharding.release()
+        saved = {id(p): (b.used[j], b.has_grad[j], b.stamp[j]) for b in self.buckets for j, p in enumerate(b.params)}
+        trainable = self.planner.trainable()
+        for b in self.buckets:  # each p.grad is its gradient: the old bucket's view, or what autograd gave it
+            for j, p in enumerate(b.params):
+                if not b.stale[j]:
+                    p.grad = b.views[j]
+        had = {id(p) for b in self.buckets for p in b.params if p.grad is not None}
+        # Buckets the new plan lays out alike (a change of the ops only: dear's all-reduced buckets, credit) are
+        # kept with their gradients; a new bucket takes each p.grad from the old view (no copy held aside).
+        old = self.buckets
+        kept = self._build_plan(trainable, reuse=old)
+        dropped = sum(b.buffer.numel() * b.buffer.element_size() for b in old if id(b) not in kept)
+        for b in self.buckets:
+            if id(b) in kept:
+                continue
+            for j, (p, view) in enumerate(zip(b.params, b.views)):
+                if id(p) not in saved:  # newly trainable: _build_plan took its .grad, if any
+                    continue
+                b.used[j], b.has_grad[j], b.stamp[j] = saved[id(p)]
+                if id(p) not in had:  # it had none: cleared by zero_grad(set_to_none=True), no gradient since
+                    p.grad = None
+                    b.stale[j] = True
+                    continue
+                # gradients already counted in the backward pass now running (a re-plan inside backward);
+                # at a step boundary the stamps belong to the finished pass and nothing is ready yet
+                b.ready += self.state is TrainingState.BACKWARD and b.stamp[j] == self.pass_id
+            b.mark_seen()
+        # The old buckets are freed here by reference counting (a piece refers to its bucket weakly).  Left to
+        # the cycle collector, which runs by object count, not bytes, a tuner's re-plans kept a model's worth of
+        # buffers alive each (BERT-Base: ~0.5 GiB per re-plan, out of memory after about twenty): where much was
+        # dropped, a cycle not broken yet (a comm hook's, a user's) is collected now too.
+        del old
+        if dropped >= REPLAN_COLLECT_BYTES:
+            gc.collect()
+
+    def adapt_to_gradient_reads(self) -> bool:
+        """After :data:`GATHERED_STEPS_TO_ADAPT` steps in a row whose ``p.grad`` was read before ``step()``: where
+        the schedule mixes in all-reduces and the rule is not fixed, re-plan every bucket as an all-reduce in
+        backward (the gathers cannot overlap the next forward anyway, and one collective costs less than two).
+        Called at a step boundary on every rank; True if it re-planned."""
+        g = self.gradients
+        if (
+            g.reads
+            or g.gathered_steps < GATHERED_STEPS_TO_ADAPT
+            or self.sharding is not None
+            or self.world == 1
+            or self.options.allreduce not in ("auto", "predicted")
+            or not self.options.policy.mixes_allreduce
+        ):
+            return False
+        g.reads = True
+        if self.rank == 0:
+            _log.warning(
+                "dearopt: p.grad was read between backward() and step() in %d steps in a row (torch's "
+                "clip_grad_norm_, GradScaler.unscale_, ...): each time every bucket's reduction was finished "
+                "first. Re-planned with every bucket all-reduced in backward (DDP's plan). "
+                "optimizer.clip_grad_norm_(...) and optimizer.unscale_(scaler) act on the averaged shards and keep "
+                "schedule=%r's overlap.",
+                g.gathered_steps,
+                self.options.schedule,
+            )
+        self.replan(allreduce=1.0, blocks=False)
+        return True
+
+    # ------------------------------------------------------------- backward
+    def locate(self, p):
+        """A gradient hook's first part: the plan made (first backward), the pass begun; ``p``'s bucket and
+        position, or None if ``p`` was not trainable when the plan was made."""
+        if self.bound is None:
+            self._build_plan()
+        if self.state is not TrainingState.BACKWARD:
+            self.rounds.begin_backward()
+        return self.bound.where.get(id(p))
+
+    def _on_grad_ready(self, p) -> None:
+        self.rounds.grad_ready(p)
+
+    def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
+        """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
+        self.rounds.step(skip, scaler_checked)
+
+    def _write_meta(self, bucket: BucketState) -> None:
+        r = self.round
+        dtype = self.comm_hook.wire_dtype(bucket.buffer.dtype) if self.comm_hook is not None else bucket.buffer.dtype
+        self.checks.write_meta(bucket, self.checks.tag(r.step, r.forwards, dtype))
+
+    def may_start(self, op: OpState) -> bool:
+        """Has the moment come at which ``op`` may start?  (``AFTER`` is the issuer's to judge.)"""
+        r, start = self.round, op.spec.start
+        if self.sharding is not None and op.spec.kind == ALL_GATHER and op.spec.bucket >= r.shards_updated:
+            return False  # it carries parameters: not before this rank's shard of them is updated
+        if start.when is When.GRADS_READY:
+            return r.backward_done or op.bucket.complete
+        if start.when is When.BACKWARD_END:
+            return r.backward_done
+        if start.when is When.STEP:
+            return r.stepped
+        if start.when is When.FORWARD:
+            return r.forward_reached >= start.index
+        return True
+
+    def complete_due(self, point: Point) -> None:
+        """Start, wait for and complete the ops due at ``point`` (before the moment is marked as reached)."""
+        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.may_start, host=self.profile.recording)
+
+    # ----------------------------------------------------------------- step
+    def _gradients_requested(self, bucket: int) -> None:
+        self.gradients.requested(bucket)
+
+    def _make_current(self, bucket: int) -> None:
+        """User code touched a parameter of ``bucket`` after step(): apply the pending updates up to it first."""
+        self.rounds.touched(bucket)
+
+    def synchronize(self) -> None:
+        """Apply every pending update now (parameters become current)."""
+        self.rounds.synchronize()
+        self.timeline.flush()
+
+    # ----------------------------------------------------------- gradients
+    def require_gradients(self, what: str) -> None:
+        """A ``UsageError`` unless a communicating backward ran since the last ``step()``."""
+        if self.state is TrainingState.REDUCING:
+            return
+        bpps = self.options.backward_passes_per_step
+        if self.bound is None or self.accumulated == 0:
+            raise UsageError(f"cannot {what}: no backward() since the last step(); call loss.backward() first")
+        raise UsageError(
+            f"cannot {what}: only {self.accumulated} of backward_passes_per_step={bpps} backward "
+            f"passes were run (or they ran inside no_sync())"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()`` (:meth:`dearopt.engine.gradients.AveragedGradients.zero`)."""
+        with self.hooks.guard.suspended():
+            self.gradients.zero(set_to_none)
+
+    def engine_state(self) -> dict:
+        """What the engine keeps beyond the wrapped optimizer's state, for ``state_dict()``: a delayed
+        schedule's group sums on this rank (``dearopt_deft``), a sparsifier's residuals (``dearopt_sparse``)."""
+        out = {}
+        if self.options.policy.delays_updates:
+            out["dearopt_deft"] = self.rounds.deft_state()
+        if self.sparse is not None:
+            out["dearopt_sparse"] = self.sparse.state_dict()
+        return out
+
+    def load_engine_state(self, state_dict: dict) -> dict:
+        """Take :meth:`engine_state`'s entries out of ``state_dict`` and load them (refused by name where this
+        engine keeps no such state); returns the rest, the wrapped optimizer's."""
+        state_dict = dict(state_dict)
+        deft, sparse = state_dict.pop("dearopt_deft", None), state_dict.pop("dearopt_sparse", None)
+        if deft is not None:
+            if not self.options.policy.delays_updates:
+                raise UsageError(
+                    "this state_dict was saved under schedule='deft' (it holds delayed gradient sums); "
+                    "load it into a DistOptim with schedule='deft'"
+                )
+            self.rounds.load_deft_state(deft)
+        if sparse is not None:
+            if self.sparse is None:
+                raise UsageError(
+                    "this state_dict holds a sparsifier's residuals (comm_hook=dearopt.Sparsify): load "
+                    "it into a DistOptim with the same comm_hook"
+                )
+            self.sparse.load_state_dict(sparse)
+        return state_dict
+
+    def close(self) -> None:
+        """Apply pending updates, remove the hooks, restore tied weights and release the control channel."""
+        self.synchronize()
+        self.hooks.remove()
+        self.tied.restore()
+        self.timeline.flush()
+        self.rounds.close()
+        if self.control is not self.backend:
+            self.control.close()
