@@ -143,38 +143,100 @@ def find_pybind11() -> Tuple[Optional[str], str]:
     return pybind11.get_include(), ""
 
 
-def _make_cmdclass(forced: bool):
-    from setuptools.command.build_ext import build_ext
+def _make_cmdclass(forced):
+    """A build_ext that builds each extension on its own (torch's BuildExtension where torch is importable, for
+    ``dearopt.engine._ready``); one not in ``forced`` whose build fails is left out with one line saying why."""
+    try:
+        from torch.utils.cpp_extension import BuildExtension as base
+    except ImportError:
+        from setuptools.command.build_ext import build_ext as base
 
-    class BuildExt(build_ext):
-        """Builds dearopt._nccl; in auto mode a failed build leaves a pure-Python install."""
+    class BuildExt(base):
+        """Builds dearopt._nccl and dearopt.engine._ready; in auto mode a failed build leaves the Python path."""
 
         def build_extension(self, ext):
             start = time.monotonic()
             try:
                 super().build_extension(ext)
             except Exception as exc:  # CompileError, LinkError, OSError, ...
-                if forced:
+                if ext.name in forced:
                     raise
+                env = ENV if ext.name == "dearopt._nccl" else READY_ENV
                 print(
-                    f"dearopt: NCCL extension skipped: its build failed ({type(exc).__name__}: "
+                    f"dearopt: {ext.name} skipped: its build failed ({type(exc).__name__}: "
                     f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); "
-                    f"set {ENV}=1 to make this an error",
+                    f"set {env}=1 to make this an error",
                     file=sys.stderr,
                     flush=True,
                 )
                 return
             print(f"dearopt: built {ext.name} in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
 
+    if hasattr(BuildExt, "with_options"):  # torch's: no ninja needed, one file per extension
+        return {"build_ext": BuildExt.with_options(use_ninja=False)}
     return {"build_ext": BuildExt}
 
 
+READY_ENV = "DEAROPT_WITH_READY"
+READY_SOURCE = os.path.join("csrc", "ready.cpp")
+
+
+def _ready_extension(forced: bool):
+    """``dearopt.engine._ready`` (csrc/ready.cpp): the gradient-ready hooks and forward gates in C++ (torch's
+    headers; built on CPU as well as CUDA machines), or None where torch's C++ extension tools are missing."""
+    try:
+        from torch.utils.cpp_extension import CppExtension
+    except ImportError as exc:
+        if forced:
+            sys.exit(f"error: {READY_ENV}=1 but torch's C++ extension tools are not importable: {exc}")
+        _say(f"ready-hooks extension skipped (the engine's Python hooks are used): {exc}")
+        return None
+    return CppExtension(
+        "dearopt.engine._ready",
+        sources=[READY_SOURCE],
+        extra_compile_args=["-O2", "-g0", "-fvisibility=hidden"],
+    )
+
+
+def _ready_mode() -> str:
+    raw = os.environ.get(READY_ENV, "").strip().lower()
+    if raw in ("1", "true", "yes", "on", "force"):
+        return "force"
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    return "auto"
+
+
 def configure() -> Tuple[List, Dict]:
-    """The extension modules and cmdclass for setup(); ([], {}) when not building."""
+    """The extension modules and cmdclass for setup(): the NCCL extension where it can be built (:func:`_nccl_config`)
+    and the ready-hooks extension (``DEAROPT_WITH_READY``: ``1`` forces it, ``0`` skips it; by default built where
+    torch's C++ extension tools work, its failure leaving the engine's Python hooks)."""
+    exts, forced = [], set()
+    nccl = _nccl_config()
+    if nccl is not None:
+        exts.append(nccl[0])
+        if nccl[1]:
+            forced.add(nccl[0].name)
+    ready_mode = _ready_mode()
+    if ready_mode != "off":
+        ready = _ready_extension(ready_mode == "force")
+        if ready is not None:
+            exts.append(ready)
+            if ready_mode == "force":
+                forced.add(ready.name)
+    else:
+        _say(f"ready-hooks extension skipped: {READY_ENV}=0")
+    if not exts:
+        return [], {}
+    return exts, _make_cmdclass(forced)
+
+
+def _nccl_config():
+    """``(extension, forced)`` for ``dearopt._nccl``, or None when it is not built."""
     mode = _mode()
     if mode == "off":
         _say(f"NCCL extension skipped: {ENV}=0")
-        return [], {}
+        return None
     cuda, why_cuda = find_cuda()
     nccl, why_nccl = find_nccl()
     pybind_include, why_pybind = find_pybind11()
@@ -185,7 +247,7 @@ def configure() -> Tuple[List, Dict]:
         if mode == "force":
             sys.exit(f"error: {ENV}=1 but the NCCL extension cannot be built: " + "; ".join(missing))
         _say("NCCL extension skipped (pure-Python install): " + "; ".join(missing))
-        return [], {}
+        return None
 
     from setuptools import Extension
 
@@ -208,4 +270,4 @@ def configure() -> Tuple[List, Dict]:
         language="c++",
     )
     _say(f"building the NCCL extension (CUDA {cuda['home']}, NCCL {nccl['include']})")
-    return [ext], _make_cmdclass(forced=mode == "force")
+    return ext, mode == "force"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.collectives import padded_numel
+from dearopt.backends.base import padded_numel
 from harness import launcher_free_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,14 +85,14 @@ def test_extension_imports_and_reports_nccl_version():
     header = _nccl.NCCL_VERSION_CODE
     assert header >= 20000
     assert version // 10000 == header // 10000, (version, header)  # same major as the headers built against
-    from dearopt.nccl_native import nccl_version
+    from dearopt.backends.nccl import nccl_version
 
     major, minor, patch = nccl_version()
     assert major == 2 and (major, minor, patch) == (version // 10000, version // 100 % 100, version % 100)
     assert _nccl.UNIQUE_ID_BYTES == 128
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "uint8"):
         assert name in _nccl.DTYPES
-    assert set(_nccl.REDUCE_OPS) == set(dearopt.collectives.REDUCE_OPS)
+    assert set(_nccl.REDUCE_OPS) == set(dearopt.backends.base.REDUCE_OPS)
     assert issubclass(_nccl.CudaError, RuntimeError) and issubclass(_nccl.NcclError, RuntimeError)
     assert issubclass(_nccl.NcclTimeoutError, _nccl.NcclError)
 
@@ -170,7 +170,7 @@ def test_missing_extension_gives_a_clear_import_error():
                 return None
         sys.meta_path.insert(0, Block())
         try:
-            import dearopt.nccl_native
+            import dearopt.backends.nccl
         except ImportError as exc:
             print("IMPORTERROR", exc)
     """)
@@ -181,6 +181,7 @@ def test_missing_extension_gives_a_clear_import_error():
 @pytest.mark.timeout(120)
 def test_build_configuration_switches(monkeypatch):
     build = _load_build_config()
+    monkeypatch.setenv("DEAROPT_WITH_READY", "0")  # the NCCL extension's switches alone
     monkeypatch.setenv("DEAROPT_WITH_NCCL", "0")
     assert build.configure() == ([], {})
     # nothing to build with: auto mode installs pure Python, forced mode stops
@@ -204,7 +205,7 @@ SIZES = [1, 7, 1000, (1 << 20) + 3]
 @pytest.fixture(scope="module")
 def backend():
     _extension()
-    from dearopt.nccl_native import NcclNativeBackend
+    from dearopt.backends.nccl import NcclNativeBackend
 
     b = NcclNativeBackend.create(0, 1, 60.0, device=torch.device("cuda", torch.cuda.current_device()))
     yield b
@@ -355,7 +356,7 @@ def test_communication_overlaps_compute(backend):
 @gpu
 def test_closed_backend_raises_collective_error():
     _extension()
-    from dearopt.nccl_native import NcclNativeBackend
+    from dearopt.backends.nccl import NcclNativeBackend
 
     b = NcclNativeBackend.create(0, 1, 30.0, device=torch.device("cuda", torch.cuda.current_device()))
     t = torch.ones(8, device=b.device)
