@@ -38,6 +38,7 @@ RUNS = {
     "dear-sharded": ("dear", {"shard_optimizer": True}),
     "bf16": ("dear", {}),  # bf16=True: autocast, against the same in one process
 }
+RESUMED = ("dear", "dear-sharded")  # save at step 3, resume from there in a second run
 
 
 def _model():
@@ -60,8 +61,8 @@ def _model():
 class _Tokens(torch.utils.data.Dataset):
     """Random token sequences (seeded): each item is a causal-LM example, its labels its inputs."""
 
-    def __init__(self, count):
-        self.ids = torch.randint(0, VOCAB, (count, SEQ), generator=torch.Generator().manual_seed(7))
+    def __init__(self, count, seed):
+        self.ids = torch.randint(0, VOCAB, (count, SEQ), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self):
         return len(self.ids)
@@ -94,14 +95,25 @@ def _args(output_dir, per_device, **overrides):
     return transformers.TrainingArguments(**settings)
 
 
-def _dataset():
-    return _Tokens(STEPS * MICRO * PER_RANK * WORLD)
+def _dataset(count=STEPS * MICRO * PER_RANK * WORLD, seed=7):
+    return _Tokens(count, seed)
+
+
+def _evaluating(per_device):
+    """Trainer's evaluation every third step, on 8 other sequences."""
+    return {"eval_dataset": _dataset(8, seed=8)}, dict(
+        eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=per_device
+    )
 
 
 def _result(trainer):
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
-    return [p.detach().clone() for p in trainer.model.parameters()], losses, norms
+    history = trainer.state.log_history
+    return {
+        "params": [p.detach().clone() for p in trainer.model.parameters()],
+        "loss": [entry["loss"] for entry in history if "loss" in entry],
+        "grad_norm": [entry["grad_norm"] for entry in history if "grad_norm" in entry],
+        "eval_loss": [entry["eval_loss"] for entry in history if "eval_loss" in entry],
+    }
 
 
 def _plain_environment():
@@ -116,13 +128,15 @@ def _references(output_dir):
     # first: accelerate's state is per process, and Accelerator() keeps a bf16 Trainer's mixed precision
     results = {"accelerate": _accelerate_loop(distributed=False)}
     for precision in ("fp32", "bf16"):
+        data, evaluation = _evaluating(PER_RANK * WORLD)
         if precision == "fp32":  # each micro-batch's global batch at once
-            args = _args(os.path.join(output_dir, precision), PER_RANK * WORLD)
+            args = _args(os.path.join(output_dir, precision), PER_RANK * WORLD, **evaluation)
         else:  # bf16 rounds differently with the batch's shape: the ranks' micro-batches one after the other
             args = _args(
                 os.path.join(output_dir, precision), PER_RANK, gradient_accumulation_steps=MICRO * WORLD, bf16=True
             )
-        trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_dataset())
+        extra = data if precision == "fp32" else {}
+        trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_dataset(), **extra)
         trainer.train()
         results[precision] = _result(trainer)
     return results
@@ -151,11 +165,17 @@ def _distributed(output_dir):
 
     results = {}
     for name, (schedule, kwargs) in RUNS.items():
-        overrides = {"bf16": True} if name == "bf16" else {}
-        if name == "dear":
+        model, overrides, extra = _model(), {}, {}
+        if name in RESUMED:
             overrides.update(save_strategy="steps", save_steps=3)
-        model = _model()
-        extra = {"optimizers": _own_optimizer(model)} if name == "wfbp" else {}  # the user's optimizer, wrapped
+        if name == "wfbp":
+            extra["optimizers"] = _own_optimizer(model)  # the user's optimizer and scheduler, wrapped
+        elif name == "dear-sharded":  # evaluation between steps sees the parameters the shards were updated to
+            data, evaluation = _evaluating(PER_RANK)
+            extra.update(data)
+            overrides.update(evaluation)
+        elif name == "bf16":
+            overrides["bf16"] = True
         trainer = DearTrainer(
             model=model,
             args=_args(os.path.join(output_dir, name), PER_RANK, **overrides),
@@ -170,22 +190,24 @@ def _distributed(output_dir):
         results[name] = _result(trainer)
         trainer.close()
     torch.distributed.barrier()
-    # the dear run again, resumed from the checkpoint it saved at step 3
-    args = _args(os.path.join(output_dir, "dear"), PER_RANK)
-    trainer = DearTrainer(model=_model(), args=args, train_dataset=_dataset())
-    trainer.train(resume_from_checkpoint=os.path.join(output_dir, "dear", "checkpoint-3"))
-    results["resumed"] = _result(trainer)
-    trainer.close()
+    for name in RESUMED:  # the run again, resumed from the checkpoint it saved at step 3
+        schedule, kwargs = RUNS[name]
+        args = _args(os.path.join(output_dir, name), PER_RANK)
+        trainer = DearTrainer(
+            model=_model(), args=args, train_dataset=_dataset(), schedule=schedule, distoptim_kwargs=kwargs
+        )
+        trainer.train(resume_from_checkpoint=os.path.join(output_dir, name, "checkpoint-3"))
+        results[f"{name} resumed"] = _result(trainer)
+        trainer.close()
     return results
 
 
 def _assert_close(got, want, what, tol=1e-5):
-    params, losses, norms = got
-    want_params, want_losses, want_norms = want
-    assert len(losses) == len(want_losses) == STEPS, (what, losses)
-    assert losses == pytest.approx(want_losses, rel=tol), what
-    assert norms == pytest.approx(want_norms, rel=tol), what
-    for i, (g, w) in enumerate(zip(params, want_params)):
+    assert len(got["loss"]) == len(want["loss"]) == STEPS, (what, got["loss"])
+    for key in ("loss", "grad_norm", "eval_loss"):
+        if key != "eval_loss" or got[key]:
+            assert got[key] == pytest.approx(want[key], rel=tol), (what, key)
+    for i, (g, w) in enumerate(zip(got["params"], want["params"])):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m: f"{what} param {i}: {m}")
 
 
@@ -197,10 +219,16 @@ def test_trainer_with_accumulation_clipping_and_schedule_is_exact_and_resumes(re
         for name in RUNS:
             precision = "bf16" if name == "bf16" else "fp32"
             _assert_close(o.value[name], want[precision], f"rank {o.rank} {name}")
-        straight, resumed = o.value["dear"][0], o.value["resumed"][0]
-        for i, (a, b) in enumerate(zip(straight, resumed)):
-            assert torch.equal(a, b), f"rank {o.rank}: param {i} of the resumed run differs from the straight run"
-    assert os.path.isfile(tmp_path / "dear" / "dear" / "checkpoint-3" / "optimizer.pt")
+        assert len(o.value["dear-sharded"]["eval_loss"]) == 2  # after steps 3 and 6
+        for name in RESUMED:
+            straight, resumed = o.value[name]["params"], o.value[f"{name} resumed"]["params"]
+            for i, (a, b) in enumerate(zip(straight, resumed)):
+                assert torch.equal(a, b), (
+                    f"rank {o.rank}: {name} param {i}: the resumed run differs from the straight one"
+                )
+    for name in RESUMED:  # rank 0 wrote it, gathered on every rank under shard_optimizer=True: the ordinary layout
+        state = torch.load(tmp_path / "dear" / name / "checkpoint-3" / "optimizer.pt", weights_only=True)
+        assert len(state["state"]) == len(want["fp32"]["params"]) and state["state"][0]["step"] == 3
 
 
 # ---------------------------------------------------------------- accelerate's Accelerator in a loop of one's own
