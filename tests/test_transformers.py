@@ -1,16 +1,21 @@
 """Hugging Face's ``transformers.Trainer`` with dearopt (``dearopt.integrations.transformers.DearTrainer``), and
-``accelerate``'s ``Accelerator`` in a loop of one's own, against one process on the global batch.
+``accelerate``'s ``Accelerator`` in a loop of one's own, against one process on the global batch (fp32, 1e-5).
 
-A tiny ``GPT2LMHeadModel`` (tied embeddings, from a config) is trained for six steps of two accumulated
-micro-batches with ``max_grad_norm`` clipping, AdamW (Trainer's, with its no-decay group) and Trainer's linear
-schedule with warm-up, on 2 ranks under ``dear``, ``wfbp`` and ``dear`` with ``shard_optimizer=True``; the
-reference is a plain ``Trainer`` in one process with twice the per-device batch.  Both read the data in order
-(``train_sampling_strategy="sequential"``): accelerate gives rank r the r-th of every ``world_size`` consecutive
-per-device batches, so each step's micro-batches are the reference's, split between the ranks.  Trainer's loss
-under ``average_tokens_across_devices=True`` (its default) is the sum over this rank's tokens divided by the
-tokens of the whole step, gathered over ranks, times the world size: averaged by dearopt it is the reference's
-mean over the step's tokens (fp32, 1e-5), and so are the logged loss and grad norm.  A run resumed from the
-checkpoint saved at step 3 ends bit for bit where the straight run ends.  A model inside DDP is refused by name.
+A tiny ``GPT2LMHeadModel`` (tied embeddings, from a config) trains for six steps of two accumulated micro-batches
+with ``max_grad_norm`` clipping, AdamW (Trainer's, with its no-decay group) and Trainer's linear schedule with
+warm-up, on 2 ranks: under ``dear``; under ``wfbp`` with the user's own optimizer and scheduler
+(``optimizers=``); under ``dear`` with ``shard_optimizer=True``, evaluating every third step; in bf16.  The
+reference is a plain ``Trainer`` in one process with twice the per-device batch, reading the data in order
+(``train_sampling_strategy="sequential"``): accelerate deals rank r the r-th of every ``world_size``
+consecutive per-device batches, so each step's micro-batches are the reference's, split between the ranks.  The
+bf16 run keeps Trainer's default random order (accelerate's seeded sampler draws the same permutation in every
+process) and its reference runs the ranks' micro-batches one after the other (bf16 autocast rounds differently
+with the batch's shape: 4e-3 on the parameters between micro-batches of 4 and of 2, in one process).
+Trainer's loss under ``average_tokens_across_devices=True`` (its default) is this rank's summed token losses
+over the step's tokens counted on all ranks, times the world size: averaged by dearopt it is the reference's mean
+over the step's tokens, and so are the logged loss, grad norm and evaluation loss.  The ``dear`` runs, sharded
+or not, save at step 3 and a second run resumed from there ends bit for bit where the straight run ends.  A model
+inside DDP or FSDP2 is refused by name; ``import dearopt`` imports neither transformers nor accelerate.
 """
 
 import contextlib
@@ -36,7 +41,7 @@ RUNS = {
     "dear": ("dear", {}),
     "wfbp": ("wfbp", {}),
     "dear-sharded": ("dear", {"shard_optimizer": True}),
-    "bf16": ("dear", {}),  # bf16=True: autocast, against the same in one process
+    "bf16": ("dear", {}),  # bf16=True (autocast) and Trainer's default random order, against the same in one process
 }
 RESUMED = ("dear", "dear-sharded")  # save at step 3, resume from there in a second run
 
@@ -133,7 +138,11 @@ def _references(output_dir):
             args = _args(os.path.join(output_dir, precision), PER_RANK * WORLD, **evaluation)
         else:  # bf16 rounds differently with the batch's shape: the ranks' micro-batches one after the other
             args = _args(
-                os.path.join(output_dir, precision), PER_RANK, gradient_accumulation_steps=MICRO * WORLD, bf16=True
+                os.path.join(output_dir, precision),
+                PER_RANK,
+                gradient_accumulation_steps=MICRO * WORLD,
+                bf16=True,
+                train_sampling_strategy="random",
             )
         extra = data if precision == "fp32" else {}
         trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_dataset(), **extra)
@@ -175,7 +184,7 @@ def _distributed(output_dir):
             extra.update(data)
             overrides.update(evaluation)
         elif name == "bf16":
-            overrides["bf16"] = True
+            overrides.update(bf16=True, train_sampling_strategy="random")
         trainer = DearTrainer(
             model=model,
             args=_args(os.path.join(output_dir, name), PER_RANK, **overrides),
