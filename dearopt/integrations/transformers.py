@@ -102,8 +102,8 @@ class DearTrainerMixin:
             ...) or its name (``"dear"``, the default, ``"wfbp"``, ``"rsag"``, ``"bytescheduler"``, ``"prophet"``,
             ``"prophet-allreduce"``, ``"deft"``).
         distoptim_kwargs: passed to the ``DistOptim`` (``shard_optimizer``, ``buffer_size``, ``comm_hook``,
-            ``nonfinite``, ``checks``, ...); an unknown name is a ``TypeError`` at once.  Ignored (must be empty)
-            when the optimizer passed in ``optimizers=`` is already a ``DistOptim``.
+            ``nonfinite``, ``checks``, ...); an unknown name is a ``TypeError`` at once.  They must be left out
+            when the optimizer passed in ``optimizers=`` is already a ``DistOptim`` (a ``UsageError``).
         backend: dearopt's backend for :func:`dearopt.init` when it has not been called yet (``"gloo"`` on CPU,
             ``"nccl"`` on GPUs by default, or ``"nccl-native"``); dearopt adopts the process group that
             Trainer's accelerate state has set up.
@@ -297,5 +297,5 @@ class DearTrainer(DearTrainerMixin, transformers.Trainer):
 
     Every argument of ``transformers.Trainer`` works as there; ``schedule``, ``distoptim_kwargs`` and ``backend``
     are those of :class:`DearTrainerMixin`.  Launch as any Trainer script: ``torchrun --nproc_per_node N
-    train.py`` (or ``accelerate launch``); in a single process it trains alone, as Trainer does.
+    train.py``; in a single process (``python train.py``) it trains alone, as Trainer does.
     """
