@@ -220,23 +220,40 @@ def _assert_close(got, want, what, tol=1e-5):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m: f"{what} param {i}: {m}")
 
 
-@pytest.mark.timeout(240)
-def test_trainer_with_accumulation_clipping_and_schedule_is_exact_and_resumes(references, tmp_path):
+def _two_ranks(output_dir):
+    """Everything on two ranks, in one job (one start-up): the accelerate loop first (accelerate's state is per
+    process: a fresh one), the Trainer runs, the refusals."""
+    return {
+        "accelerate": _accelerate_loop(distributed=True),
+        "trainer": _distributed(os.path.join(output_dir, "trainer")),
+        "refusals": _refusals(os.path.join(output_dir, "refusals")),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("two-ranks")
+    return output_dir, [o.value for o in run_workers(_two_ranks, WORLD, str(output_dir), timeout=200)]
+
+
+@pytest.mark.timeout(300)
+def test_trainer_with_accumulation_clipping_and_schedule_is_exact_and_resumes(references, two_ranks):
     want = references
-    outcomes = run_workers(_distributed, WORLD, str(tmp_path / "dear"), timeout=200)
-    for o in outcomes:
+    output_dir, values = two_ranks
+    for rank, value in enumerate(values):
+        got = value["trainer"]
         for name in RUNS:
             precision = "bf16" if name == "bf16" else "fp32"
-            _assert_close(o.value[name], want[precision], f"rank {o.rank} {name}")
-        assert len(o.value["dear-sharded"]["eval_loss"]) == 2  # after steps 3 and 6
+            _assert_close(got[name], want[precision], f"rank {rank} {name}")
+        assert len(got["dear-sharded"]["eval_loss"]) == 2  # after steps 3 and 6
         for name in RESUMED:
-            straight, resumed = o.value[name]["params"], o.value[f"{name} resumed"]["params"]
+            straight, resumed = got[name]["params"], got[f"{name} resumed"]["params"]
             for i, (a, b) in enumerate(zip(straight, resumed)):
                 assert torch.equal(a, b), (
-                    f"rank {o.rank}: {name} param {i}: the resumed run differs from the straight one"
+                    f"rank {rank}: {name} param {i}: the resumed run differs from the straight one"
                 )
     for name in RESUMED:  # rank 0 wrote it, gathered on every rank under shard_optimizer=True: the ordinary layout
-        state = torch.load(tmp_path / "dear" / name / "checkpoint-3" / "optimizer.pt", weights_only=True)
+        state = torch.load(output_dir / "trainer" / name / "checkpoint-3" / "optimizer.pt", weights_only=True)
         assert len(state["state"]) == len(want["fp32"]["params"]) and state["state"][0]["step"] == 3
 
 
@@ -284,15 +301,15 @@ def _accelerate_loop(distributed):
     return [p.detach().clone() for p in model.parameters()], norms
 
 
-@pytest.mark.timeout(120)
-def test_an_accelerate_loop_with_distoptim_is_exact(references):
+@pytest.mark.timeout(300)
+def test_an_accelerate_loop_with_distoptim_is_exact(references, two_ranks):
     want, want_norms = references["accelerate"]
     assert len(want_norms) == STEPS
-    for o in run_workers(_accelerate_loop, WORLD, True, timeout=90):
-        params, norms = o.value
+    for rank, value in enumerate(two_ranks[1]):
+        params, norms = value["accelerate"]
         assert norms == pytest.approx(want_norms, rel=1e-5)
         for i, (g, w) in enumerate(zip(params, want)):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {o.rank} param {i}: {m}")
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} param {i}: {m}")
 
 
 # ---------------------------------------------------------------- what is refused, what is not imported
@@ -316,11 +333,11 @@ def _refusals(output_dir):
     return dict(attempts)
 
 
-@pytest.mark.timeout(120)
-def test_a_model_inside_ddp_or_fsdp_is_refused_by_name(tmp_path):
-    for o in run_workers(_refusals, WORLD, str(tmp_path), timeout=90):
+@pytest.mark.timeout(300)
+def test_a_model_inside_ddp_or_fsdp_is_refused_by_name(two_ranks):
+    for value in two_ranks[1]:
         Attempts.expect(
-            o.value,
+            value["refusals"],
             {
                 "trainer": ("UsageError", "DistributedDataParallel (DDP)"),
                 "distoptim": ("UsageError", "Pass the unwrapped module (the DDP's .module)"),

@@ -135,11 +135,15 @@ class DearTrainerMixin:
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         self._join_dearopt()
-        # Trainer prepares the model with accelerator.prepare(model, optimizer): prepared as for evaluation, it gets
-        # its device and autocast but no DistributedDataParallel
-        self.accelerator.prepare_model = _prepare_without_ddp(self.accelerator.prepare_model)
 
     # ------------------------------------------------------------------ set-up
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator, whose ``prepare_model`` prepares the model as for evaluation: Trainer prepares it
+        with ``accelerator.prepare(model, optimizer)``, and so it gets its device and mixed-precision autocast but
+        no ``DistributedDataParallel``."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.prepare_model = _prepare_without_ddp(self.accelerator.prepare_model)
+
     def _refuse_unsupported(self) -> None:
         """Trainer modes in which something other than dearopt reduces the gradients or shards the model."""
         refused = []
@@ -192,6 +196,8 @@ class DearTrainerMixin:
         if self._distoptim is not None and _distoptim_of(self.optimizer) is self._distoptim:
             self.optimizer = self._distoptim  # a later train(): accelerate wraps it again
             return self.optimizer
+        if self._distoptim is not None:  # a new model (model_init) or optimizer: release the old DistOptim
+            self.close()
         optimizer = super().create_optimizer(model)
         while isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
@@ -286,10 +292,11 @@ class DearTrainerMixin:
         """Apply pending updates and release the ``DistOptim`` (its hooks on the model and its communicator);
         a later ``train()`` builds a new one.  Call it on every rank."""
         dist, self._distoptim = self._distoptim, None
-        if dist is not None:
-            dist.close()
+        if dist is None:
+            return
+        dist.close()
         if _distoptim_of(self.optimizer) is dist:
-            self.optimizer = None
+            self.optimizer = None  # Trainer builds (and DearTrainer wraps) a new one
 
 
 class DearTrainer(DearTrainerMixin, transformers.Trainer):
