@@ -9,7 +9,8 @@ from a plain ``Trainer`` script: the optimizer Trainer builds (AdamW, linear sch
     python examples/trainer_finetune.py --plain --per-device-batch 8               # one process, plain Trainer
 
 The data is read in order (``train_sampling_strategy="sequential"``), so the two commands above train on the
-same global batches; with ``--save PATH`` each writes its final parameters, to compare.
+same global batches; with ``--save PATH`` each writes its final parameters, to compare.  A checkpoint is written
+halfway (``--output-dir``, default ``$TMPDIR/trainer_finetune``); ``--resume DIR/checkpoint-20`` continues from it.
 """
 
 import argparse
@@ -31,6 +32,7 @@ parser.add_argument("--bf16", action="store_true", help="bf16 autocast")
 parser.add_argument("--plain", action="store_true", help="a plain transformers.Trainer (the one-process reference)")
 parser.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "trainer_finetune"), help="checkpoints")
 parser.add_argument("--save", default=None, help="write the final parameters here (rank 0)")
+parser.add_argument("--resume", default=None, help="a checkpoint directory to continue from (e.g. .../checkpoint-20)")
 args = parser.parse_args()
 
 SEQ, DIGITS, GLOBAL_SEQUENCES = 16, 10, 1024
@@ -79,7 +81,7 @@ training_args = transformers.TrainingArguments(
     train_sampling_strategy="sequential",  # the same order for any number of processes
     logging_steps=10,
     save_strategy="steps",
-    save_steps=args.steps // 2,  # a checkpoint halfway (resume_from_checkpoint=... continues from it)
+    save_steps=args.steps // 2,  # a checkpoint halfway: --resume OUTPUT_DIR/checkpoint-20 continues from it
     report_to="none",
     disable_tqdm=True,
     use_cpu=not torch.cuda.is_available(),
@@ -97,7 +99,7 @@ else:
         schedule=args.schedule,
         distoptim_kwargs={"shard_optimizer": args.shard_optimizer},
     )
-result = trainer.train()
+result = trainer.train(resume_from_checkpoint=args.resume)
 trainer.save_model()  # every rank: pending updates are applied together, rank 0 writes
 if trainer.is_world_process_zero():
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
