@@ -18,7 +18,10 @@
 * the engine's own passes over gradient memory, per byte (``copy_per_byte``): each
   gradient copied into its bucket when it is ready, each reduced region averaged
   when its collective completes (a plain backward, which the ready times come
-  from, does neither).
+  from, does neither);
+* the backend's bound on reduce-scatters and all-gathers in flight
+  (``workspace_bytes``: gloo runs them as all-to-alls through a bounded
+  workspace, and a host that starts one past it waits for the oldest first).
 
 A :class:`Profile` is saved and loaded as JSON.
 """
@@ -37,7 +40,7 @@ import torch
 from dearopt.planning.plan import ParamSpec
 from dearopt.sim.cost import KINDS, CommCost, fit, op_steps
 
-__all__ = ["Profile", "record_profile", "contention_from_overlap", "stream_calibrated"]
+__all__ = ["Profile", "record_profile", "contention_from_overlap", "stream_calibrated", "workspace_of"]
 
 
 @dataclasses.dataclass
@@ -67,6 +70,10 @@ class Profile:
     cores_per_rank: float = 0.0  # CPU cores this host gives each of its ranks (0: not recorded); with one or
     # more, each rank computes on a core of its own and the slowest rank's loss paces the job (see
     # :func:`dearopt.sim.cpu_per_byte`)
+    workspace_bytes: float = 0.0  # the bytes of reduce-scatter and all-gather buffers the backend holds in flight
+    # (gloo's all-to-all workspace: a receive buffer per reduce-scatter, a send buffer per all-gather, each the
+    # op's full size; at least one op's): starting one more past it waits for the oldest first, on the host.
+    # 0: no bound (NCCL; profiles recorded before the workspace, which predict as before)
 
     @property
     def t_ff(self) -> float:
@@ -163,6 +170,15 @@ def _cores_per_rank(backend, local_size: int) -> float:
     mask[sorted(mine)] = 1.0
     backend.all_reduce(mask, "max").wait()
     return float(mask.sum().item()) / local_size
+
+
+def workspace_of(backend) -> float:
+    """The bytes of reduce-scatter receive and all-gather send buffers ``backend`` keeps in flight before starting
+    one more waits for the oldest (:attr:`dearopt.backends.base.TorchDistBackend.workspace_bytes`, on gloo,
+    where both run as all-to-alls through that workspace); 0 where starting an op never waits."""
+    if getattr(backend, "pg_backend", None) != "gloo":
+        return 0.0
+    return float(getattr(backend, "workspace_bytes", 0) or 0)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -335,6 +351,7 @@ def record_profile(
         lost_samples=lost_samples,
         cores_per_rank=_cores_per_rank(backend, runtime.local_size()),
         comm_streams=streams,
+        workspace_bytes=workspace_of(backend) if world > 1 else 0.0,
     )
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
@@ -428,6 +445,27 @@ def _model_pieces(backend, total_bytes: int, bucket_bytes: int) -> List[Tuple[to
     return pieces
 
 
+def within_workspace(pieces: Sequence[Tuple[torch.Tensor, torch.Tensor]], workspace: float) -> list:
+    """The first of ``pieces`` (full, shard) whose reduce-scatters or all-gathers the backend starts without
+    waiting: their full buffers together within ``workspace`` bytes (at least one piece; all where 0).
+
+    Past the workspace (gloo's all-to-alls: 64 MiB) starting one more waits on the host for the oldest in flight;
+    the model's 100 MB of ResNet-50 started at a phase's start held the host ~0.1 s unshaped and ~0.2 s at
+    3 Gbit/s before the phase could compute, which the contention measurement read as compute lost to the
+    collectives' CPU (2.3-2.9 ns/B, compute at its 5 % floor while any op was on the link: every plan predicted
+    as compute plus communication)."""
+    if not workspace:
+        return list(pieces)
+    chosen, held = [], 0
+    for full, shard in pieces:
+        size = full.numel() * full.element_size()
+        if chosen and held + size > workspace:
+            break
+        chosen.append((full, shard))
+        held += size
+    return chosen
+
+
 def _stream_times(backend, total_bytes: int, bucket_bytes: int, repeats: int) -> Dict[str, List[float]]:
     """Per kind (reduce-scatter, all-gather, all-reduce): the model's bytes in buckets of ``bucket_bytes``, the
     ops started back to back as the engine starts them, waited for together: ``[total bytes, ops, seconds]``
@@ -479,8 +517,11 @@ def _contention(
     ``cpu_per_byte``: the compute seconds lost per byte communicated meanwhile.
     Each phase runs alone and again with as many collectives started at its
     start as take about half its time alone (the model's buckets, repeated up to
-    8 times where they are quick), so the compute outlasts them and every second
-    it loses is the collectives' CPU: the median of ``lost_repeats`` samples, each
+    8 times where they are quick), no more than the backend starts without waiting
+    (:func:`within_workspace`), so the compute outlasts them and every second
+    it loses is the collectives' CPU (the time the host takes to start them is
+    not counted: :func:`dearopt.sim.simulate` charges the host that work where
+    the engine does it): the median of ``lost_repeats`` samples, each
     the ranks' mean of their own loss.  On a CPU machine that cost goes mostly
     with the bytes the ranks copy, sum and push through sockets, so it carries
     over to plans (and links) whose ops are busy for other lengths of time,
@@ -505,21 +546,25 @@ def _contention(
         backend.all_reduce(torch.zeros(1, device=device)).wait()
 
     def phase_time(phase, chosen) -> Tuple[float, float]:
-        """Seconds of the phase (forward, or backward) with ``chosen`` collectives started at its start, and
-        seconds until both the phase and the collectives are done."""
+        """Seconds of the phase (forward, or backward) with ``chosen`` collectives started at its start, less the
+        time the host took to start them (an all-gather's send buffer filled, a start that waited for room in the
+        backend's workspace: the host's own work, not compute slowed), and seconds until both the phase and the
+        collectives are done."""
         model.zero_grad(set_to_none=True)
         if phase == "forward":
             align()
             t = time.perf_counter()
             handles = start(phase, chosen)
+            started = time.perf_counter()
             run()
         else:
             loss = run()
             align()
             t = time.perf_counter()
             handles = start(phase, chosen)
+            started = time.perf_counter()
             loss.backward()
-        elapsed = time.perf_counter() - t
+        elapsed = time.perf_counter() - started
         finish(handles)
         return elapsed, time.perf_counter() - t
 
@@ -547,7 +592,7 @@ def _contention(
         # as many collectives as take about half the phase alone: the compute outlasts them
         per_piece = t_comm / len(pieces)
         count = max(1, min(8 * len(pieces), int(0.5 * c / per_piece))) if per_piece > 0 else len(pieces)
-        chosen = [pieces[i % len(pieces)] for i in range(count)]
+        chosen = within_workspace([pieces[i % len(pieces)] for i in range(count)], workspace_of(backend))
         nbytes = sum(full.numel() * full.element_size() for full, _ in chosen)
         lost, samples[phase] = [], []
         for _ in range(max(repeats, lost_repeats)):
