@@ -9,7 +9,7 @@ import pytest
 from dearopt.planning.plan import ParamSpec, build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
 from dearopt.sim.profile import Profile, contention_from_overlap, stream_calibrated
-from dearopt.sim.simulator import cpu_per_byte, simulate, workspace_passes
+from dearopt.sim.simulator import cpu_costs, cpu_per_byte, simulate, workspace_passes
 
 # two parameters of 997 elements: each bucket holds 997 + 1 flag + 2 tags = 1000 float32 = 4000 bytes (2 ranks)
 PARAMS = [ParamSpec("p0", 997, "float32", 4), ParamSpec("p1", 997, "float32", 4)]
@@ -125,6 +125,27 @@ def test_ranks_with_a_core_each_run_at_the_pace_of_the_one_that_loses_most():
     fixed.cpu_per_byte = dict.fromkeys(("forward", "backward"), 2.5 * unit)
     assert simulate(own, plan("wfbp")).parts() == pytest.approx(simulate(fixed, plan("wfbp")).parts())
     assert simulate(own, plan("wfbp")).backward > simulate(shared, plan("wfbp")).backward
+
+
+def test_an_all_reduce_takes_the_cpu_the_profile_measured_of_all_reduces():
+    # without a measure of their own an all-reduce's bytes count twice at the reduce-scatters' and all-gathers'
+    # cost; with one (gloo's ring in place against all-to-alls through buffers) its own, per byte of its buffer.
+    # k = 0.025 / 4000: a 4000-byte all-reduce (0.1 s on the link) takes 0.05 s of compute (the gamma = 1 case,
+    # backward 0.5); measured at k / 4 per byte of its buffer it takes 0.00625 s: backward 0.4 + 2 * 0.00625
+    unit = 0.025 / 4000
+    twice = profile(beta=2.5e-5)
+    twice.cpu_per_byte = {"forward": unit, "backward": unit}
+    assert cpu_costs(twice)["all_reduce"] == pytest.approx(2 * unit)
+    assert simulate(twice, plan("wfbp")).backward == pytest.approx(0.5)
+    own = profile(beta=2.5e-5)
+    own.cpu_per_byte = {"forward": unit, "backward": unit, "all_reduce": unit / 4}
+    own.lost_samples = {"forward": [[unit]], "backward": [[unit]], "all_reduce": [[unit / 4], [unit / 4]]}
+    assert cpu_costs(own) == pytest.approx(
+        {"reduce_scatter": unit, "all_gather": unit, "broadcast": unit, "all_reduce": unit / 4}
+    )
+    assert cpu_per_byte(own) == pytest.approx(unit)  # the all-reduces' samples are not pooled with the others'
+    assert simulate(own, plan("wfbp")).backward == pytest.approx(0.4 + 2 * 0.00625)
+    assert simulate(own, plan("dear")).parts() == pytest.approx(simulate(twice, plan("dear")).parts())
 
 
 def test_the_engines_copies_and_averaging_take_compute_time():
@@ -287,9 +308,9 @@ def test_record_profile_on_two_ranks(kind):
         small, large = prof.comm_samples[kind_][0][0], prof.comm_samples[kind_][-1][0]
         assert cost.time(large, 2) >= cost.time(small, 2)
     assert set(prof.contention) == {"forward", "backward"} and min(prof.contention.values()) >= 0
-    assert set(prof.cpu_per_byte) == {"forward", "backward"} and min(prof.cpu_per_byte.values()) >= 0
+    assert set(prof.cpu_per_byte) == {"forward", "backward", "all_reduce"} and min(prof.cpu_per_byte.values()) >= 0
     # each rank's own loss per byte, per sample: cpu_per_byte is the median of the samples' means over ranks
-    assert set(prof.lost_samples) == {"forward", "backward"}
+    assert set(prof.lost_samples) == {"forward", "backward", "all_reduce"}
     for phase, samples in prof.lost_samples.items():
         assert len(samples) == 7 and all(len(s) == 2 for s in samples)
         assert prof.cpu_per_byte[phase] == pytest.approx(max(statistics.median(sum(s) / 2 for s in samples), 0.0))

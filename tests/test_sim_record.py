@@ -83,7 +83,7 @@ def test_starting_the_collectives_is_not_read_as_compute_lost_to_them():
     x = torch.randn(2, 4)
     link = _StubLink(op_seconds=0.002, start_seconds=0.03, workspace_bytes=2 * MiB)
     _, per_byte, samples = _contention(link, model, lambda: _Sleep.apply(model(x)).sum(), 2 * MiB, MiB, repeats=2)
-    for phase in ("forward", "backward"):
+    for phase in ("forward", "backward", "all_reduce"):
         assert len(samples[phase]) == 7
         # the sleeps' jitter only: well under a start's 0.03 s per MiB
         assert abs(per_byte[phase]) * MiB < 0.006, (phase, per_byte, samples)

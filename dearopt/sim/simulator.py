@@ -19,13 +19,13 @@ An op starts on the link when every op before it has started, its start
 moment has come, the credit window has room (unless it is due now) and the
 link is free; it lasts what the profile's alpha-beta fit predicts for the
 world size.  While an op is on the link, compute loses the CPU the op takes: the
-profile's ``cpu_per_byte`` (:func:`cpu_per_byte`: one number for both phases) times the
-op's bytes (an all-reduce's twice: a ring all-reduce is a reduce-scatter and an all-gather of its buffer,
-the two ops the profile measured), spread over its time on the link (profiles without it: compute runs
-``1 + gamma`` times slower, the older factor).  The engine's own passes over gradient memory run on
-the compute stream too (the profile's ``copy_per_byte``): each gradient copied
-into its bucket as it becomes ready, each reduced region averaged (and summed by
-the non-finite check) when its op is waited for.  Where the backend runs reduce-scatters and all-gathers as
+profile's cost per byte of its kind (:func:`cpu_costs`: one number for reduce-scatters and all-gathers in
+both phases, :func:`cpu_per_byte`, and the all-reduces' own where measured; else an all-reduce's bytes count
+twice: a ring all-reduce is a reduce-scatter and an all-gather of its buffer) times the op's bytes, spread
+over its time on the link (profiles without it: compute runs ``1 + gamma`` times slower, the older factor).
+The engine's own passes over gradient memory run on the compute stream too (the profile's ``copy_per_byte``):
+each gradient copied into its bucket as it becomes ready, each reduced region averaged (and summed by the
+non-finite check) when its op is waited for.  Where the backend runs reduce-scatters and all-gathers as
 all-to-alls through a bounded workspace (gloo; ``profile.workspace_bytes``), the host does what it does there
 (:func:`workspace_passes`): it fills each all-gather's send buffer when it starts it, sums each reduce-scatter's
 received chunks when it waits for it, and starting one more past the workspace waits first for the oldest such op
@@ -53,6 +53,7 @@ __all__ = [
     "cpu_bytes",
     "compute_rate",
     "cpu_per_byte",
+    "cpu_costs",
     "workspace_passes",
 ]
 
@@ -114,12 +115,34 @@ def cpu_per_byte(profile: Profile) -> float:
     recorded, the operating system moves the loss between them and the ranks' mean is the measure.  Profiles
     without per-rank samples: the mean of the phases' recorded values, leaving out one that measured nothing
     (a short or noisy phase can hide it: ResNet-50 on an unshaped link measured 0 in backward)."""
-    samples = [sample for phase in profile.lost_samples.values() for sample in phase if sample]
+    return _pooled(profile, ("forward", "backward"))
+
+
+def _pooled(profile: Profile, keys) -> float:
+    samples = [sample for key in keys for sample in profile.lost_samples.get(key, ()) if sample]
     if not samples:
-        values = [v for v in profile.cpu_per_byte.values() if v > 0]
+        values = [v for k, v in profile.cpu_per_byte.items() if k in keys and v > 0]
         return sum(values) / len(values) if values else 0.0
     own = profile.cores_per_rank >= 1
     return max(statistics.median(max(s) if own else sum(s) / len(s) for s in samples), 0.0)
+
+
+def cpu_costs(profile: Profile) -> Dict[str, float]:
+    """Per collective kind, the compute seconds a byte of its buffer takes while the op is on the link.
+
+    Reduce-scatters, all-gathers and broadcasts: :func:`cpu_per_byte`.  All-reduces: what the profile measured of
+    them on their own (``cpu_per_byte["all_reduce"]``, from its samples as :func:`cpu_per_byte` takes them) where
+    it did: on gloo an all-reduce is gloo's ring, in place, while a reduce-scatter and an all-gather are
+    all-to-alls through buffers, and on a 2-core machine the all-reduce took less CPU per byte than the two of
+    them together.  Profiles without it: twice :func:`cpu_per_byte` (a ring all-reduce is a reduce-scatter and an
+    all-gather of its buffer, :func:`cpu_bytes`)."""
+    per_byte = cpu_per_byte(profile)
+    costs = {
+        kind: per_byte * cpu_bytes(kind, 1.0) for kind in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
+    }
+    if profile.lost_samples.get("all_reduce") or "all_reduce" in profile.cpu_per_byte:
+        costs["all_reduce"] = _pooled(profile, ("all_reduce",))
+    return costs
 
 
 def workspace_passes(profile: Profile, kind: str, nbytes: float, world: int) -> float:
@@ -203,15 +226,11 @@ def simulate(
     world = world or plan.world_size
     comm = comm or profile.comm
     gamma = profile.contention if contention is None else contention
-    per_byte = (
-        dict.fromkeys(("forward", "backward"), cpu_per_byte(profile))
-        if contention is None and profile.cpu_per_byte
-        else {}
-    )
+    costs = cpu_costs(profile) if contention is None and profile.cpu_per_byte else None
     ops = plan.ops
     durations = [op_time(profile, plan, op, world, comm) for op in ops]
     buffers = [op_bytes(profile, plan, op, world) for op in ops]
-    wire = [cpu_bytes(*b) for b in buffers]
+    taken = [costs[kind] * n for kind, n in buffers] if costs else []  # compute seconds each op takes
     # the backend's workspace (gloo): the ops that hold a buffer of it while in flight, and the host's pass over
     # each one's buffer (an all-gather's at its start, a reduce-scatter's at its wait)
     workspace = profile.workspace_bytes if world > 1 else 0.0
@@ -300,14 +319,14 @@ def simulate(
 
     def slowdown(phase: str) -> float:
         """How many times slower compute runs now: while an op is on the link, it loses the CPU the op's bytes
-        take (``cpu_per_byte`` times its bytes, spread over its time on the link; compute keeps at least 5 %),
+        take (:func:`cpu_costs` times its bytes, spread over its time on the link; compute keeps at least 5 %),
         or, for profiles without ``cpu_per_byte``, runs ``1 + gamma`` times slower."""
         link = state["link"]
         if not link.busy:
             return 1.0
-        if per_byte:
+        if costs:
             i = link.running
-            return 1.0 / compute_rate(per_byte.get(phase, 0.0), wire[i], durations[i])
+            return 1.0 / compute_rate(1.0, taken[i], durations[i])
         return 1.0 + gamma.get(phase, 0.0)
 
     def advance(until: float, phase: str, waiting: bool = False) -> float:
