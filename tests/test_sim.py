@@ -9,7 +9,7 @@ import pytest
 from dearopt.planning.plan import ParamSpec, build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
 from dearopt.sim.profile import Profile, contention_from_overlap, stream_calibrated
-from dearopt.sim.simulator import cpu_per_byte, simulate
+from dearopt.sim.simulator import cpu_costs, cpu_per_byte, simulate, workspace_passes
 
 # two parameters of 997 elements: each bucket holds 997 + 1 flag + 2 tags = 1000 float32 = 4000 bytes (2 ranks)
 PARAMS = [ParamSpec("p0", 997, "float32", 4), ParamSpec("p1", 997, "float32", 4)]
@@ -127,6 +127,27 @@ def test_ranks_with_a_core_each_run_at_the_pace_of_the_one_that_loses_most():
     assert simulate(own, plan("wfbp")).backward > simulate(shared, plan("wfbp")).backward
 
 
+def test_an_all_reduce_takes_the_cpu_the_profile_measured_of_all_reduces():
+    # without a measure of their own an all-reduce's bytes count twice at the reduce-scatters' and all-gathers'
+    # cost; with one (gloo's ring in place against all-to-alls through buffers) its own, per byte of its buffer.
+    # k = 0.025 / 4000: a 4000-byte all-reduce (0.1 s on the link) takes 0.05 s of compute (the gamma = 1 case,
+    # backward 0.5); measured at k / 4 per byte of its buffer it takes 0.00625 s: backward 0.4 + 2 * 0.00625
+    unit = 0.025 / 4000
+    twice = profile(beta=2.5e-5)
+    twice.cpu_per_byte = {"forward": unit, "backward": unit}
+    assert cpu_costs(twice)["all_reduce"] == pytest.approx(2 * unit)
+    assert simulate(twice, plan("wfbp")).backward == pytest.approx(0.5)
+    own = profile(beta=2.5e-5)
+    own.cpu_per_byte = {"forward": unit, "backward": unit, "all_reduce": unit / 4}
+    own.lost_samples = {"forward": [[unit]], "backward": [[unit]], "all_reduce": [[unit / 4], [unit / 4]]}
+    assert cpu_costs(own) == pytest.approx(
+        {"reduce_scatter": unit, "all_gather": unit, "broadcast": unit, "all_reduce": unit / 4}
+    )
+    assert cpu_per_byte(own) == pytest.approx(unit)  # the all-reduces' samples are not pooled with the others'
+    assert simulate(own, plan("wfbp")).backward == pytest.approx(0.4 + 2 * 0.00625)
+    assert simulate(own, plan("dear")).parts() == pytest.approx(simulate(twice, plan("dear")).parts())
+
+
 def test_the_engines_copies_and_averaging_take_compute_time():
     # copy_per_byte c: each 3988-byte gradient is copied into its bucket when ready (0.1 and 0.3), each 4000-byte
     # all-reduced bucket averaged (c per byte) and summed by the non-finite check (c / 2) when backward ends.
@@ -143,6 +164,42 @@ def test_the_engines_copies_and_averaging_take_compute_time():
     without = simulate(profile(beta=2.5e-5), plan("dear"))
     assert q.step - without.step == pytest.approx(2 * 1.5 * 2000 * c)
     assert q.backward - without.backward == pytest.approx(2 * 3988 * c)
+
+
+def test_a_full_workspace_holds_the_host_where_it_starts_an_op():
+    # gloo's all-to-alls: a workspace of one 4000-byte buffer.  dear with every all-gather started at step():
+    # backward [0, 0.4] (p1 ready 0.1: RS1 0.1-0.3; p0 0.3: RS0 0.3-0.5), step() waits for RS0 until 0.5, starts
+    # AG0 (0.5-0.7) and, for AG1, waits for AG0 to leave the workspace: step 0.4-0.7; AG1 0.7-0.9 runs into the
+    # next forward (0.1 of work, AG0 done; 0.1, AG1 done at 0.2; tail 0.2), which waits for nothing: 0.4
+    at_step = build_plan(PARAMS, 4000, 2, "dear", gathers_at_step=True)
+    unbounded = simulate(profile(beta=1e-4), at_step)
+    assert (unbounded.forward, unbounded.backward, unbounded.step) == pytest.approx((0.6, 0.4, 0.1))
+    bounded = profile(beta=1e-4)
+    bounded.workspace_bytes = 4000
+    p = simulate(bounded, at_step)
+    assert (p.forward, p.backward, p.step) == pytest.approx((0.4, 0.4, 0.3))
+    waits = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in p.events if e["name"] == "wait workspace"]
+    assert len(waits) == 1 and waits[0] == pytest.approx((0.9, 0.2))  # the iteration's frame: step() starts at 0.8
+    # one gather ahead (dear's default) never holds more than the workspace: as without it
+    assert simulate(bounded, plan("dear")).parts() == pytest.approx(simulate(profile(beta=1e-4), plan("dear")).parts())
+
+
+def test_the_host_fills_each_gathers_buffer_and_sums_each_scatters_chunks_on_gloo():
+    # a workspace (gloo's all-to-alls): the host fills an all-gather's send buffer when it starts it and sums a
+    # reduce-scatter's chunks when it waits for it, each (1 + 1/2) / 2 of a copy of the 4000-byte buffer: 0.04 s
+    # here.  Fast link (0.05 s per op, hidden): dear's forward gains AG1's fill (started at bucket 0), step() the
+    # two sums and AG0's fill; backward is unchanged
+    c = 0.04 / 3000
+    base = profile(beta=2.5e-5)
+    base.copy_per_byte = c
+    gloo = profile(beta=2.5e-5)
+    gloo.copy_per_byte, gloo.workspace_bytes = c, 1e9
+    p, q = simulate(base, plan("dear")), simulate(gloo, plan("dear"))
+    assert q.forward - p.forward == pytest.approx(0.04)
+    assert q.step - p.step == pytest.approx(3 * 0.04)
+    assert q.backward == pytest.approx(p.backward)
+    assert workspace_passes(gloo, "all_reduce", 4000, 2) == 0.0  # an all-reduce runs in place
+    assert workspace_passes(base, "reduce_scatter", 4000, 2) == 0.0  # no workspace (NCCL, older profiles)
 
 
 def test_more_ranks_cost_what_the_ring_formulas_say():
@@ -251,9 +308,9 @@ def test_record_profile_on_two_ranks(kind):
         small, large = prof.comm_samples[kind_][0][0], prof.comm_samples[kind_][-1][0]
         assert cost.time(large, 2) >= cost.time(small, 2)
     assert set(prof.contention) == {"forward", "backward"} and min(prof.contention.values()) >= 0
-    assert set(prof.cpu_per_byte) == {"forward", "backward"} and min(prof.cpu_per_byte.values()) >= 0
+    assert set(prof.cpu_per_byte) == {"forward", "backward", "all_reduce"} and min(prof.cpu_per_byte.values()) >= 0
     # each rank's own loss per byte, per sample: cpu_per_byte is the median of the samples' means over ranks
-    assert set(prof.lost_samples) == {"forward", "backward"}
+    assert set(prof.lost_samples) == {"forward", "backward", "all_reduce"}
     for phase, samples in prof.lost_samples.items():
         assert len(samples) == 7 and all(len(s) == 2 for s in samples)
         assert prof.cpu_per_byte[phase] == pytest.approx(max(statistics.median(sum(s) / 2 for s in samples), 0.0))

@@ -17,6 +17,7 @@ import sys
 
 from dearopt.sim import Profile
 from dearopt.sim import predict
+from dearopt.sim.simulator import cpu_costs
 from dearopt.planning.plan import parse_size
 
 
@@ -83,10 +84,21 @@ def main(argv=None) -> int:
         f"{prediction.iteration:.4f} s (forward {prediction.forward:.4f}, backward {prediction.backward:.4f}, "
         f"step {prediction.step:.4f}; link busy {prediction.link_busy:.4f} s)"
     )
+    if profile.cpu_per_byte:
+        costs = cpu_costs(profile)
+        contention = (
+            f"compute lost per byte on the link: reduce-scatter/all-gather {costs['reduce_scatter'] * 1e9:.2f} ns, "
+            f"all-reduce {costs['all_reduce'] * 1e9:.2f} ns"
+        )
+    else:
+        contention = (
+            f"contention forward {profile.contention.get('forward', 0):.2f}, "
+            f"backward {profile.contention.get('backward', 0):.2f}"
+        )
+    workspace = f"; workspace {profile.workspace_bytes / 2**20:.0f} MiB" if profile.workspace_bytes else ""
     print(
         f"profile: t_ff {profile.t_ff:.4f} s, t_bp {profile.t_bp:.4f} s, measured on {profile.world} ranks "
-        f"({profile.backend}, {profile.link}); contention forward {profile.contention.get('forward', 0):.2f}, "
-        f"backward {profile.contention.get('backward', 0):.2f}"
+        f"({profile.backend}, {profile.link}); {contention}{workspace}"
     )
     if args.timeline:
         root, _ = os.path.splitext(args.timeline)

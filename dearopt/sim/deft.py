@@ -25,7 +25,7 @@ prediction is their mean in the steady state.  The walk follows
 
 Each unit is one all-reduce, or a reduce-scatter and an all-gather (the
 reduction the job measured faster); compute loses the CPU an op's bytes take
-while it is on the link (the profile's ``cpu_per_byte``), as in
+while it is on the link (the profile's cost per byte of its kind, :func:`dearopt.sim.simulator.cpu_costs`), as in
 :mod:`dearopt.sim.simulator`.
 """
 
@@ -38,7 +38,7 @@ from dearopt.planning.plan import Plan
 from dearopt.schedules.deft.schedule import DeftIteration, DeftSchedule
 from dearopt.sim.cost import CommCost
 from dearopt.sim.profile import Profile
-from dearopt.sim.simulator import Prediction, compute_rate, cpu_bytes, cpu_per_byte
+from dearopt.sim.simulator import Prediction, compute_rate, cpu_costs
 
 __all__ = ["simulate_deft", "schedule_to_json", "schedule_from_json"]
 
@@ -49,26 +49,25 @@ RSAG = "reduce_scatter+all_gather"
 class _Clock:
     """One rank's compute stream and the link, in simulated seconds."""
 
-    def __init__(self, per_byte: Dict[str, float]):
+    def __init__(self):
         self.now = 0.0
-        self.per_byte = per_byte
-        self.queue: List[Tuple[int, float, float]] = []  # (op, seconds, bytes) started, in order
-        self.running: Optional[Tuple[int, float, float, float]] = None  # (op, end, seconds, bytes)
+        self.queue: List[Tuple[int, float, float]] = []  # (op, seconds, compute seconds it takes) started, in order
+        self.running: Optional[Tuple[int, float, float, float]] = None  # (op, end, seconds, compute seconds)
         self.done: set = set()
         self._next = 0
         self.busy = 0.0
 
-    def send(self, seconds: float, nbytes: float) -> int:
+    def send(self, seconds: float, cpu: float) -> int:
         op = self._next
         self._next += 1
-        self.queue.append((op, seconds, nbytes))
+        self.queue.append((op, seconds, cpu))
         self._start()
         return op
 
     def _start(self) -> None:
         if self.running is None and self.queue:
-            op, seconds, nbytes = self.queue.pop(0)
-            self.running = (op, self.now + seconds, seconds, nbytes)
+            op, seconds, cpu = self.queue.pop(0)
+            self.running = (op, self.now + seconds, seconds, cpu)
 
     def _advance(self, until: float) -> None:
         """Move the clock to ``until`` (not past the running op's end), finishing the op if it ends there."""
@@ -85,11 +84,7 @@ class _Clock:
         """Compute ``seconds`` of work, slower while an op is on the link."""
         left = seconds
         while left > 1e-12:
-            rate = (
-                1.0
-                if self.running is None
-                else compute_rate(self.per_byte.get(phase, 0.0), self.running[3], self.running[2])
-            )
+            rate = 1.0 if self.running is None else compute_rate(1.0, self.running[3], self.running[2])
             end = self.now + left / rate
             start = self.now
             self._advance(end)
@@ -127,13 +122,14 @@ def simulate_deft(
         raise ValueError(f"reduction must be {ALL_REDUCE!r} or {RSAG!r}, got {reduction!r}")
     kinds = ("all_reduce",) if reduction == ALL_REDUCE else ("reduce_scatter", "all_gather")
     seconds = [sum(comm[k].time(plan.buckets[b].piece_nbytes(p), world) for k in kinds) for b, p in units]
-    nbytes = [sum(cpu_bytes(k, plan.buckets[b].piece_nbytes(p)) for k in kinds) for b, p in units]
+    costs = cpu_costs(profile)
+    taken = [sum(costs[k] * plan.buckets[b].piece_nbytes(p) for k in kinds) for b, p in units]  # compute seconds
     forward_u, _, _ = deft_times(profile, plan, reduction)
     ready_b = [max(profile.ready[p] for p in b.params) for b in plan.buckets]
     bucket_bytes = [b.padded_numel * b.element_size for b in plan.buckets]
     elements = sum(b.grad_numel for b in plan.buckets)
     update = profile.update_per_call * len(plan.buckets) + profile.update_per_element * elements
-    clock = _Clock(dict.fromkeys(("forward", "backward"), cpu_per_byte(profile)))
+    clock = _Clock()
     if apply not in ("group", "bucket"):
         raise ValueError(f"apply must be 'group' or 'bucket', got {apply!r}")
     held = False
@@ -159,7 +155,7 @@ def simulate_deft(
         it = schedule.iteration(t)
         start, busy0 = clock.now, clock.busy
         for u in it.forward:
-            op = clock.send(seconds[u], nbytes[u])
+            op = clock.send(seconds[u], taken[u])
             in_flight.append(op)
             old_ops[u] = op
         for u in range(len(units)):
@@ -176,7 +172,7 @@ def simulate_deft(
         clock.wait(in_flight)  # the group's sends so far are done before backward's
         in_flight = []
         for u in it.backward_old:
-            op = clock.send(seconds[u], nbytes[u])
+            op = clock.send(seconds[u], taken[u])
             in_flight.append(op)
             old_ops[u] = op
         new_ops: List[int] = []
@@ -187,12 +183,12 @@ def simulate_deft(
             done_compute = max(done_compute, ready_b[b])
             ready = {c for c in range(len(plan.buckets)) if ready_b[c] <= done_compute}
             while cursor < len(order) and units[order[cursor]][0] in ready:
-                new_ops.append(clock.send(seconds[order[cursor]], nbytes[order[cursor]]))
+                new_ops.append(clock.send(seconds[order[cursor]], taken[order[cursor]]))
                 new_unit_ops[order[cursor]] = new_ops[-1]
                 cursor += 1
         clock.work(max(profile.t_bp - done_compute, 0.0), "backward")
         for u in order[cursor:]:
-            new_ops.append(clock.send(seconds[u], nbytes[u]))
+            new_ops.append(clock.send(seconds[u], taken[u]))
             new_unit_ops[u] = new_ops[-1]
         # every bucket's gradient copied into the new group (and the held sums added), or added to the held sums
         passes = 2 if held and not it.held else 1

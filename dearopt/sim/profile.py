@@ -14,11 +14,15 @@
 * how much compute slows down while the link is busy (on a machine where
   communication takes CPU from compute, as a 2-core one), forward and backward:
   as compute seconds lost per byte communicated meanwhile (``cpu_per_byte``, what
-  the simulator uses), and as the older factor ``contention``;
+  the simulator uses; all-gathers and reduce-scatters, and all-reduces on their
+  own), and as the older factor ``contention``;
 * the engine's own passes over gradient memory, per byte (``copy_per_byte``): each
   gradient copied into its bucket when it is ready, each reduced region averaged
   when its collective completes (a plain backward, which the ready times come
-  from, does neither).
+  from, does neither);
+* the backend's bound on reduce-scatters and all-gathers in flight
+  (``workspace_bytes``: gloo runs them as all-to-alls through a bounded
+  workspace, and a host that starts one past it waits for the oldest first).
 
 A :class:`Profile` is saved and loaded as JSON.
 """
@@ -37,7 +41,7 @@ import torch
 from dearopt.planning.plan import ParamSpec
 from dearopt.sim.cost import KINDS, CommCost, fit, op_steps
 
-__all__ = ["Profile", "record_profile", "contention_from_overlap", "stream_calibrated"]
+__all__ = ["Profile", "record_profile", "contention_from_overlap", "stream_calibrated", "workspace_of"]
 
 
 @dataclasses.dataclass
@@ -58,15 +62,20 @@ class Profile:
     rows_fraction: Dict[int, float] = dataclasses.field(default_factory=dict)  # row-sparse param -> rows touched
     copy_per_byte: float = 0.0  # seconds per byte of one elementwise pass (copy into a bucket, averaging)
     cpu_per_byte: Dict[str, float] = dataclasses.field(default_factory=dict)  # "forward"/"backward": compute
-    # seconds lost per byte of collectives running meanwhile (see _contention); the simulator prefers it to
-    # ``contention`` where measured
-    lost_samples: Dict[str, List[List[float]]] = dataclasses.field(default_factory=dict)  # per phase, per sample:
-    # each rank's own compute seconds lost per byte (``cpu_per_byte`` is the median of their means)
+    # seconds lost per byte of all-gathers / reduce-scatters running meanwhile, "all_reduce": per byte of an
+    # all-reduce's buffer (see _contention); the simulator prefers it to ``contention`` where measured
+    lost_samples: Dict[str, List[List[float]]] = dataclasses.field(default_factory=dict)  # per key of
+    # ``cpu_per_byte``, per sample: each rank's own compute seconds lost per byte (``cpu_per_byte`` is the median
+    # of their means)
     comm_streams: Dict[str, List[float]] = dataclasses.field(default_factory=dict)  # per kind: [bytes, ops,
     # seconds] of the model's buckets sent back to back; ``comm``'s betas reproduce them (stream_calibrated)
     cores_per_rank: float = 0.0  # CPU cores this host gives each of its ranks (0: not recorded); with one or
     # more, each rank computes on a core of its own and the slowest rank's loss paces the job (see
     # :func:`dearopt.sim.cpu_per_byte`)
+    workspace_bytes: float = 0.0  # the bytes of reduce-scatter and all-gather buffers the backend holds in flight
+    # (gloo's all-to-all workspace: a receive buffer per reduce-scatter, a send buffer per all-gather, each the
+    # op's full size; at least one op's): starting one more past it waits for the oldest first, on the host.
+    # 0: no bound (NCCL; profiles recorded before the workspace, which predict as before)
 
     @property
     def t_ff(self) -> float:
@@ -163,6 +172,15 @@ def _cores_per_rank(backend, local_size: int) -> float:
     mask[sorted(mine)] = 1.0
     backend.all_reduce(mask, "max").wait()
     return float(mask.sum().item()) / local_size
+
+
+def workspace_of(backend) -> float:
+    """The bytes of reduce-scatter receive and all-gather send buffers ``backend`` keeps in flight before starting
+    one more waits for the oldest (:attr:`dearopt.backends.base.TorchDistBackend.workspace_bytes`, on gloo,
+    where both run as all-to-alls through that workspace); 0 where starting an op never waits."""
+    if getattr(backend, "pg_backend", None) != "gloo":
+        return 0.0
+    return float(getattr(backend, "workspace_bytes", 0) or 0)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -335,6 +353,7 @@ def record_profile(
         lost_samples=lost_samples,
         cores_per_rank=_cores_per_rank(backend, runtime.local_size()),
         comm_streams=streams,
+        workspace_bytes=workspace_of(backend) if world > 1 else 0.0,
     )
     if world > 1:
         profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
@@ -428,6 +447,27 @@ def _model_pieces(backend, total_bytes: int, bucket_bytes: int) -> List[Tuple[to
     return pieces
 
 
+def within_workspace(pieces: Sequence[Tuple[torch.Tensor, torch.Tensor]], workspace: float) -> list:
+    """The first of ``pieces`` (full, shard) whose reduce-scatters or all-gathers the backend starts without
+    waiting: their full buffers together within ``workspace`` bytes (at least one piece; all where 0).
+
+    Past the workspace (gloo's all-to-alls: 64 MiB) starting one more waits on the host for the oldest in flight;
+    the model's 100 MB of ResNet-50 started at a phase's start held the host ~0.1 s unshaped and ~0.2 s at
+    3 Gbit/s before the phase could compute, which the contention measurement read as compute lost to the
+    collectives' CPU (2.3-2.9 ns/B, compute at its 5 % floor while any op was on the link: every plan predicted
+    as compute plus communication)."""
+    if not workspace:
+        return list(pieces)
+    chosen, held = [], 0
+    for full, shard in pieces:
+        size = full.numel() * full.element_size()
+        if chosen and held + size > workspace:
+            break
+        chosen.append((full, shard))
+        held += size
+    return chosen
+
+
 def _stream_times(backend, total_bytes: int, bucket_bytes: int, repeats: int) -> Dict[str, List[float]]:
     """Per kind (reduce-scatter, all-gather, all-reduce): the model's bytes in buckets of ``bucket_bytes``, the
     ops started back to back as the engine starts them, waited for together: ``[total bytes, ops, seconds]``
@@ -470,7 +510,8 @@ def stream_calibrated(cost: CommCost, stream: Sequence[float], world: int) -> Co
 def _contention(
     backend, model, run, total_bytes: int, bucket_bytes: int, repeats: int, lost_repeats: int = 7
 ) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, List[List[float]]]]:
-    """How much compute slows while collectives run, forward (all-gathers) and backward (reduce-scatters).
+    """How much compute slows while collectives run, forward (all-gathers) and backward (reduce-scatters, and
+    all-reduces).
 
     Two measures.  ``contention`` (gamma per phase): compute alone, the model's
     worth of collectives alone, and both together (:func:`contention_from_overlap`).
@@ -479,22 +520,32 @@ def _contention(
     ``cpu_per_byte``: the compute seconds lost per byte communicated meanwhile.
     Each phase runs alone and again with as many collectives started at its
     start as take about half its time alone (the model's buckets, repeated up to
-    8 times where they are quick), so the compute outlasts them and every second
-    it loses is the collectives' CPU: the median of ``lost_repeats`` samples, each
+    8 times where they are quick), no more than the backend starts without waiting
+    (:func:`within_workspace`), so the compute outlasts them and every second
+    it loses is the collectives' CPU (the time the host takes to start them is
+    not counted: :func:`dearopt.sim.simulate` charges the host that work where
+    the engine does it): the median of ``lost_repeats`` samples, each
     the ranks' mean of their own loss.  On a CPU machine that cost goes mostly
     with the bytes the ranks copy, sum and push through sockets, so it carries
     over to plans (and links) whose ops are busy for other lengths of time,
     where a factor per second of link time does not.
     The collectives are issued in buckets of ``bucket_bytes``, as the engine
-    issues them.
+    issues them.  All-reduces are measured on their own (key ``"all_reduce"``,
+    per byte of the buffer, in backward): on gloo an all-reduce runs in place as
+    gloo's ring while a reduce-scatter and an all-gather are all-to-alls through
+    buffers, and the two do not cost the same CPU per byte (ResNet-50 at 3 Gbit/s
+    on this 2-core machine: backward lost ~0.1 s to the model's 102 MB of
+    all-reduces, the forward ~0.14 s to its all-gathers).
     """
     world = backend.size
     device = backend.device
     pieces = _model_pieces(backend, total_bytes, bucket_bytes)
 
-    def start(phase, chosen):
-        if phase == "forward":
+    def start(kind, chosen):
+        if kind == "all_gather":
             return [backend.all_gather(full, shard) for full, shard in chosen]
+        if kind == "all_reduce":
+            return [backend.all_reduce(full) for full, _ in chosen]
         return [backend.reduce_scatter(shard, full) for full, shard in chosen]
 
     def finish(handles):
@@ -504,22 +555,27 @@ def _contention(
     def align():
         backend.all_reduce(torch.zeros(1, device=device)).wait()
 
-    def phase_time(phase, chosen) -> Tuple[float, float]:
-        """Seconds of the phase (forward, or backward) with ``chosen`` collectives started at its start, and
-        seconds until both the phase and the collectives are done."""
+    def phase_time(phase, chosen, kind=None) -> Tuple[float, float]:
+        """Seconds of the phase (forward, or backward) with ``chosen`` collectives started at its start, less the
+        time the host took to start them (an all-gather's send buffer filled, a start that waited for room in the
+        backend's workspace: the host's own work, not compute slowed), and seconds until both the phase and the
+        collectives are done."""
+        kind = kind or ("all_gather" if phase == "forward" else "reduce_scatter")
         model.zero_grad(set_to_none=True)
         if phase == "forward":
             align()
             t = time.perf_counter()
-            handles = start(phase, chosen)
+            handles = start(kind, chosen)
+            started = time.perf_counter()
             run()
         else:
             loss = run()
             align()
             t = time.perf_counter()
-            handles = start(phase, chosen)
+            handles = start(kind, chosen)
+            started = time.perf_counter()
             loss.backward()
-        elapsed = time.perf_counter() - t
+        elapsed = time.perf_counter() - started
         finish(handles)
         return elapsed, time.perf_counter() - t
 
@@ -529,29 +585,38 @@ def _contention(
         return (vector if op == "max" else vector / world).tolist()
 
     gamma, per_byte, samples = {}, {}, {}
-    for phase in ("forward", "backward"):
+    # forward with all-gathers, backward with reduce-scatters (their samples pooled: one cost per byte of either),
+    # and backward with all-reduces, measured on their own (key "all_reduce": per byte of the buffer)
+    for key, phase, kind in (
+        ("forward", "forward", "all_gather"),
+        ("backward", "backward", "reduce_scatter"),
+        ("all_reduce", "backward", "all_reduce"),
+    ):
         alone, comm, both = [], [], []
         for _ in range(repeats):
             compute = phase_time(phase, [])[0]
             align()
             t = time.perf_counter()
-            finish(start(phase, pieces))
+            finish(start(kind, pieces))
             collectives = time.perf_counter() - t
-            together = phase_time(phase, pieces)[1]
+            together = phase_time(phase, pieces, kind)[1] if key in ("forward", "backward") else 0.0
             compute, collectives, together = over_ranks([compute, collectives, together], "max")
             alone.append(compute)
             comm.append(collectives)
             both.append(together)
         c, t_comm = _median(alone), _median(comm)
-        gamma[phase] = contention_from_overlap(c, t_comm, _median(both))
+        if key in ("forward", "backward"):
+            gamma[phase] = contention_from_overlap(c, t_comm, _median(both))
         # as many collectives as take about half the phase alone: the compute outlasts them
         per_piece = t_comm / len(pieces)
         count = max(1, min(8 * len(pieces), int(0.5 * c / per_piece))) if per_piece > 0 else len(pieces)
         chosen = [pieces[i % len(pieces)] for i in range(count)]
+        if kind != "all_reduce":  # an all-reduce runs in place, in no workspace
+            chosen = within_workspace(chosen, workspace_of(backend))
         nbytes = sum(full.numel() * full.element_size() for full, _ in chosen)
-        lost, samples[phase] = [], []
+        lost, samples[key] = [], []
         for _ in range(max(repeats, lost_repeats)):
-            with_comm, without = phase_time(phase, chosen)[0], phase_time(phase, [])[0]
+            with_comm, without = phase_time(phase, chosen, kind)[0], phase_time(phase, [])[0]
             # each rank's own loss, averaged over the ranks: what one rank loses per byte.  The slowest rank's
             # phase with less the slowest rank's without is a difference of two maxima; with 3 ranks on 2 cores
             # its 7-sample median of backward read 1.37, 1.56, 2.73 and 3.24 ns/B in four runs of one cell,
@@ -559,8 +624,8 @@ def _contention(
             own = [0.0] * world
             own[backend.rank] = with_comm - without
             every = over_ranks(own, "sum")  # each rank's own loss (divided by world: scaled back below)
-            samples[phase].append([v * world / nbytes for v in every])
+            samples[key].append([v * world / nbytes for v in every])
             lost.append(sum(every))
-        per_byte[phase] = max(_median(lost), 0.0) / nbytes
+        per_byte[key] = max(_median(lost), 0.0) / nbytes
     model.zero_grad(set_to_none=True)
     return gamma, per_byte, samples

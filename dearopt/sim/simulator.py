@@ -19,13 +19,18 @@ An op starts on the link when every op before it has started, its start
 moment has come, the credit window has room (unless it is due now) and the
 link is free; it lasts what the profile's alpha-beta fit predicts for the
 world size.  While an op is on the link, compute loses the CPU the op takes: the
-profile's ``cpu_per_byte`` (:func:`cpu_per_byte`: one number for both phases) times the
-op's bytes (an all-reduce's twice: a ring all-reduce is a reduce-scatter and an all-gather of its buffer,
-the two ops the profile measured), spread over its time on the link (profiles without it: compute runs
-``1 + gamma`` times slower, the older factor).  The engine's own passes over gradient memory run on
-the compute stream too (the profile's ``copy_per_byte``): each gradient copied
-into its bucket as it becomes ready, each reduced region averaged (and summed by
-the non-finite check) when its op is waited for.  Several iterations are simulated; the last one is the prediction
+profile's cost per byte of its kind (:func:`cpu_costs`: one number for reduce-scatters and all-gathers in
+both phases, :func:`cpu_per_byte`, and the all-reduces' own where measured; else an all-reduce's bytes count
+twice: a ring all-reduce is a reduce-scatter and an all-gather of its buffer) times the op's bytes, spread
+over its time on the link (profiles without it: compute runs ``1 + gamma`` times slower, the older factor).
+The engine's own passes over gradient memory run on the compute stream too (the profile's ``copy_per_byte``):
+each gradient copied into its bucket as it becomes ready, each reduced region averaged (and summed by the
+non-finite check) when its op is waited for.  Where the backend runs reduce-scatters and all-gathers as
+all-to-alls through a bounded workspace (gloo; ``profile.workspace_bytes``), the host does what it does there
+(:func:`workspace_passes`): it fills each all-gather's send buffer when it starts it, sums each reduce-scatter's
+received chunks when it waits for it, and starting one more past the workspace waits first for the oldest such op
+on the link (compute stops meanwhile: ``prophet`` starting every all-gather at ``step()``, or a reduce-scatter
+started while two are still on the link).  Several iterations are simulated; the last one is the prediction
 (steady state, for schedules whose work crosses iterations).
 """
 
@@ -36,11 +41,21 @@ import math
 import statistics
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from dearopt.planning.plan import REDUCE_SCATTER, ROWS, Plan, When
+from dearopt.planning.plan import ALL_GATHER, REDUCE_SCATTER, ROWS, Plan, When
 from dearopt.sim.cost import CommCost
 from dearopt.sim.profile import Profile
 
-__all__ = ["Prediction", "simulate", "op_time", "op_bytes", "cpu_bytes", "compute_rate", "cpu_per_byte"]
+__all__ = [
+    "Prediction",
+    "simulate",
+    "op_time",
+    "op_bytes",
+    "cpu_bytes",
+    "compute_rate",
+    "cpu_per_byte",
+    "cpu_costs",
+    "workspace_passes",
+]
 
 
 @dataclasses.dataclass
@@ -100,12 +115,45 @@ def cpu_per_byte(profile: Profile) -> float:
     recorded, the operating system moves the loss between them and the ranks' mean is the measure.  Profiles
     without per-rank samples: the mean of the phases' recorded values, leaving out one that measured nothing
     (a short or noisy phase can hide it: ResNet-50 on an unshaped link measured 0 in backward)."""
-    samples = [sample for phase in profile.lost_samples.values() for sample in phase if sample]
+    return _pooled(profile, ("forward", "backward"))
+
+
+def _pooled(profile: Profile, keys) -> float:
+    samples = [sample for key in keys for sample in profile.lost_samples.get(key, ()) if sample]
     if not samples:
-        values = [v for v in profile.cpu_per_byte.values() if v > 0]
+        values = [v for k, v in profile.cpu_per_byte.items() if k in keys and v > 0]
         return sum(values) / len(values) if values else 0.0
     own = profile.cores_per_rank >= 1
     return max(statistics.median(max(s) if own else sum(s) / len(s) for s in samples), 0.0)
+
+
+def cpu_costs(profile: Profile) -> Dict[str, float]:
+    """Per collective kind, the compute seconds a byte of its buffer takes while the op is on the link.
+
+    Reduce-scatters, all-gathers and broadcasts: :func:`cpu_per_byte`.  All-reduces: what the profile measured of
+    them on their own (``cpu_per_byte["all_reduce"]``, from its samples as :func:`cpu_per_byte` takes them) where
+    it did: on gloo an all-reduce is gloo's ring, in place, while a reduce-scatter and an all-gather are
+    all-to-alls through buffers, and on a 2-core machine the all-reduce took less CPU per byte than the two of
+    them together.  Profiles without it: twice :func:`cpu_per_byte` (a ring all-reduce is a reduce-scatter and an
+    all-gather of its buffer, :func:`cpu_bytes`)."""
+    per_byte = cpu_per_byte(profile)
+    costs = {
+        kind: per_byte * cpu_bytes(kind, 1.0) for kind in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
+    }
+    if profile.lost_samples.get("all_reduce") or "all_reduce" in profile.cpu_per_byte:
+        costs["all_reduce"] = _pooled(profile, ("all_reduce",))
+    return costs
+
+
+def workspace_passes(profile: Profile, kind: str, nbytes: float, world: int) -> float:
+    """Seconds of the host's own pass over an op's buffer where the backend runs it as an all-to-all through its
+    workspace (``profile.workspace_bytes`` > 0, gloo): an all-gather's send buffer filled with ``world`` copies
+    of the shard when it starts, a reduce-scatter's ``world`` received chunks summed into the shard when it is
+    waited for.  Either moves the buffer once one way and a ``1 / world`` share of it the other: ``(1 + 1 /
+    world) / 2`` of a copy of ``nbytes``.  0 for other ops, and where there is no such workspace."""
+    if not profile.workspace_bytes or kind not in (REDUCE_SCATTER, ALL_GATHER) or world <= 1:
+        return 0.0
+    return nbytes * profile.copy_per_byte * (1.0 + 1.0 / world) / 2.0
 
 
 def op_time(profile: Profile, plan: Plan, op, world: int, comm: Dict[str, CommCost]) -> float:
@@ -178,14 +226,16 @@ def simulate(
     world = world or plan.world_size
     comm = comm or profile.comm
     gamma = profile.contention if contention is None else contention
-    per_byte = (
-        dict.fromkeys(("forward", "backward"), cpu_per_byte(profile))
-        if contention is None and profile.cpu_per_byte
-        else {}
-    )
+    costs = cpu_costs(profile) if contention is None and profile.cpu_per_byte else None
     ops = plan.ops
     durations = [op_time(profile, plan, op, world, comm) for op in ops]
-    wire = [cpu_bytes(*op_bytes(profile, plan, op, world)) for op in ops]
+    buffers = [op_bytes(profile, plan, op, world) for op in ops]
+    taken = [costs[kind] * n for kind, n in buffers] if costs else []  # compute seconds each op takes
+    # the backend's workspace (gloo): the ops that hold a buffer of it while in flight, and the host's pass over
+    # each one's buffer (an all-gather's at its start, a reduce-scatter's at its wait)
+    workspace = profile.workspace_bytes if world > 1 else 0.0
+    held = [n if workspace and kind in (REDUCE_SCATTER, ALL_GATHER) else 0.0 for kind, n in buffers]
+    passes = [workspace_passes(profile, op.kind, op.nbytes, world) for op in ops]
     owner = {}
     for b in plan.buckets:
         for p in b.params:
@@ -224,21 +274,59 @@ def simulate(
             return False
         return True
 
-    def pump(force_through: int = -1) -> None:
+    def pump(force_through: int = -1, phase: str = "backward") -> None:
         link = state["link"]
         while link.cursor < len(ops) and may_start(link.cursor, link.cursor <= force_through):
-            link.issue(link.cursor, clock[0])
+            i = link.cursor
+            make_room(i, phase)
+            link.issue(i, clock[0])
+            if ops[i].kind == ALL_GATHER:  # the host fills its send buffer as it starts it
+                work(passes[i], "fill all_gather", phase)
+
+    summed: set = set()
+
+    def host_sum(i: int, phase: str) -> None:
+        """The host sums a reduce-scatter's received chunks the first time it waits for it."""
+        if ops[i].kind == REDUCE_SCATTER and i not in summed:
+            summed.add(i)
+            work(passes[i], "sum reduce_scatter", phase)
+
+    def make_room(i: int, phase: str) -> None:
+        """Before the host starts op ``i``: past the backend's workspace it waits for the oldest op holding a
+        buffer of it until there is room (compute stops meanwhile)."""
+        if not held[i]:
+            return
+        link = state["link"]
+        room = max(workspace, held[i])
+        start = clock[0]
+        while sum(held[j] for j in link.queue) + held[i] > room:
+            oldest = next(j for j in link.queue if held[j])
+            while oldest not in link.done:
+                advance(link.next_event(), phase)
+            host_sum(oldest, phase)
+        if clock[0] > start:
+            events.append(
+                {
+                    "name": "wait workspace",
+                    "cat": "wait",
+                    "ph": "X",
+                    "tid": 0,
+                    "ts": start * 1e6,
+                    "dur": (clock[0] - start) * 1e6,
+                    "args": {},
+                }
+            )
 
     def slowdown(phase: str) -> float:
         """How many times slower compute runs now: while an op is on the link, it loses the CPU the op's bytes
-        take (``cpu_per_byte`` times its bytes, spread over its time on the link; compute keeps at least 5 %),
+        take (:func:`cpu_costs` times its bytes, spread over its time on the link; compute keeps at least 5 %),
         or, for profiles without ``cpu_per_byte``, runs ``1 + gamma`` times slower."""
         link = state["link"]
         if not link.busy:
             return 1.0
-        if per_byte:
+        if costs:
             i = link.running
-            return 1.0 / compute_rate(per_byte.get(phase, 0.0), wire[i], durations[i])
+            return 1.0 / compute_rate(1.0, taken[i], durations[i])
         return 1.0 + gamma.get(phase, 0.0)
 
     def advance(until: float, phase: str, waiting: bool = False) -> float:
@@ -325,6 +413,8 @@ def simulate(
                     "args": {},
                 }
             )
+        for i in indices:
+            host_sum(i, "backward")
         average(indices)
 
     def apply_updates(key: Tuple, phase: str) -> None:
@@ -336,7 +426,7 @@ def simulate(
             k = state["reached"] + 1
             wait_for(due.get((When.FORWARD, k), []), "wait all_gather")
             state["reached"] = k
-            pump()
+            pump(phase="forward")
             apply_updates((When.FORWARD, k), "forward")
 
     def iteration(n: int) -> Iterator[None]:
@@ -353,6 +443,7 @@ def simulate(
         state["link"] = _Link(durations, plan.credit, [op.nbytes for op in ops])
         state.update(ready=set(), backward_done=False, stepped=False, reached=-1)
         averaged.clear()
+        summed.clear()
         remaining = {b.index: set(b.params) for b in plan.buckets}
         previous = 0.0
         for p in sorted(range(len(plan.params)), key=lambda q: profile.ready[q]):

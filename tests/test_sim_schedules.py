@@ -1,0 +1,86 @@
+"""On a profile recorded by the bench, every schedule gets its own prediction: the overlap a schedule's plan allows
+shows in its predicted iteration, and the bench's predictions pass each schedule its own plan.
+
+The issue this guards against: from one bench run's own profile DDP, ``wfbp`` and ``dear`` were all predicted
+1.273 s (measured 1.193, 0.971 and 0.928 s), because the recorded CPU cost of the collectives held the replayed
+compute at its floor whenever an op was on the link, so every plan predicted as its compute plus its
+communication.
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from dearopt.bench.report import predictions
+from dearopt.sim import Profile, link_costs, plan_for, predict
+from dearopt.sim.simulator import compute_rate, cpu_costs
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "sim-resnet50-3gbit.json")
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def run():
+    with open(DATA) as fh:
+        return json.load(fh)
+
+
+def link_bound(profile: Profile, link: str) -> Profile:
+    """The recorded profile with its collectives on a slower link, where the link is the bottleneck."""
+    return dataclasses.replace(profile, comm=link_costs(profile, link))
+
+
+def test_the_recorded_profile_leaves_compute_running_while_a_bucket_is_on_the_link(run):
+    # a 25 MiB reduce-scatter, all-gather or all-reduce takes only part of the compute's speed while on the link;
+    # the profiles of the issue held it at the 5 % floor (2.3-2.9 ns/B against ~2.8 ns/B of link time)
+    profile = Profile.from_json(run["profile"])
+    for kind, cost in profile.comm.items():
+        if kind == "broadcast":
+            continue
+        seconds = cost.time(25 * MiB, profile.world)
+        assert compute_rate(1.0, cpu_costs(profile)[kind] * 25 * MiB, seconds) > 0.3, kind
+
+
+def test_each_schedule_is_predicted_from_its_own_overlap_where_the_link_is_the_bottleneck(run):
+    profile = link_bound(Profile.from_json(run["profile"]), "500mbit")
+    size = int(run["bucket_mb"] * MiB)
+    blocks = run["plans"]["prophet"][0]["groups"]
+    wfbp = predict(profile, "wfbp", buffer_size=size)
+    dear = predict(profile, "dear", buffer_size=size, allreduce=())  # DeAR's plan: every bucket scattered
+    prophet = predict(profile, "prophet", buffer_size=size, groups=blocks)
+    rsag = predict(profile, "rsag", buffer_size=size)
+    # dear gathers during the next forward and scatters during backward: it hides more than wfbp, whose
+    # all-reduces only overlap backward; rsag sends the same bytes as dear, all of them in backward; prophet's
+    # blocks are dear's ops with every gather started at step()
+    assert dear.iteration < 0.95 * wfbp.iteration
+    assert dear.iteration < 0.9 * rsag.iteration
+    assert prophet.iteration < wfbp.iteration < rsag.iteration
+    times = sorted(p.iteration for p in (wfbp, dear, prophet, rsag))
+    assert all(b > 1.01 * a for a, b in zip(times, times[1:]))  # four plans, four predictions
+    # the phases carry the difference: dear's forward waits for gathers, wfbp's backward for all-reduces
+    assert dear.forward > wfbp.forward and dear.backward < wfbp.backward
+
+
+def test_the_bench_predicts_ddp_as_wfbp_and_every_schedule_with_the_plan_that_ran(run):
+    profile = link_bound(Profile.from_json(run["profile"]), "500mbit")
+    doc = {
+        "bucket_mb": run["bucket_mb"],
+        "profile": profile.to_json(),
+        "schedules": {s: {} for s in ("ddp", "wfbp", "dear", "prophet")},
+        "plans": {
+            "dear": [dict(run["plans"]["prophet"][0], allreduce=[], groups=None, kept="predicted")],
+            "prophet": run["plans"]["prophet"],
+        },
+    }
+    predicted = {name: p["iter"] for name, p in predictions(doc).items()}
+    size = int(run["bucket_mb"] * MiB)
+    assert predicted["ddp"] == pytest.approx(predicted["wfbp"])  # DDP: wfbp with the same 25 MB buckets
+    assert predicted["wfbp"] == pytest.approx(predict(profile, "wfbp", buffer_size=size).iteration)
+    assert predicted["dear"] == pytest.approx(predict(profile, "dear", buffer_size=size, allreduce=()).iteration)
+    assert predicted["dear"] < 0.95 * predicted["wfbp"]
+    assert predicted["prophet"] != pytest.approx(predicted["wfbp"], rel=0.02)
+    # dear's plan as it ran: every bucket all-reduced in backward is wfbp's plan, predicted as wfbp
+    doc["plans"]["dear"][0]["allreduce"] = list(range(len(plan_for(profile, "wfbp", buffer_size=size).buckets)))
+    assert predictions(doc)["dear"]["iter"] == pytest.approx(predicted["wfbp"], rel=1e-6)
