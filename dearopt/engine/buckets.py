@@ -156,6 +156,21 @@ class BucketState:
         if changed:
             self.mark_seen()
 
+    def take_counted(self, counted: Optional[bytes] = None) -> None:
+        """The gradients the C++ hooks counted in this pass (each already moved into its view): all of them, or
+        the positions whose byte in ``counted`` is set."""
+        n = len(self.params)
+        if counted is None or all(counted):
+            self.used = [True] * n
+            self.has_grad = [True] * n
+            self.stale = [False] * n
+        else:
+            for j in range(n):
+                if counted[j]:
+                    self.used[j] = self.has_grad[j] = True
+                    self.stale[j] = False
+        self.mark_seen()
+
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
         grad = p.grad

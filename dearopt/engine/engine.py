@@ -149,9 +149,20 @@ class Executor:
             # on a GPU the rows' count is read on the host (which then waits for the device) and NCCL's dense
             # all-reduce is fast: rows only where asked for
             rows = False
+        self._buffers = None  # the model's buffers, listed again with each plan
         self.tied = TiedEmbeddings(model, {id(p) for p in trainable} if rows else set(), EngineHook)
-        self.hooks = EngineHooks(self, model)
+        self.hooks = EngineHooks(self, model, every_module=self.rounds.every_module)
+        if self.rounds.every_module:  # (DeFT) every gradient is seen from Python
+            self.hooks.gradients.per_param(True)
         self.hook_new_params()
+
+    @property
+    def buffers(self):
+        """The model's non-empty buffers, as broadcast before each training forward (listed once per plan, as DDP
+        lists them once)."""
+        if self._buffers is None:
+            self._buffers = [b for b in self.model.buffers() if b.numel() > 0]
+        return self._buffers
 
     def _low_precision(self) -> bool:
         from dearopt.compression.hooks import LOW_PRECISION
@@ -177,7 +188,7 @@ class Executor:
     # ------------------------------------------------------------------ hooks
     def hook_new_params(self) -> None:
         """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
-        self.hooks.hook_params(self.planner.planned(), self._on_grad_ready, self._note_sparse)
+        self.hooks.gradients.add(self.planner.planned())
 
     def _note_sparse(self, pid: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -190,8 +201,9 @@ class Executor:
         self.synchronize()
 
     def _root_pre_hook(self, module, args) -> None:
-        self.hooks.guard.disarm()  # from here the module hooks apply pending updates as the forward reaches them
-        if self.bound is None:
+        # (the pending updates' guard stays on: the forward gates apply them as the forward reaches their buckets,
+        # and a module that runs before its bucket's moment touches a guarded parameter, which applies it first)
+        if self.bound is None and self.hooks.recording:
             self.hooks.recorder.start()
         if not (module.training and torch.is_grad_enabled()):
             self.synchronize()  # (an evaluation between backward and step() leaves the gradient guard armed)
@@ -200,7 +212,7 @@ class Executor:
         self.forwards += 1
         self.hook_new_params()
         if self.options.broadcast_buffers and self.world > 1:
-            broadcast_buffers_as_bytes(self.model, self.control, self.step_count)
+            broadcast_buffers_as_bytes(self.buffers, self.control, self.step_count)
         self.profile.begin_forward()
         self.rounds.forward_started()
 
@@ -210,15 +222,19 @@ class Executor:
         if (
             module.training
             and torch.is_grad_enabled()
-            and (self.bound is None or self.bound.grad_params)
+            and (self.bound is None or (self.bound.grad_params and not self.bound.swappable))
             and not self.no_sync
             and self.accumulated + 1 >= self.options.backward_passes_per_step
         ):
-            self.hooks.grad_guard.push()
+            self.hooks.grad_guard.push()  # the fallback for tensors whose class cannot be swapped (DTensor)
 
     def _module_pre_hook(self, module, args) -> None:
-        self.hooks.recorder.saw(module)
+        """A rounds part that wants every module (DeFT): ``module`` is about to run."""
         self.rounds.module_reached(module)
+
+    def _reach_bucket(self, bucket: int) -> None:
+        """The forward gate: a module of ``bucket`` is about to run, beyond the bucket the forward has reached."""
+        self.rounds.reach_bucket(bucket)
 
     # ------------------------------------------------------------- planning
     def _build_plan(
@@ -228,8 +244,8 @@ class Executor:
         passes the old buckets as ``reuse``: one the new plan lays out alike is kept as it is; returns the ids of
         those kept."""
         planner = self.planner
-        if self.hooks.recorder.recording:
-            planner.module_order = self.hooks.recorder.stop()
+        if self.hooks.recording:
+            planner.module_order = self.hooks.stop_recording()
         trainable = planner.trainable() if trainable is None else trainable
         if self.issuer is not None:  # a re-plan (nothing in flight): buffers kept for the old buckets go
             self.backend.release_workspace()
@@ -255,6 +271,8 @@ class Executor:
 
         reuse = reuse if self.rounds.reuses_buckets else ()
         self.bound, self.issuer, kept = planner.bind(trainable, reuse, make_issuer)
+        self.hooks.bind(self.bound, planner.module_order)
+        self._buffers = None
         self.rounds.plan_bound()
         return kept
 
@@ -362,8 +380,20 @@ class Executor:
             self.rounds.begin_backward()
         return self.bound.where.get(id(p))
 
-    def _on_grad_ready(self, p) -> None:
+    def _backward_begins(self) -> None:
+        """The first gradient of a backward pass: the plan made (first backward), the pass begun."""
+        if self.bound is None:
+            self._build_plan()
+        if self.state is not TrainingState.BACKWARD:
+            self.rounds.begin_backward()
+
+    def _param_ready(self, p) -> None:
+        """A gradient accumulated (the per-parameter path: every gradient seen from Python)."""
         self.rounds.grad_ready(p)
+
+    def _bucket_ready(self, bucket: int) -> None:
+        """Every gradient of ``bucket`` accumulated in this pass (counted in C++)."""
+        self.rounds.bucket_ready(bucket)
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""

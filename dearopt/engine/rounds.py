@@ -37,6 +37,8 @@ class ExactRounds:
     """The part that holds the averaged gradients between ``backward()`` and ``step()``."""
     reuses_buckets = True
     """A re-plan keeps the buckets the new plan lays out alike, with their gradients."""
+    every_module = False
+    """The forward gates reach each bucket's moment; no Python hook runs before every module."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -77,6 +79,9 @@ class ExactRounds:
                 b.start_round()
             e.issuer.start_round(e.step_count)
             e.profile.begin_backward(e.step_count, len(e.plan.params))
+        # the steps that time each gradient for the profile see every gradient from Python; the others count
+        # each bucket's gradients in C++ and run Python once per bucket
+        e.hooks.gradients.per_param(e.profile.recording)
 
     def show_predicted_sends(self) -> None:
         """Under a schedule whose buckets come from the profile (Prophet's blocks), each bucket's reduction as the
@@ -102,11 +107,7 @@ class ExactRounds:
             return
         bucket, j = located
         if bucket.index in self.stale:
-            raise UsageError(
-                f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
-                f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
-                f"or call optimizer.synchronize() before such a forward"
-            )
+            self._refuse_stale(bucket, j)
         bucket.take_gradient(p, j)
         if e.round is None or bucket.stamp[j] == e.pass_id:
             return
@@ -120,8 +121,36 @@ class ExactRounds:
             # earlier ops have finished, not only when the next bucket completes
             e.issuer.start_ready(e.may_start)
 
+    def bucket_ready(self, b: int) -> None:
+        """Every gradient of bucket ``b`` accumulated in this pass (counted in C++; each one moved into its view)."""
+        e = self.engine
+        bucket = e.buckets[b]
+        if b in self.stale:
+            self._refuse_stale(bucket, 0)
+        bucket.take_counted()
+        if e.round is None:
+            return
+        bucket.ready = len(bucket.params)
+        e.issuer.start_ready(e.may_start)
+
+    @staticmethod
+    def _refuse_stale(bucket: BucketState, j: int) -> None:
+        raise UsageError(
+            f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
+            f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
+            f"or call optimizer.synchronize() before such a forward"
+        )
+
     def end_backward(self) -> None:
         e = self.engine
+        e.hooks.gradients.expect_backward()
+        if e.hooks.gradients.counting:  # the buckets that did not complete: the gradients C++ counted in them
+            for bucket in e.buckets:
+                if bucket.ready < len(bucket.params):
+                    counted = e.hooks.gradients.counted(bucket.index)
+                    if bucket.index in self.stale and any(counted):
+                        self._refuse_stale(bucket, counted.index(1))
+                    bucket.take_counted(counted)
         e.timeline.span("backward", "compute", self.backward_start)
         if e.timeline.enabled:
             self.show_predicted_sends()
@@ -203,7 +232,8 @@ class ExactRounds:
         self.update([e.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
         if e.round is not None:
             e.issuer.start_ready(e.may_start)  # the ops that start at step()
-            e.hooks.guard.arm({id(p): b.index for b in e.buckets if b.pending for p in b.params})
+            e.hooks.guard.arm((p, b.index) for b in e.buckets if b.pending for p in b.params)
+            e.hooks.gates.arm(e.round.forward_reached)  # the next forward reaches each bucket's moment
         e.timeline.span("step", "update", t0)
 
     def plan_bound(self) -> None:
@@ -213,17 +243,11 @@ class ExactRounds:
     def forward_started(self) -> None:
         """A training forward began (nothing to do: the updates wait for their buckets' modules)."""
 
-    def module_reached(self, module) -> None:
-        """The forward is about to run ``module``: the moments of the buckets up to its own."""
-        e = self.engine
-        r = e.round
-        if r is None or not r.stepped:
-            return
-        bucket = e.bound.module_bucket.get(id(module))
-        if bucket is not None and bucket > r.forward_reached:
+    def reach_bucket(self, bucket: int) -> None:
+        """The forward gate: a module of ``bucket`` is about to run: the moments of the buckets up to it."""
+        r = self.engine.round
+        if r is not None and r.stepped and bucket > r.forward_reached:
             self.reach_forward(bucket)
-        elif e.window.credit is not None:
-            e.issuer.start_ready(e.may_start)  # ops held back for credit start as soon as room frees
 
     def touched(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after ``step()``: its pending updates first."""
@@ -255,6 +279,7 @@ class ExactRounds:
             e.complete_due(point)
             e.profile.forward_waited(time.perf_counter() - t0)
             e.round.forward_reached = k
+            e.hooks.gates.reached = k
             e.issuer.start_ready(e.may_start)  # e.g. prefetch the next bucket's all-gather
             due = e.bound.updates_at.get(point, ())
             if due:
@@ -319,6 +344,7 @@ class ExactRounds:
         wrapped optimizer over all of them (:meth:`BucketUpdater.apply_buckets`), then each landed."""
         e = self.engine
         t0 = e.timeline.now()
+        e.hooks.guard.release(p for b in buckets for p in b.params)  # current from here on
         if e.sharding is None:  # sharded: updated at step(); the all-gather just completed brought them
             step, chosen = e.round.step, []
             for bucket in buckets:
@@ -351,5 +377,6 @@ class ExactRounds:
         e = self.engine
         e.round = None
         e.hooks.guard.disarm()
+        e.hooks.gates.disarm()
         if e.on_step_landed is not None:
             e.on_step_landed()
