@@ -34,6 +34,7 @@ setup(
         "tune": ["bayesian-optimization>=2.0"],
         "cuda": ["cupy"],
         "lightning": ["lightning"],
+        "transformers": ["transformers", "accelerate"],
         "test": [
             "pytest>=7",
             "pytest-timeout",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import sys
 import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple, Union
@@ -37,6 +38,34 @@ __all__ = ["DistOptim", "PLAN_CHOICE_STEPS", "PLAN_CHOICE_REMATCH"]
 _WRAPPED = weakref.WeakSet()
 
 
+def _refuse_data_parallel_wrapper(model) -> None:
+    """A ``UsageError`` for a model that is, or holds, torch's DDP or FSDP (FSDP1's wrapper, FSDP2's
+    ``fully_shard``): they reduce the gradients themselves, so under a ``DistOptim`` every gradient would be
+    averaged twice."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    kinds = [(ddp, "DistributedDataParallel (DDP)", "DDP")]
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # a model can only be wrapped by FSDP if torch imported it
+    if fsdp is not None:
+        for name, what in (("FullyShardedDataParallel", "FullyShardedDataParallel (FSDP)"), ("FSDPModule", "")):
+            kind = getattr(fsdp, name, None)
+            if isinstance(kind, type):
+                kinds.append((kind, what or "FSDP2 (a module given to fully_shard)", "FSDP"))
+    for path, module in model.named_modules():
+        for kind, what, short in kinds:
+            if isinstance(module, kind):
+                where = "the model is" if not path else f"the model's submodule {path!r} is"
+                fix = (
+                    "Pass the unwrapped module (the DDP's .module)"
+                    if kind is ddp
+                    else "Pass the plain module (neither wrapped in FSDP nor sharded by fully_shard)"
+                )
+                raise UsageError(
+                    f"DistOptim refuses this model: {where} torch's {what}, which reduces the gradients itself; "
+                    f"DistOptim already averages them across ranks, so they would be reduced twice. {fix} and do "
+                    f"not combine {short} with dearopt"
+                )
+
+
 def _check_arguments(optimizer, model):
     if isinstance(optimizer, DistOptim):
         raise UsageError("this optimizer is already a DistOptim; wrap the plain torch optimizer once")
@@ -49,6 +78,7 @@ def _check_arguments(optimizer, model):
             f"DistOptim expects the model (an nn.Module) as its second argument, got "
             f"{type(model).__name__}; the model is needed to hook its forward"
         )
+    _refuse_data_parallel_wrapper(model)
     if optimizer in _WRAPPED:
         raise UsageError("this optimizer is already wrapped by another DistOptim; wrap each optimizer once")
     if isinstance(optimizer, torch.optim.LBFGS):

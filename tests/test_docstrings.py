@@ -16,6 +16,7 @@ PACKAGES = [
     "dearopt.integrations.horovod",
     "dearopt.sim",
     "dearopt.integrations.lightning",
+    "dearopt.integrations.transformers",
     "dearopt.checkpoint",
     "dearopt.integrations.horovod.elastic",
 ]
@@ -67,6 +68,9 @@ def _undocumented(package_name):
 def test_public_names_have_docstrings(package_name):
     if package_name == "dearopt.integrations.lightning":
         pytest.importorskip("lightning")
+    if package_name == "dearopt.integrations.transformers":
+        pytest.importorskip("transformers")
+        pytest.importorskip("accelerate")
     missing = _undocumented(package_name)
     assert not missing, f"{len(missing)} public names without a docstring: " + ", ".join(missing)
 

@@ -42,13 +42,11 @@ def _train_every_schedule(steps=STEPS):
         model = make_model("mlp")
         # dear with half of the buckets all-reduced in backward: both kinds of bucket, and a plan fixed from
         # step 0 (allreduce="auto" re-plans after a profile of step 1)
-        extra = {"allreduce": 0.5} if schedule == "dear" else {}
         opt = dearopt.DistOptim(
             torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
             model,
-            schedule=schedule,
+            schedule=dearopt.DeAR(allreduce=0.5) if schedule == "dear" else schedule,
             buffer_size=64,
-            **extra,
         )
         for step in range(steps):
             opt.zero_grad()

@@ -130,7 +130,7 @@ def test_rsag_gathers_each_piece_after_its_reduce_scatter():
     assert all(op.due == BACKWARD_END for op in plan.ops)  # p.grad is averaged when backward() returns
     assert [op.update for op in plan.ops] == [None, STEP, None, STEP]
     with pytest.raises(ValueError, match="rsag"):
-        dearopt.Options(schedule="rsag", credit=100)
+        dearopt.RSAG(credit=100)
 
 
 def test_bytescheduler_finishes_each_bucket_just_before_its_forward():

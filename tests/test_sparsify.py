@@ -274,9 +274,9 @@ def _refusals():
     hook = dearopt.Sparsify(0.1)
     for name, kwargs in [
         ("rsag", dict(schedule="rsag")),
-        ("dear half", dict(allreduce=0.5)),
-        ("partitions", dict(schedule="wfbp", partition_size=1024)),
-        ("rows", dict(embedding_rows=True)),
+        ("dear half", dict(schedule=dearopt.DeAR(allreduce=0.5))),
+        ("partitions", dict(schedule=dearopt.WFBP(partition_size=1024))),
+        ("rows", dict(schedule=dearopt.DeAR(embedding_rows=True))),
         ("sharded", dict(shard_optimizer=True)),
         ("skip", dict(nonfinite="skip")),
     ]:
