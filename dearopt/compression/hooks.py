@@ -27,7 +27,8 @@ Every rank must use the same hook (it is part of the plan's fingerprint).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple
+import functools
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -74,6 +75,25 @@ class CommHook:
         return cls.encode is CommHook.encode and cls.decode is CommHook.decode and self.wire_dtype(dtype) == dtype
 
     # ------------------------------------------------- what carries a piece
+    def direct(self, op, backend) -> Optional[Callable[..., Any]]:
+        """Where ``op``'s piece travels as it is (this hook neither encodes nor changes what carries it): the
+        backend call that starts it, ``launch(**where) -> handle`` (the issuer then calls neither :meth:`start`
+        nor :meth:`finish`); None otherwise."""
+        cls = type(self)
+        if cls.start is not CommHook.start or cls.finish is not CommHook.finish:
+            return None
+        piece = op.piece
+        if not self.passes_through(piece.full.dtype):
+            return None
+        kind = op.spec.kind
+        if kind == REDUCE_SCATTER:
+            return functools.partial(backend.reduce_scatter, piece.shard, piece.full)
+        if kind == ALL_GATHER:
+            return functools.partial(backend.all_gather, piece.full, piece.shard)
+        if kind == ALL_REDUCE:
+            return functools.partial(backend.all_reduce, piece.full, "sum")
+        return None
+
     def start(self, op, link: "Link") -> Tuple[Any, Any]:
         """Start what carries ``op``'s piece (an :class:`dearopt.engine.issuer.OpState`) on ``link``; returns
         ``(handle, ctx)``.  By default the op's own collective (reduce-scatter, all-gather or all-reduce) on the

@@ -75,6 +75,7 @@ class BucketState:
     ):
         self.spec = spec
         self.index = spec.index
+        self.size = len(params)  # parameters (the count of gradients that completes the bucket)
         self.group_of, self.n_groups = tuple(group_of), n_groups  # the optimizer's groups it was made for
         self.params = params
         self.names = names
@@ -104,6 +105,7 @@ class BucketState:
         self.zero_after_update: Optional[bool] = None  # zero_grad() came while the update was pending
         self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it
         self.sparse = [False] * len(params)  # autograd gives it sparse gradients (set by the executor's watch)
+        self.flat = None  # its flat runs (dearopt.engine.updates.FlatRuns), made at its first flat update
 
     @property
     def has_members(self) -> bool:

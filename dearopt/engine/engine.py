@@ -48,9 +48,9 @@ from dearopt.compression.hooks import CommHook, hooks_for
 from dearopt.errors import UsageError
 from dearopt.collectives import broadcast_buffers_as_bytes
 from dearopt.engine.hooks import EngineHook, EngineHooks, Round, TrainingState
-from dearopt.engine.issuer import Issuer, OpState
+from dearopt.engine.issuer import Issuer
 from dearopt.engine.options import Options
-from dearopt.planning.plan import ALL_GATHER, Point, When
+from dearopt.planning.plan import Point
 from dearopt.planning.profile import LinkMonitor, ReadyProfile
 from dearopt.engine.sharding import ShardedUpdate
 from dearopt.engine.tied import TiedEmbeddings
@@ -187,8 +187,11 @@ class Executor:
 
     # ------------------------------------------------------------------ hooks
     def hook_new_params(self) -> None:
-        """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
-        self.hooks.gradients.add(self.planner.planned())
+        """Give every trainable parameter a gradient hook (also ones unfrozen after construction).  What is hooked
+        already is passed over by identity, without reading the parameter (a guarded one would call the guard)."""
+        hooked = self.hooks.gradients.slot_of
+        if any(id(p) not in hooked and p.requires_grad for g in self.optimizer.param_groups for p in g["params"]):
+            self.hooks.gradients.add(self.planner.planned())
 
     def _note_sparse(self, pid: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -263,8 +266,10 @@ class Executor:
                 planner.window,
                 hooks_for(plan, self.comm_hook, planner.rows, self.sparse),
                 self.timeline,
-                prepare=self._write_meta,
+                self.checks,
                 control=self.control,
+                wire_dtype=self.comm_hook.wire_dtype if self.comm_hook is not None else (lambda dtype: dtype),
+                sharded=self.sharding is not None,
             )
             issuer.launch_log = planner.launch_log
             return issuer
@@ -399,29 +404,9 @@ class Executor:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
         self.rounds.step(skip, scaler_checked)
 
-    def _write_meta(self, bucket: BucketState) -> None:
-        r = self.round
-        dtype = self.comm_hook.wire_dtype(bucket.buffer.dtype) if self.comm_hook is not None else bucket.buffer.dtype
-        self.checks.write_meta(bucket, self.checks.tag(r.step, r.forwards, dtype))
-
-    def may_start(self, op: OpState) -> bool:
-        """Has the moment come at which ``op`` may start?  (``AFTER`` is the issuer's to judge.)"""
-        r, start = self.round, op.spec.start
-        if self.sharding is not None and op.spec.kind == ALL_GATHER and op.spec.bucket >= r.shards_updated:
-            return False  # it carries parameters: not before this rank's shard of them is updated
-        if start.when is When.GRADS_READY:
-            return r.backward_done or op.bucket.complete
-        if start.when is When.BACKWARD_END:
-            return r.backward_done
-        if start.when is When.STEP:
-            return r.stepped
-        if start.when is When.FORWARD:
-            return r.forward_reached >= start.index
-        return True
-
     def complete_due(self, point: Point) -> None:
         """Start, wait for and complete the ops due at ``point`` (before the moment is marked as reached)."""
-        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.may_start, host=self.profile.recording)
+        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.round, host=self.profile.recording)
 
     # ----------------------------------------------------------------- step
     def _gradients_requested(self, bucket: int) -> None:

@@ -53,9 +53,64 @@ def _reads_grad(func) -> bool:
     return getattr(func, "__self__", None) is _GRAD_DESCRIPTOR
 
 
-def _swappable(t: torch.Tensor) -> bool:
-    """A tensor whose class the guard may swap: a plain ``Tensor`` or ``nn.Parameter``."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter)
+_SWAPPABLE = (torch.Tensor, torch.nn.Parameter)
+"""The classes the guard may swap (a wrapper subclass such as ``DTensor`` is watched by the mode instead)."""
+
+
+def _metadata_calls() -> frozenset:
+    """What a torch call may read without the values: the metadata an update never changes (``p.dtype``,
+    ``p.shape``, ``p.size()``, ``hash(p)``...).  A model that asks for its parameters' dtype before its first module
+    runs (Hugging Face's ``self.dtype``) does not make the pending updates land there."""
+    base = torch._C.TensorBase.__dict__
+    getters = [
+        base[name].__get__
+        for name in (
+            "dtype",
+            "shape",
+            "device",
+            "requires_grad",
+            "is_leaf",
+            "layout",
+            "ndim",
+            "is_cuda",
+            "is_sparse",
+            "is_quantized",
+            "is_meta",
+            "is_mkldnn",
+            "is_nested",
+            "names",
+            "grad_fn",
+            "_version",
+            "itemsize",
+            "nbytes",
+        )
+        if name in base and hasattr(base[name], "__get__")
+    ]
+    methods = [
+        getattr(torch.Tensor, name)
+        for name in (
+            "size",
+            "dim",
+            "numel",
+            "stride",
+            "element_size",
+            "is_floating_point",
+            "is_complex",
+            "data_ptr",
+            "__hash__",
+            "__len__",
+            "storage_offset",
+            "is_contiguous",
+            "get_device",
+            "nelement",
+            "untyped_storage",
+        )
+        if hasattr(torch.Tensor, name)
+    ]
+    return frozenset(getters + methods)
+
+
+_METADATA = _metadata_calls()
 
 
 def _guarded_classes(guard) -> Dict[type, type]:
@@ -154,7 +209,7 @@ class _TouchGuard:
         self.disarm()
         for t, bucket in watch:
             self._watch[id(t)] = bucket
-            if _swappable(t):
+            if type(t) in _SWAPPABLE:
                 self._swapped[id(t)] = (t, type(t))
                 t.__class__ = self._classes[type(t)]
             else:
@@ -218,7 +273,7 @@ class _TouchGuard:
         return target
 
     def _seen(self, func, args, kwargs) -> None:
-        if self._watch and not self._suspended:
+        if self._watch and not self._suspended and func not in _METADATA:
             target = self._target(func, args, kwargs)
             if target is not None:
                 self._callback(target)

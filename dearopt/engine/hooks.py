@@ -115,7 +115,6 @@ class Round:
     combined: set = dataclasses.field(default_factory=set)  # tied weights whose twin gradient was added
 
 
-
 try:  # the C++ hooks (csrc/ready.cpp), built by setup.py where torch's C++ extension tools work
     from dearopt.engine import _ready as _native
 except ImportError:  # pragma: no cover - a build without the extension: the Python hooks

@@ -77,7 +77,7 @@ class ExactRounds:
             e.round = Round(e.step_count, e.forwards)
             for b in e.buckets:
                 b.start_round()
-            e.issuer.start_round(e.step_count)
+            e.issuer.start_round(e.step_count, e.forwards)
             e.profile.begin_backward(e.step_count, len(e.plan.params))
         # the steps that time each gradient for the profile see every gradient from Python; the others count
         # each bucket's gradients in C++ and run Python once per bucket
@@ -119,7 +119,7 @@ class ExactRounds:
         if bucket.complete or e.window.credit is not None:
             # with a credit window, an op held back for credit may start at any gradient hook once
             # earlier ops have finished, not only when the next bucket completes
-            e.issuer.start_ready(e.may_start)
+            e.issuer.start_ready(e.round)
 
     def bucket_ready(self, b: int) -> None:
         """Every gradient of bucket ``b`` accumulated in this pass (counted in C++; each one moved into its view)."""
@@ -131,7 +131,7 @@ class ExactRounds:
         if e.round is None:
             return
         bucket.ready = len(bucket.params)
-        e.issuer.start_ready(e.may_start)
+        e.issuer.start_ready(e.round)
 
     @staticmethod
     def _refuse_stale(bucket: BucketState, j: int) -> None:
@@ -168,7 +168,7 @@ class ExactRounds:
         e.complete_due(BACKWARD_END)
         e.gradients.combine(BACKWARD_END)
         e.round.backward_done = True
-        e.issuer.start_ready(e.may_start)
+        e.issuer.start_ready(e.round)
         if e.bound.grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
             e.hooks.grad_guard.arm(e.bound.grad_views, e.bound.grad_params)
 
@@ -231,7 +231,7 @@ class ExactRounds:
             self.update_shards()
         self.update([e.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
         if e.round is not None:
-            e.issuer.start_ready(e.may_start)  # the ops that start at step()
+            e.issuer.start_ready(e.round)  # the ops that start at step()
             e.hooks.guard.arm((p, b.index) for b in e.buckets if b.pending for p in b.params)
             e.hooks.gates.arm(e.round.forward_reached)  # the next forward reaches each bucket's moment
         e.timeline.span("step", "update", t0)
@@ -280,7 +280,7 @@ class ExactRounds:
             e.profile.forward_waited(time.perf_counter() - t0)
             e.round.forward_reached = k
             e.hooks.gates.reached = k
-            e.issuer.start_ready(e.may_start)  # e.g. prefetch the next bucket's all-gather
+            e.issuer.start_ready(e.round)  # e.g. prefetch the next bucket's all-gather
             due = e.bound.updates_at.get(point, ())
             if due:
                 self.update([e.buckets[b] for b in due], tags_checked=False)
@@ -337,7 +337,7 @@ class ExactRounds:
             bucket.zero(set_to_none=True)
             e.round.shards_updated = bucket.index + 1
             e.timeline.span("update shard", "update", t0, bucket=bucket.index)
-            e.issuer.start_ready(e.may_start)  # its gather (due first in forward) overlaps the next updates
+            e.issuer.start_ready(e.round)  # its gather (due first in forward) overlaps the next updates
 
     def update(self, buckets: List[BucketState], tags_checked: bool) -> None:
         """The optimizer's update of ``buckets``, due at the same moment: each checked, then one call of the
