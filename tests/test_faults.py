@@ -593,12 +593,12 @@ def test_an_internal_error_on_one_rank_keeps_its_cause(monkeypatch):
         def buggy(self, *args):
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(Executor, "locate", buggy)  # called by the gradient hook
+        monkeypatch.setattr(Executor, "_build_plan", buggy)  # called at the first gradient hook
         x, y = global_batch(0, "mlp")
         with pytest.raises(dearopt.InternalError) as info:
             loss_fn("mlp", model(x), y).backward()
         assert str(info.value) == (
-            "an unexpected RuntimeError was raised inside dearopt (Executor._on_grad_ready): a bug [rank 0, step 0]"
+            "an unexpected RuntimeError was raised inside dearopt (Executor._backward_begins): a bug [rank 0, step 0]"
         )
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.rank == 0 and info.value.step == 0
         monkeypatch.undo()

@@ -717,6 +717,7 @@ class TorchDistBackend(CollectiveBackend):
             return
         super().close()
         group, self.group = self.group, None
+        self._pg = None  # (the default group's object is not kept alive by a closed backend)
         if group is not None and self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group(group)
@@ -748,9 +749,12 @@ class TorchDistBackend(CollectiveBackend):
         recv = self._workspace_like(in_full)
         chunks = recv.view(self.size, out_shard.numel())
         nbytes = recv.numel() * recv.element_size()
+        # through .data: the sum is the collective's result, not an in-place change that autograd's version
+        # counter (which the engine watches for the user's writes) should see; NCCL writes from C++ alike
+        result = out_shard.data
 
         def finish():
-            torch.sum(chunks, dim=0, out=out_shard)
+            torch.sum(chunks, dim=0, out=result)
             self._in_flight.pop(id(handle), None)
             self._in_flight_bytes -= nbytes
             self._spare(recv)

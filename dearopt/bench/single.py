@@ -87,7 +87,6 @@ def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, flo
     for b in getattr(executor, "buckets", None) or []:
         buckets.append(b.buffer)
         bucket_ptrs.add(b.buffer.untyped_storage().data_ptr())
-        shards.append(b.shard)
         for piece in b.pieces:
             shards += [t for t in (piece.gather_full, piece.gather_shard) if t is not None]
             wire += [t for t in (piece.wire_full, piece.wire_shard) if t is not None]

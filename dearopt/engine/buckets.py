@@ -28,6 +28,7 @@ class PieceState:
         # the bucket owns its pieces; a piece refers back weakly, so that a bucket a re-plan drops (and its
         # buffer) is freed at once, without waiting for the cycle collector
         self._bucket = weakref.ref(bucket)
+        self._rank = rank
         self.index = index
         self.full = bucket.buffer[start:end]
         self.shard = shard
@@ -53,10 +54,12 @@ class PieceState:
         return self.shard_grad if result == "shard" else self.full_grad
 
     def wire(self, dtype: torch.dtype):
-        """Buffers of this piece in ``dtype`` (allocated once) for a comm hook that changes the dtype."""
+        """Buffers of this piece in ``dtype`` (allocated once) for a comm hook that changes the dtype; the shard is
+        the full one's own region, as in the bucket."""
         if self.wire_full is None or self.wire_full.dtype != dtype:
+            n = self.shard.numel()
             self.wire_full = torch.zeros(self.full.numel(), dtype=dtype, device=self.full.device)
-            self.wire_shard = torch.zeros(self.shard.numel(), dtype=dtype, device=self.shard.device)
+            self.wire_shard = self.wire_full[self._rank * n : (self._rank + 1) * n]
         return self.wire_full, self.wire_shard
 
 
@@ -84,13 +87,14 @@ class BucketState:
         self.ptrs = [v.data_ptr() for v in self.views]
         self.flags = self.buffer[spec.flags_offset : spec.flags_offset + len(params)]
         self.tags = self.buffer[spec.tags_offset : spec.tags_offset + world]
-        self.shard = torch.empty(spec.padded_numel // world, dtype=self.buffer.dtype, device=self.buffer.device)
+        # this rank's shard of each piece is the piece's own region of the buffer: the reduce-scatter writes its
+        # sum there (in place: the rest of the piece was sent and is read no more) and the all-gather sends it
+        # from there, so a shard costs no memory of its own
         self.pieces: List[PieceState] = []
-        offset = 0
         for k, (start, end) in enumerate(spec.pieces or ((0, spec.padded_numel),)):
             n = (end - start) // world
-            self.pieces.append(PieceState(self, k, start, end, self.shard[offset : offset + n], world, rank))
-            offset += n
+            own = self.buffer[start + rank * n : start + (rank + 1) * n]
+            self.pieces.append(PieceState(self, k, start, end, own, world, rank))
         self.group_members = [[p for p, g in zip(params, group_of) if g == gi] for gi in range(n_groups)]
         self.position = {id(p): j for j, p in enumerate(params)}
         self.used = [False] * len(params)  # got a gradient since the last zero_grad (sent as flags)
@@ -101,6 +105,7 @@ class BucketState:
         self.stamp = [-1] * len(params)  # the backward pass that last counted this gradient as ready
         self.ready = 0  # gradients counted ready in the communicating backward pass
         self.meta_written = False  # flags and step tag written into the buffer for this round
+        self.meta_tag = 0  # the step tag written (this rank's, as the host knows it)
         self.pending = False  # reduced gradients await the optimizer update
         self.zero_after_update: Optional[bool] = None  # zero_grad() came while the update was pending
         self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it

@@ -290,14 +290,18 @@ class ExactRounds:
         this rank's non-finite answer (``nonfinite``); returns whether any rank found inf/NaN.  The
         reduce-scatter leaves the flags' and tags' sum only on the rank whose shard holds the bucket's tail, and
         the all-gather carries parameters, so without this message no other rank would learn them; the
-        non-finite check rides along instead of taking a message of its own."""
+        non-finite check rides along instead of taking a message of its own.  What each rank adds is what it
+        wrote into its buffers' tails before the reduce-scatter (its used flags and its step tag, known on the
+        host): the reduce-scatter wrote its sums into the same buffers since (the shard is the buffer's own
+        region)."""
         e = self.engine
         if e.world == 1:
             return nonfinite
-        meta = torch.cat(
-            [torch.tensor([1.0 if nonfinite else 0.0], dtype=torch.float64)]
-            + [torch.cat([b.flags, b.tags]).double().cpu() for b in e.buckets]
-        ).to(e.control.device)
+        values = [1.0 if nonfinite else 0.0]
+        for b in e.buckets:
+            values += [1.0 if u else 0.0 for u in b.used]
+            values += [float(b.meta_tag) if r == e.rank else 0.0 for r in range(e.world)]
+        meta = torch.tensor(values, dtype=torch.float64, device=e.control.device)
         e.control.all_reduce(meta, "sum", step=step).wait()
         meta = meta.to(e.buckets[0].buffer.device)
         found = float(meta[0]) > 0

@@ -160,7 +160,13 @@ class FlatRuns:
 
     def __init__(self, bucket: BucketState):
         spec = bucket.spec
-        self.bucket = bucket
+        # what it needs of the bucket, not the bucket (which holds this object: no cycle for the collector)
+        self.params, self.offsets, self.group_of, self.grads = (
+            bucket.params,
+            spec.offsets,
+            bucket.group_of,
+            bucket.buffer,
+        )
         self.flat = torch.empty(spec.padded_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
         self.ptrs: List[int] = []
         with torch.no_grad():
@@ -174,7 +180,7 @@ class FlatRuns:
 
     def moved(self) -> bool:
         """Whether a parameter's storage was replaced since (``p.data = ...``): the flat layout no longer holds."""
-        return any(p.data_ptr() != ptr for p, ptr in zip(self.bucket.params, self.ptrs))
+        return any(p.data_ptr() != ptr for p, ptr in zip(self.params, self.ptrs))
 
     def runs(self, include: Sequence[bool], optimizer: torch.optim.Optimizer) -> List[_Run]:
         """The runs of this step (all members included: the cached ones), their state entries bound."""
@@ -182,7 +188,7 @@ class FlatRuns:
         if everyone and self._runs is not None and self._state_owner is optimizer.state:
             return self._runs
         if not everyone:  # a member left out keeps its scalars (step) to itself: the others advance theirs
-            for j, p in enumerate(self.bucket.params):
+            for j, p in enumerate(self.params):
                 entry = optimizer.state.get(p) if not include[j] else None
                 if entry:
                     for k, v in list(entry.items()):
@@ -202,8 +208,7 @@ class FlatRuns:
 
     def _cut(self, include: Sequence[bool], state) -> List[_Run]:
         """Maximal runs of included members of one group whose scalar state is one object (or absent)."""
-        bucket = self.bucket
-        offsets, params, groups = bucket.spec.offsets, bucket.params, bucket.group_of
+        offsets, params, groups = self.offsets, self.params, self.group_of
         runs: List[_Run] = []
         lo = None
         key = None
@@ -222,19 +227,17 @@ class FlatRuns:
         return runs
 
     def _run(self, lo: int, hi: int) -> _Run:
-        bucket = self.bucket
-        begin = bucket.spec.offsets[lo]
-        end = bucket.spec.offsets[hi - 1] + bucket.params[hi - 1].numel()
+        begin = self.offsets[lo]
+        end = self.offsets[hi - 1] + self.params[hi - 1].numel()
         tensor = self.flat[begin:end]
-        tensor.grad = bucket.buffer[begin:end]
-        return _Run(lo, hi, bucket.group_of[lo], tensor, begin, end)
+        tensor.grad = self.grads[begin:end]
+        return _Run(lo, hi, self.group_of[lo], tensor, begin, end)
 
     def _bind(self, runs: List[_Run], state) -> None:
         """Each run's state entry: its members' entries where they are views of one flat tensor already, else
         their values joined into a new flat tensor (and the members' entries made views of it)."""
-        bucket = self.bucket
         for run in runs:
-            members = bucket.params[run.lo : run.hi]
+            members = self.params[run.lo : run.hi]
             entries = [state.get(p) for p in members]
             if not any(entries):
                 run.state = None  # the optimizer makes it at the run's first update
@@ -271,7 +274,7 @@ class FlatRuns:
             made = state.pop(run.tensor, None)
             if run.state is None and made:
                 run.state = made
-                self._spread(run, self.bucket.params[run.lo : run.hi], state)
+                self._spread(run, self.params[run.lo : run.hi], state)
 
 
 def _elementwise(value, like: torch.Tensor) -> bool:
