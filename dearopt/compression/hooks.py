@@ -106,28 +106,30 @@ class CommHook:
             if kind == ALL_GATHER:
                 return backend.all_gather(piece.full, piece.shard, **where), None
             return backend.all_reduce(piece.full, "sum", **where), None
-        wire_full, wire_shard = piece.wire(self.wire_dtype(piece.full.dtype))
+        wire_full, wire_shard = piece.wire(self.wire_dtype(piece.full.dtype), link.pool)
         if kind == ALL_GATHER:  # (encoded before the gather starts)
             ctx = self._encode(piece.shard, piece.shard_grad, wire_shard)
-            return backend.all_gather(wire_full, wire_shard, **where), ctx
+            return backend.all_gather(wire_full, wire_shard, **where), (wire_full, wire_shard, ctx)
         ctx = self._encode(piece.full, piece.full_grad, wire_full)
         if kind == REDUCE_SCATTER:
-            return backend.reduce_scatter(wire_shard, wire_full, **where), ctx
-        return backend.all_reduce(wire_full, "sum", **where), ctx
+            return backend.reduce_scatter(wire_shard, wire_full, **where), (wire_full, wire_shard, ctx)
+        return backend.all_reduce(wire_full, "sum", **where), (wire_full, wire_shard, ctx)
 
     def finish(self, op, ctx: Any) -> None:
         """``op``'s collective completed: leave what arrived in the piece's result region (:meth:`decode`; the
-        flags and tags behind the gradients copied exactly)."""
+        flags and tags behind the gradients copied exactly), and give the wire buffers back."""
+        link = op.link
         piece = op.piece
-        if self.passes_through(piece.full.dtype):
+        if ctx is None:  # (it travelled as it is)
             return
-        wire_full, wire_shard = piece.wire(self.wire_dtype(piece.full.dtype))
+        wire_full, wire_shard, ctx = ctx
         shard = op.spec.result == "shard"
         wire, whole = (wire_shard, piece.shard) if shard else (wire_full, piece.full)
         result = piece.region(op.spec.result)
         n = result.numel()
         self.decode(wire[:n], result, ctx)
         whole[n:].copy_(wire[n:])
+        link.pool.give(wire_full)  # the wire buffers exist while the op is in flight only
 
     def _encode(self, region: torch.Tensor, grads: torch.Tensor, wire: torch.Tensor) -> Any:
         """Gradients through the hook; the flags and tags behind them are copied exactly."""
@@ -140,14 +142,32 @@ class CommHook:
         return f"<comm hook {self.name}>"
 
 
+class WirePool:
+    """Buffers in a comm hook's wire dtype, taken when an op starts and given back when it completes: memory for
+    the ops in flight, not for every bucket (a bfloat16 model reduced in float32 holds no float32 copy of its
+    gradients).  Kept by size for the next op of that size."""
+
+    def __init__(self):
+        self._free: dict = {}  # (numel, dtype, device) -> buffers
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((numel, dtype, device))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+
+
 @dataclasses.dataclass(frozen=True)
 class Link:
     """Where a hook starts a piece's collective: the data backend (collectives matched in plan order), the
-    control channel (small agreements off the data queue), and what names the collective (bucket, step)."""
+    control channel (small agreements off the data queue), what names the collective (bucket, step), and the
+    pool of wire buffers."""
 
     backend: Any
     control: Any
     where: dict
+    pool: WirePool = dataclasses.field(default_factory=WirePool)
 
 
 class GatherParameters(CommHook):
@@ -229,6 +249,21 @@ class ReduceInFloat32(CommHook):
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if dtype in LOW_PRECISION else dtype
+
+    def start(self, op, link: "Link"):
+        """A reduction through a float32 wire buffer; an all-gather in the bucket's own dtype (its shard was
+        rounded back already: gathering it wide and narrowing again would give the same values, at twice the
+        bytes and a float32 buffer)."""
+        if op.spec.kind == ALL_GATHER:
+            piece = op.piece
+            return link.backend.all_gather(piece.full, piece.shard, **link.where), None
+        return super().start(op, link)
+
+    def direct(self, op, backend):
+        if op.spec.kind == ALL_GATHER:
+            piece = op.piece
+            return functools.partial(backend.all_gather, piece.full, piece.shard)
+        return None
 
 
 def fp16_compress() -> CastHook:

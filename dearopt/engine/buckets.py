@@ -38,8 +38,6 @@ class PieceState:
         self.shard_grad = shard[: max(0, min(n, grad_numel - first_element))]
         self.full_grad = self.full[: max(0, min(end, grad_numel) - start)]
         self.own_in_full = self.full[rank * n : rank * n + self.shard_grad.numel()]  # where the shard came from
-        self.wire_full: Optional[torch.Tensor] = None  # the same piece in a comm hook's wire dtype
-        self.wire_shard: Optional[torch.Tensor] = None
         # sharded update (dearopt.engine.sharding): the all-gather carries the piece's parameters, not its gradients
         self.gather_full: Optional[torch.Tensor] = None
         self.gather_shard: Optional[torch.Tensor] = None
@@ -53,14 +51,13 @@ class PieceState:
         """The gradient elements of an op's result: this rank's shard, or the whole piece."""
         return self.shard_grad if result == "shard" else self.full_grad
 
-    def wire(self, dtype: torch.dtype):
-        """Buffers of this piece in ``dtype`` (allocated once) for a comm hook that changes the dtype; the shard is
+    def wire(self, dtype: torch.dtype, pool):
+        """Buffers of this piece in ``dtype`` for a comm hook that changes the dtype, from ``pool`` (a
+        :class:`dearopt.compression.hooks.WirePool`: give the full one back when the op completed); the shard is
         the full one's own region, as in the bucket."""
-        if self.wire_full is None or self.wire_full.dtype != dtype:
-            n = self.shard.numel()
-            self.wire_full = torch.zeros(self.full.numel(), dtype=dtype, device=self.full.device)
-            self.wire_shard = self.wire_full[self._rank * n : (self._rank + 1) * n]
-        return self.wire_full, self.wire_shard
+        n = self.shard.numel()
+        full = pool.take(self.full.numel(), dtype, self.full.device)
+        return full, full[self._rank * n : (self._rank + 1) * n]
 
 
 class BucketState:

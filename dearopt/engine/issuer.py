@@ -26,7 +26,7 @@ import torch
 
 from dearopt.engine.buckets import BucketState
 from dearopt.backends.base import CollectiveBackend, Handle
-from dearopt.compression.hooks import CommHook, Link, hooks_for
+from dearopt.compression.hooks import CommHook, Link, WirePool, hooks_for
 from dearopt.planning.plan import ALL_GATHER, CommOp, Plan, When
 from dearopt.engine.timeline import Timeline
 
@@ -160,13 +160,15 @@ class Issuer:
         self.window = window
         self.checks = checks
         self._wire_dtype = wire_dtype
+        self.pool = WirePool()  # a comm hook's wire buffers, for the ops in flight
         for op, carrier in zip(self.ops, carriers if carriers is not None else hooks_for(plan, None)):
             op.hook = carrier  # what carries the op's piece
-            op.link = Link(backend, self.control, op.where)
+            op.link = Link(backend, self.control, op.where, self.pool)
             op.launch = carrier.direct(op, backend)  # None: through the hook's start and finish
             op.gated = sharded and op.spec.kind == ALL_GATHER
         self.timeline = timeline
         self.cursor = 0
+        self._reaped = 0  # ops before it are completed (or not started)
         self.step = 0  # the step whose gradients the current round carries (names ops in errors)
         self._tags: dict = {}  # wire dtype -> this round's step tag
         self._forwards = 0
@@ -183,15 +185,32 @@ class Issuer:
             op.handle, op.done, op.ctx, op.finished_at, op.nonfinite = None, False, None, None, None
             op.where["step"] = step
         self.cursor = 0
+        self._reaped = 0
         self.step = step
         self._forwards = forwards
         self._tags = {}
         self.window.clear()
         self.first_reduction_at = self.last_reduction_done_at = None
 
+    def reap(self) -> None:
+        """Complete the started ops that have finished, in order, without waiting for any (their results
+        decoded and averaged now; their buffers of the transport and the comm hook free for the next ops)."""
+        ops, i = self.ops, self._reaped
+        while i < self.cursor:
+            op = ops[i]
+            if not op.done:
+                if not op.handle.is_completed():
+                    break
+                self.complete(op)
+            i += 1
+        self._reaped = i
+
     def _write_meta(self, bucket: BucketState) -> None:
-        """The bucket's used flags and this rank's step tag, before its first reduction of the round."""
+        """The bucket's used flags and this rank's step tag, before its first reduction of the round (the tag
+        exact in the bucket's own dtype and in the wire's)."""
         dtype = self._wire_dtype(bucket.buffer.dtype)
+        if bucket.buffer.dtype in (torch.bfloat16, torch.float16):
+            dtype = bucket.buffer.dtype
         tag = self._tags.get(dtype)
         if tag is None:
             tag = self._tags[dtype] = self.checks.tag(self.step, self._forwards, dtype)

@@ -132,6 +132,7 @@ class ExactRounds:
             return
         bucket.ready = len(bucket.params)
         e.issuer.start_ready(e.round)
+        e.issuer.reap()  # finished ones give their buffers back for the next
 
     @staticmethod
     def _refuse_stale(bucket: BucketState, j: int) -> None:
