@@ -278,7 +278,7 @@ def _differences(ref: dict, other: dict, r: int) -> List[str]:
 
 
 def check_same_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend=None) -> None:
-    """Raise :class:`~dearopt.PlanMismatchError` on every rank if the ranks' models or optimizers differ (the
+    """Raise :class:`~dearopt.errors.PlanMismatchError` on every rank if the ranks' models or optimizers differ (the
     number, names, shapes, dtypes or ``requires_grad`` of the parameters and buffers, the optimizer's class or its
     param groups), naming what differs and on which rank.
 

@@ -149,10 +149,10 @@ def test_init_nccl_native_without_gpu_raises_backend_unavailable():
         import dearopt
         try:
             dearopt.init(backend="nccl-native")
-        except dearopt.BackendUnavailableError as exc:
+        except dearopt.errors.BackendUnavailableError as exc:
             print("UNAVAILABLE", exc)
         else:
-            print("INITIALIZED", dearopt.get_backend())
+            print("INITIALIZED", dearopt.backends.get_backend())
         assert not dearopt.is_initialized()
     """)
     assert proc.returncode == 0, _describe(proc)
@@ -363,11 +363,11 @@ def test_closed_backend_raises_collective_error():
     h = b.all_reduce(t)
     b.close()
     b.close()  # idempotent
-    with pytest.raises(dearopt.CollectiveError, match="all_reduce"):
+    with pytest.raises(dearopt.errors.CollectiveError, match="all_reduce"):
         b.all_reduce(t, bucket=3, step=7)
     try:
         h.wait()  # closing flushed the op: either fine or a CollectiveError, never a crash
-    except dearopt.CollectiveError:
+    except dearopt.errors.CollectiveError:
         pass
 
 
@@ -381,7 +381,7 @@ torch.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 dearopt.init(backend="nccl-native")
-backend = dearopt.get_backend()
+backend = dearopt.backends.get_backend()
 assert backend.name == "nccl-native", backend
 dev = backend.device
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
@@ -430,7 +430,7 @@ def test_distoptim_on_one_gpu_matches_plain_training(schedule):
 
 # -------------------------------------------------- two ranks (two GPUs)
 def _two_rank_ops(numel):
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     r, w = dearopt.rank(), dearopt.size()
     assert backend.name == "nccl-native" and backend.device.index == r % torch.cuda.device_count()
     dev = backend.device

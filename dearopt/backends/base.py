@@ -339,7 +339,7 @@ class CollectiveBackend(abc.ABC):
         if full.numel() != shard.numel() * self.size:
             raise ValueError(
                 f"{op}: the full tensor has {full.numel()} elements but the shard has {shard.numel()} "
-                f"and the world size is {self.size}; pad the full tensor with dearopt.padded_numel"
+                f"and the world size is {self.size}; pad the full tensor with dearopt.backends.padded_numel"
             )
         if full.dtype != shard.dtype:
             raise TypeError(f"{op}: dtypes differ ({full.dtype} vs {shard.dtype})")

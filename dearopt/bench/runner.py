@@ -338,7 +338,7 @@ def run_rank(cfg: dict) -> dict:
 
     rank, world = dearopt.rank(), dearopt.size()
     torch.set_num_threads(cfg["threads"])
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     schedules = cfg["schedules"]
     t_start = time.perf_counter()
     from dearopt.bench.report import source

@@ -16,7 +16,7 @@ from typing import Dict, Tuple
 from dearopt.schedules.base import Schedule, mark_updates
 from dearopt.schedules.bytescheduler import ByteScheduler
 from dearopt.schedules.dear import DeAR
-from dearopt.schedules.deft.schedule import DeFT
+from dearopt.schedules.deft.schedule import DeFT, Preserver
 from dearopt.schedules.prophet import Prophet, ProphetAllReduce
 from dearopt.schedules.rsag import RSAG
 from dearopt.schedules.wfbp import WFBP
@@ -34,6 +34,7 @@ __all__ = [
     "Prophet",
     "ProphetAllReduce",
     "DeFT",
+    "Preserver",
 ]
 
 _BUILTIN = (DeAR, WFBP, RSAG, ByteScheduler, Prophet, ProphetAllReduce, DeFT)
