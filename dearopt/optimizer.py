@@ -25,7 +25,7 @@ import dearopt.backends.runtime as runtime
 from dearopt.errors import NotInitializedError, UsageError
 import dearopt.collectives as functions
 from dearopt.backends.base import engine_boundary
-from dearopt.compression.hooks import resolve_comm_hook
+from dearopt.compression import resolve_comm_hook
 from dearopt.compression.sparsify import Sparsify
 from dearopt.engine.engine import Executor
 from dearopt.engine.options import Options

@@ -150,7 +150,7 @@ def test_every_schedule_on_one_gpu_matches_one_process(world):
 @pytest.mark.parametrize("backend", ["nccl", "nccl-native"])
 def test_every_schedule_on_one_rank_with_nccl(backend):
     if backend == "nccl-native":
-        pytest.importorskip("dearopt._nccl", reason="the NCCL extension is not built")
+        pytest.importorskip("dearopt.backends._nccl", reason="the NCCL extension is not built")
     name = "torch-nccl" if backend == "nccl" else backend
     outcomes = run_workers(_train, 1, SCHEDULES, False, name, timeout=280, init_kwargs={"backend": backend})
     _check(outcomes, 1, SCHEDULES, CUDA_RTOL, CUDA_ATOL)

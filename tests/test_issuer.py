@@ -10,7 +10,8 @@ import torch
 from dearopt.engine.buckets import BucketState
 from dearopt.backends.base import CollectiveBackend, Handle
 from dearopt.engine.issuer import CreditWindow, Issuer
-from dearopt.planning.plan import ParamSpec, build_plan
+from dearopt.planning.plan import ParamSpec
+from dearopt.planning.build import build_plan
 from dearopt.engine.timeline import Timeline
 
 

@@ -23,7 +23,8 @@ from dearopt.engine.buckets import BucketState
 from dearopt.errors import PlanMismatchError
 from dearopt.planning.order import parameters_in_forward_order
 from dearopt.engine.issuer import CreditWindow, Issuer, OpState
-from dearopt.planning.plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, allreduce_buckets, build_plan, moment_key
+from dearopt.planning.plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, allreduce_buckets, moment_key
+from dearopt.planning.build import build_plan
 from dearopt.schedules.prophet import profile_blocks
 from dearopt.engine.tied import EmbeddingRows
 
