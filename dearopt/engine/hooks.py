@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import weakref
-from typing import Callable, Dict, Iterable, List, Sequence
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -147,6 +148,8 @@ class GradientHooks:
         self._handles = []
         self._expect = True
         self._per_param = self.native is None
+        self._timing = False
+        self._position_of: List[Tuple[int, int]] = []  # (slot, position in the plan) of every planned parameter
 
     @property
     def counting(self) -> bool:
@@ -194,6 +197,7 @@ class GradientHooks:
         if self.native is None:
             return
         slots, which, positions, views = [], [], [], []
+        self._position_of = []
         for b in buckets:
             for j, (p, view) in enumerate(zip(b.params, b.views)):
                 slot = self.slot_of.get(id(p))
@@ -202,6 +206,7 @@ class GradientHooks:
                     which.append(b.index)
                     positions.append(j)
                     views.append(view)
+                    self._position_of.append((slot, b.spec.params[j]))
         self.native.bind(slots, which, positions, views, [len(b.params) for b in buckets])
 
     def per_param(self, on: bool) -> None:
@@ -210,6 +215,23 @@ class GradientHooks:
         self._per_param = on
         if self.native is not None:
             self.native.per_param(on)
+
+    def timed(self, on: bool) -> bool:
+        """Note each gradient's arrival time in C++ while counting (the profile's steps); False where only
+        Python can (:meth:`per_param` then)."""
+        if self.native is None or self._per_param:
+            return False
+        if on != self._timing:
+            self.native.timing(on)
+            self._timing = on
+        return on
+
+    def arrivals(self) -> List[Tuple[int, float]]:
+        """``(position in the plan, perf_counter seconds)`` of each gradient that arrived in this pass (after
+        :meth:`timed`)."""
+        stamps = self.native.stamps()
+        n = len(stamps)
+        return [(pos, stamps[slot]) for slot, pos in self._position_of if slot < n and not math.isnan(stamps[slot])]
 
     def expect_backward(self) -> None:
         """The next gradient begins a backward pass: ``on_first()`` is called there."""

@@ -79,9 +79,10 @@ class ExactRounds:
                 b.start_round()
             e.issuer.start_round(e.step_count, e.forwards)
             e.profile.begin_backward(e.step_count, len(e.plan.params))
-        # the steps that time each gradient for the profile see every gradient from Python; the others count
-        # each bucket's gradients in C++ and run Python once per bucket
-        e.hooks.gradients.per_param(e.profile.recording)
+        # C++ counts each bucket's gradients and Python runs once per bucket; the steps that time each gradient for
+        # the profile have C++ note the arrival times too (or, without the extension, see every gradient in Python)
+        recording = e.profile.recording
+        e.hooks.gradients.per_param(recording and not e.hooks.gradients.timed(recording))
 
     def show_predicted_sends(self) -> None:
         """Under a schedule whose buckets come from the profile (Prophet's blocks), each bucket's reduction as the
@@ -131,6 +132,8 @@ class ExactRounds:
         if e.round is None:
             return
         bucket.ready = len(bucket.params)
+        if e.profile.recording:
+            e.issuer.observe()
         e.issuer.start_ready(e.round)
         e.issuer.reap()  # finished ones give their buffers back for the next
 
@@ -164,6 +167,8 @@ class ExactRounds:
         for b in e.buckets:  # unused since zero_grad(): a zero gradient (or the bucket would send a stale one)
             b.clear_stale()
         if e.profile.recording:
+            if e.hooks.gradients.counting:  # the arrival times C++ noted
+                e.profile.arrived(e.hooks.gradients.arrivals())
             e.profile.end_backward()
             e.issuer.observe()
         e.complete_due(BACKWARD_END)
