@@ -1,4 +1,4 @@
-"""Decide whether and how setup.py builds ``dearopt._nccl`` (csrc/nccl_comm.cpp).
+"""Decide whether and how setup.py builds ``dearopt.backends._nccl`` (csrc/nccl_comm.cpp).
 
 ``configure()`` returns ``(ext_modules, cmdclass)``:
 
@@ -124,8 +124,8 @@ def find_nccl() -> Tuple[Optional[Dict[str, str]], str]:
     for location in locations:
         include, lib = os.path.join(location, "include"), os.path.join(location, "lib")
         if os.path.isfile(os.path.join(include, "nccl.h")) and _nccl_lib_in(lib):
-            # dearopt/_nccl*.so and nvidia/nccl/lib in the same site-packages
-            return {"include": include, "lib": lib, "rpath_origin": "$ORIGIN/../nvidia/nccl/lib"}, ""
+            # dearopt/backends/_nccl*.so and nvidia/nccl/lib in the same site-packages
+            return {"include": include, "lib": lib, "rpath_origin": "$ORIGIN/../../nvidia/nccl/lib"}, ""
     if os.path.isfile("/usr/include/nccl.h"):
         multiarch = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
         for lib in (f"/usr/lib/{multiarch}", "/usr/lib64", "/usr/lib"):
@@ -152,7 +152,7 @@ def _make_cmdclass(forced):
         from setuptools.command.build_ext import build_ext as base
 
     class BuildExt(base):
-        """Builds dearopt._nccl and dearopt.engine._ready; in auto mode a failed build leaves the Python path."""
+        """Builds dearopt.backends._nccl and dearopt.engine._ready; in auto mode a failed build leaves the Python path."""
 
         def build_extension(self, ext):
             start = time.monotonic()
@@ -161,7 +161,7 @@ def _make_cmdclass(forced):
             except Exception as exc:  # CompileError, LinkError, OSError, ...
                 if ext.name in forced:
                     raise
-                env = ENV if ext.name == "dearopt._nccl" else READY_ENV
+                env = ENV if ext.name == "dearopt.backends._nccl" else READY_ENV
                 print(
                     f"dearopt: {ext.name} skipped: its build failed ({type(exc).__name__}: "
                     f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); "
@@ -232,7 +232,7 @@ def configure() -> Tuple[List, Dict]:
 
 
 def _nccl_config():
-    """``(extension, forced)`` for ``dearopt._nccl``, or None when it is not built."""
+    """``(extension, forced)`` for ``dearopt.backends._nccl``, or None when it is not built."""
     mode = _mode()
     if mode == "off":
         _say(f"NCCL extension skipped: {ENV}=0")
@@ -261,7 +261,7 @@ def _nccl_config():
     link_args += [f"-Wl,-rpath,{path}" for path in rpaths]
     link_args += ["-lpthread", "-ldl", "-lrt"]
     ext = Extension(
-        "dearopt._nccl",
+        "dearopt.backends._nccl",
         sources=[SOURCE],
         include_dirs=[pybind_include, cuda["include"], nccl["include"]],
         extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-g0"],

@@ -1,4 +1,4 @@
-// dearopt._nccl: asynchronous NCCL collectives with integer handles.
+// dearopt.backends._nccl: asynchronous NCCL collectives with integer handles.
 //
 // Tensors arrive as raw device pointers + element counts + NCCL dtype codes,
 // and streams as integer cudaStream_t handles (torch's `data_ptr()` and

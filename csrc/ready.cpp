@@ -8,7 +8,8 @@
 // Python is called only where something happens for a whole backward or bucket: `on_first()` at the first hook of a
 // backward (once `expect_backward()` was called) and `on_bucket(b)` when bucket b has all its gradients (or, with
 // `per_param(true)`, `on_param(slot)` at every hook: the engine's Python path, for the steps that time each
-// gradient).  Which bucket and position each parameter has is the bound plan's (`bind`), replaced whole by a
+// gradient), or, with `timing(true)`, each parameter's arrival time noted in C++ (`stamps()`, CLOCK_MONOTONIC
+// seconds as Python's time.perf_counter, the profile's steps) while still counting.  Which bucket and position each parameter has is the bound plan's (`bind`), replaced whole by a
 // re-plan; the hooks stay for the life of the object (`remove()` takes them off).
 //
 // ForwardGate: the module forward pre-hooks of a model, one callable per module, in C++: while armed, a module whose
@@ -21,6 +22,8 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -126,6 +129,19 @@ class ReadyHooks : public std::enable_shared_from_this<ReadyHooks> {
     per_param_ = on;
   }
 
+  // Note each parameter's first arrival in a pass (seconds of the monotonic clock) while counting.
+  void timing(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    timing_ = on;
+    stamps_.assign(params_.size(), NAN);
+  }
+
+  // The arrival times of this pass by slot (NaN: not arrived).
+  std::vector<double> stamps() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stamps_;
+  }
+
   py::bytes counted(int64_t b) {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(counted_.size()), "dearopt._ready: no bucket ", b);
@@ -179,6 +195,7 @@ class ReadyHooks : public std::enable_shared_from_this<ReadyHooks> {
     counting_ = true;
     std::fill(ready_.begin(), ready_.end(), 0);
     for (auto& c : counted_) std::fill(c.begin(), c.end(), 0);
+    if (timing_) stamps_.assign(params_.size(), NAN);
   }
 
   // Runs on the thread autograd runs this parameter's accumulation on, without the GIL.
@@ -224,6 +241,8 @@ class ReadyHooks : public std::enable_shared_from_this<ReadyHooks> {
       auto& c = counted_[b][pos_of_[slot]];
       if (c) return;  // counted in this pass already
       c = 1;
+      if (timing_ && slot < static_cast<int64_t>(stamps_.size()))
+        stamps_[slot] = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
       if (++ready_[b] == sizes_[b]) complete = b;
     }
     if (complete >= 0) call(on_bucket_, complete);
@@ -254,6 +273,8 @@ class ReadyHooks : public std::enable_shared_from_this<ReadyHooks> {
   bool expect_ = false;
   bool counting_ = false;
   bool per_param_ = false;
+  bool timing_ = false;
+  std::vector<double> stamps_;
 };
 
 // The forward's side: which bucket the forward has reached.  Python arms it after step() (the updates wait for
@@ -313,6 +334,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("begin_pass", &ReadyHooks::begin_pass)
       .def("pause", &ReadyHooks::pause)
       .def("per_param", &ReadyHooks::per_param, py::arg("on"))
+      .def("timing", &ReadyHooks::timing, py::arg("on"))
+      .def("stamps", &ReadyHooks::stamps)
       .def("counted", &ReadyHooks::counted, py::arg("bucket"))
       .def("ready", &ReadyHooks::ready, py::arg("bucket"))
       .def("sparse_slots", &ReadyHooks::sparse_slots)

@@ -7,115 +7,65 @@ The public API::
     optimizer = dearopt.DistOptim(torch.optim.AdamW(model.parameters()), model)
 """
 
-from dearopt.backends.base import CollectiveBackend, Handle, padded_numel
-from dearopt.errors import (
-    BackendUnavailableError,
-    CheckpointMismatchError,
-    CollectiveError,
-    CollectiveTimeoutError,
-    DearoptError,
-    InternalError,
-    LaunchEnvironmentError,
-    NonFiniteGradientError,
-    NotElementwiseError,
-    NotInitializedError,
-    PeerFailedError,
-    PeerLostError,
-    PlanMismatchError,
-    StepMismatchError,
-    UsageError,
-)
-from dearopt.collectives import (
-    allreduce,
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-    check_same_model,
-    no_sync,
-)
-from dearopt.backends.runtime import (
-    get_backend,
-    get_timeout,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
+from dearopt.errors import CollectiveTimeoutError, DearoptError, PeerLostError, UsageError
+from dearopt.collectives import broadcast_object, broadcast_optimizer_state, broadcast_parameters, no_sync
+from dearopt.backends.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = "0.1.0"
+import dearopt.backends as backends  # noqa: F401  (subpackages reached as dearopt.backends, ...)
+import dearopt.planning as planning  # noqa: F401
+import dearopt.errors as errors  # noqa: F401
+import dearopt.collectives as collectives  # noqa: F401
 import dearopt.schedules as schedules
 import dearopt.checkpoint as checkpoint
 from dearopt.compression.hooks import CommHook, bf16_compress, fp16_compress
 from dearopt.optimizer import DistOptim
 from dearopt.engine.options import Options
-from dearopt.planning.plan import Plan, build_plan, parse_size
-from dearopt.schedules import RSAG, WFBP, ByteScheduler, DeAR, DeFT, Prophet, ProphetAllReduce, Schedule
-from dearopt.schedules.deft.schedule import Preserver
+from dearopt.schedules import RSAG, WFBP, ByteScheduler, DeAR, DeFT, Prophet
 from dearopt.engine.sharding import register_elementwise
 from dearopt.compression.sparsify import Sparsify
-from dearopt.planning.tuner import BayesianTuner, ChoiceTuner, Knob, TuningController
 
-# the public names (what the API reference and tests/test_docstrings.py cover); a new export is added here too
+# The public names (what the API reference and tests/test_docstrings.py cover), a user's screen: the runtime, the
+# optimizer and its options, the schedules, the comm hooks, the helpers a training script calls and the errors a
+# script catches.  The rest lives in its subpackage: dearopt.errors (every error), dearopt.backends (the collective
+# interface), dearopt.planning (plans and tuners), dearopt.schedules (the registry, Schedule, Preserver),
+# dearopt.collectives (allreduce, check_same_model).  A new export is added here too.
 __all__ = [
-    "CollectiveBackend",
-    "Handle",
-    "padded_numel",
-    "BackendUnavailableError",
-    "CheckpointMismatchError",
-    "CollectiveError",
-    "CollectiveTimeoutError",
-    "DearoptError",
-    "InternalError",
-    "LaunchEnvironmentError",
-    "NonFiniteGradientError",
-    "NotElementwiseError",
-    "NotInitializedError",
-    "PeerFailedError",
-    "PeerLostError",
-    "PlanMismatchError",
-    "StepMismatchError",
-    "UsageError",
-    "allreduce",
-    "broadcast_object",
-    "broadcast_optimizer_state",
-    "broadcast_parameters",
-    "check_same_model",
-    "no_sync",
-    "get_backend",
-    "get_timeout",
     "init",
+    "shutdown",
     "is_initialized",
+    "rank",
+    "size",
     "local_rank",
     "local_size",
-    "rank",
-    "shutdown",
-    "size",
-    "schedules",
-    "CommHook",
-    "bf16_compress",
-    "fp16_compress",
     "DistOptim",
     "Options",
-    "Plan",
-    "build_plan",
-    "parse_size",
-    "Preserver",
-    "register_elementwise",
-    "Sparsify",
-    "BayesianTuner",
-    "ChoiceTuner",
-    "Knob",
-    "TuningController",
-    "Schedule",
+    "schedules",
     "DeAR",
     "WFBP",
     "RSAG",
     "ByteScheduler",
     "Prophet",
-    "ProphetAllReduce",
     "DeFT",
+    "CommHook",
+    "Sparsify",
+    "bf16_compress",
+    "fp16_compress",
+    "register_elementwise",
+    "no_sync",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "broadcast_object",
     "checkpoint",
+    "DearoptError",
+    "UsageError",
+    "PeerLostError",
+    "CollectiveTimeoutError",
 ]
+
+# The reference and reprs show where a public class is imported from, not the module that defines it (as torch does).
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) and _obj.__module__.startswith("dearopt."):
+        _obj.__module__ = "dearopt"
+del _name, _obj

@@ -86,11 +86,13 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, backe
                 offset += n
 
 
-def broadcast_buffers_as_bytes(model: torch.nn.Module, backend, step: int) -> None:
+def broadcast_buffers_as_bytes(model, backend, step: int) -> None:
     """Rank 0's buffers (BatchNorm's running statistics...) on every rank, as DDP does before each training
     forward: all of them, of every dtype, as the bytes of one message (one collective, not one per dtype;
-    each buffer's bytes start at a multiple of 8 so that they can be viewed as its dtype again)."""
-    buffers = [b for b in model.buffers() if b.numel() > 0]
+    each buffer's bytes start at a multiple of 8 so that they can be viewed as its dtype again).  ``model``: the
+    module, or its non-empty buffers as a list (kept by the caller: walking the module tree costs a Python call
+    per module)."""
+    buffers = [b for b in model.buffers() if b.numel() > 0] if isinstance(model, torch.nn.Module) else model
     if not buffers:
         return
     spans, offset = [], 0
@@ -276,7 +278,7 @@ def _differences(ref: dict, other: dict, r: int) -> List[str]:
 
 
 def check_same_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend=None) -> None:
-    """Raise :class:`~dearopt.PlanMismatchError` on every rank if the ranks' models or optimizers differ (the
+    """Raise :class:`~dearopt.errors.PlanMismatchError` on every rank if the ranks' models or optimizers differ (the
     number, names, shapes, dtypes or ``requires_grad`` of the parameters and buffers, the optimizer's class or its
     param groups), naming what differs and on which rank.
 

@@ -25,7 +25,7 @@ import dearopt.backends.runtime as runtime
 from dearopt.errors import NotInitializedError, UsageError
 import dearopt.collectives as functions
 from dearopt.backends.base import engine_boundary
-from dearopt.compression.hooks import resolve_comm_hook
+from dearopt.compression import resolve_comm_hook
 from dearopt.compression.sparsify import Sparsify
 from dearopt.engine.engine import Executor
 from dearopt.engine.options import Options
@@ -121,7 +121,7 @@ class DistOptim(torch.optim.Optimizer):
         model: the module whose forward and backward are scheduled.
         schedule: a schedule object that owns its knobs (:class:`dearopt.DeAR`, :class:`dearopt.WFBP`,
             :class:`dearopt.RSAG`, :class:`dearopt.ByteScheduler`, :class:`dearopt.Prophet`,
-            :class:`dearopt.ProphetAllReduce`, :class:`dearopt.DeFT`, or one registered with
+            :class:`dearopt.schedules.ProphetAllReduce`, :class:`dearopt.DeFT`, or one registered with
             :func:`dearopt.schedules.register`), or its name (``"dear"``, the default, ...) for its defaults.
         buffer_size: bytes per fusion bucket or a string like ``"25MB"``; ``"auto"``: tuned online.
         shard_optimizer: under ``dear``, each rank updates its shard of every bucket at ``step()`` and the next
@@ -502,7 +502,7 @@ class DistOptim(torch.optim.Optimizer):
         return saved
 
     def load_sharded_state_dict(self, state_dict: dict) -> None:
-        """Load this rank's :meth:`sharded_state_dict` (a :class:`dearopt.CheckpointMismatchError` if it was
+        """Load this rank's :meth:`sharded_state_dict` (a :class:`dearopt.errors.CheckpointMismatchError` if it was
         saved by another rank, world size or plan)."""
         sharding = self._require_sharding("load_sharded_state_dict")
         self.synchronize()

@@ -43,7 +43,7 @@ def _slowest(seconds: float) -> float:
     import dearopt
 
     t = torch.tensor([seconds], dtype=torch.float64)
-    dearopt.get_backend().all_reduce(t, "max").wait()
+    dearopt.backends.get_backend().all_reduce(t, "max").wait()
     return float(t)
 
 
@@ -93,7 +93,7 @@ def _rank(args) -> dict:
         steps = [_slowest(step()) for _ in range(2)]
         warm = os.path.join(args.dir, f"{config}-warm-up")
         ckpt.save(warm, model, opt)  # untimed: DCP's first save makes its process group and imports its pieces
-        dearopt.get_backend().all_reduce(torch.zeros(1), "sum").wait()
+        dearopt.backends.get_backend().all_reduce(torch.zeros(1), "sum").wait()
         if rank == 0:
             shutil.rmtree(warm, ignore_errors=True)
         rows = {m: [] for m in METHODS}
@@ -113,7 +113,7 @@ def _rank(args) -> dict:
                         os.makedirs(path, exist_ok=True)
                         torch.save(state, os.path.join(path, "checkpoint.pt"))
                     del state
-                    dearopt.get_backend().all_reduce(torch.zeros(1), "sum").wait()  # the others wait for rank 0
+                    dearopt.backends.get_backend().all_reduce(torch.zeros(1), "sum").wait()  # others wait for rank 0
                 stall = _slowest(time.perf_counter() - t0)
                 row = {"stall": stall}
                 if pending is not None:
@@ -128,7 +128,7 @@ def _rank(args) -> dict:
                 else:
                     steps.append(_slowest(step()))
                 rows[method].append(row)
-                dearopt.get_backend().all_reduce(torch.zeros(1), "sum").wait()
+                dearopt.backends.get_backend().all_reduce(torch.zeros(1), "sum").wait()
                 if rank == 0:
                     size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(path) for f in fs)
                     row["bytes"] = size
@@ -144,7 +144,7 @@ def _rank(args) -> dict:
                         flush=True,
                     )
                     shutil.rmtree(path, ignore_errors=True)
-                dearopt.get_backend().all_reduce(torch.zeros(1), "sum").wait()
+                dearopt.backends.get_backend().all_reduce(torch.zeros(1), "sum").wait()
         state_bytes = sum(
             v.numel() * v.element_size() for e in opt.state.values() for v in e.values() if isinstance(v, torch.Tensor)
         )

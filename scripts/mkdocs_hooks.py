@@ -1,4 +1,4 @@
-"""MkDocs hook: the docstrings' Sphinx roles (``:class:`dearopt.Plan```, ``:func:`~x.y```) shown as code.
+"""MkDocs hook: the docstrings' Sphinx roles (``:class:`dearopt.planning.Plan```, ``:func:`~x.y```) shown as code.
 
 mkdocstrings renders docstrings as Markdown with the site's Markdown extensions; this adds one that rewrites a role
 to a code span before the text is parsed. Loaded by ``hooks:`` in mkdocs.yml (no package, no network).

@@ -392,7 +392,8 @@ def test_single_device_bench_on_cpu(tmp_path):
     rows = {r["variant"]: r for r in doc["rows"]}
     assert set(rows) == {"plain", "ddp", "dear", "dear-sharded"}
     params = rows["plain"]["breakdown"]["parameters"]
-    assert all(rows[v]["breakdown"]["parameters"] == params for v in ("ddp", "dear"))
+    assert rows["ddp"]["breakdown"]["parameters"] == params
+    assert rows["dear"]["breakdown"]["parameters"] >= params  # flat updates: a bucket's parameters in one padded buffer
     assert rows["dear-sharded"]["breakdown"]["parameters"] >= params  # gathered into flat, padded storage
     assert rows["plain"]["breakdown"]["buckets"] == 0 and rows["dear"]["breakdown"]["buckets"] > 0
     assert rows["dear-sharded"]["breakdown"]["optimizer state"] > 0

@@ -28,7 +28,9 @@ def _train(comm_hook, schedule):
     loss_fn("mlp", model(shard(x, rank, world).bfloat16()), shard(y, rank, world).bfloat16()).backward()
     opt.step()
     opt.synchronize()
-    wire = sorted({str(p.wire_full.dtype) for b in opt._executor.buckets for p in b.pieces if p.wire_full is not None})
+    # the wire buffers the reductions took (given back to the issuer's pool once each op completed)
+    pool = opt._executor.issuer.pool._free
+    wire = sorted({str(t.dtype) for kept in pool.values() for t in kept})
     out = [p.detach().clone() for p in model.parameters()], wire
     opt.close()
     return out

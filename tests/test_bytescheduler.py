@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.planning.plan import ParamSpec, build_plan, priority_sequence
+from dearopt.planning.plan import ParamSpec, priority_sequence
+from dearopt.planning.build import build_plan
 from harness import run_workers
 from models import global_batch, loss_fn, make_model, shard
 from test_distoptim import assert_params_match, reference

@@ -19,7 +19,7 @@ def _rank_data(rank, numel, dtype):
 
 def _reduce_scatter_and_gather(numel, dtype_name):
     dtype = DTYPES[dtype_name]
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     r, w = dearopt.rank(), dearopt.size()
     padded = padded_numel(numel, w)
     full = torch.zeros(padded, dtype=dtype)
@@ -52,7 +52,7 @@ def test_reduce_scatter_equals_summed_shard(world_size, numel, dtype_name):
 
 
 def _reductions():
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     r = dearopt.rank()
     results = {}
     for op in ("sum", "avg", "min", "max", "product"):
@@ -62,7 +62,7 @@ def _reductions():
     b = torch.full((5,), float(r))
     backend.broadcast(b, root=1).wait()
     results["broadcast"] = b
-    results["metric"] = dearopt.allreduce(float(r))
+    results["metric"] = dearopt.collectives.allreduce(float(r))
     # a sum as reduce-scatter then all-gather on a second communicator, several in flight at once
     from dearopt.backends.base import ReduceScatterThenGather
 
@@ -135,7 +135,7 @@ def test_broadcast_parameters_and_optimizer_state_from_root():
 
 
 def _timeout_on_lonely_collective():
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     if dearopt.rank() == 0:
         t = torch.ones(4)
         backend.all_reduce(t, bucket=3, step=7).wait(timeout=1.0)
@@ -159,7 +159,7 @@ def test_wait_times_out_with_named_error():
 def _lonely_chained_sum():
     from dearopt.backends.base import ReduceScatterThenGather
 
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     chain = ReduceScatterThenGather(backend, backend.fork())
     if dearopt.rank() == 0:
         chain.start(torch.ones(4), torch.empty(2), bucket=5, step=2).wait(timeout=1.0)
@@ -196,7 +196,7 @@ def test_shape_errors_name_the_problem():
 
 
 def _int16_everything():
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     r, w = dearopt.rank(), dearopt.size()
     base = torch.tensor([32000, -32000, 7, -5], dtype=torch.int16) + r  # the sum wraps, as int16 arithmetic does
     out = {}
@@ -254,7 +254,7 @@ def test_an_op_named_by_its_caller_fails_with_a_named_error_not_a_key_error():
 
 
 def _many_reduce_scatters_in_a_small_workspace():
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     rank, world = dearopt.rank(), dearopt.size()
     backend.workspace_bytes = 3 * 4000 * 4  # three receive buffers of 4000 floats
     sizes = [4000, 2000, 4000, 1000, 1000, 2000, 4000, 2000, 1000, 4000, 1000, 2000]  # spares of several sizes

@@ -289,7 +289,7 @@ def _branchy_all():
     for s in SCHEDULES:
         try:
             out[("sparse", s)] = _sparse_embedding(s, dearopt.size())
-        except dearopt.NotElementwiseError as exc:  # SparseAdam cannot be sharded: refused by name
+        except dearopt.errors.NotElementwiseError as exc:  # SparseAdam cannot be sharded: refused by name
             out[("sparse", s)] = str(exc)
     return out
 

@@ -40,7 +40,7 @@ def _relay_on_cpu():
 def _train(schedules, on_cpu: bool, backend_name: str = "cuda-relay"):
     if on_cpu:
         _relay_on_cpu()
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     assert backend.name == backend_name, backend
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = backend.device
@@ -94,7 +94,7 @@ def test_relay_on_cpu_trains_like_one_process():
 
 def _ops_in_order_and_timeout():
     _relay_on_cpu()
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     rank, world = dearopt.rank(), dearopt.size()
     tensors = [torch.full((5,), float(rank + k)) for k in range(20)]
     handles = [backend.all_reduce(t) for t in tensors]  # many in flight: matched in issue order
@@ -132,7 +132,7 @@ def test_relay_on_cpu_matches_ops_in_issue_order_and_times_out():
 def test_cuda_relay_without_gpu_is_refused():
     if HAS_CUDA:
         pytest.skip("a GPU is present")
-    with pytest.raises(dearopt.BackendUnavailableError, match="CUDA"):
+    with pytest.raises(dearopt.errors.BackendUnavailableError, match="CUDA"):
         dearopt.init(backend="cuda-relay")
 
 
@@ -150,14 +150,14 @@ def test_every_schedule_on_one_gpu_matches_one_process(world):
 @pytest.mark.parametrize("backend", ["nccl", "nccl-native"])
 def test_every_schedule_on_one_rank_with_nccl(backend):
     if backend == "nccl-native":
-        pytest.importorskip("dearopt._nccl", reason="the NCCL extension is not built")
+        pytest.importorskip("dearopt.backends._nccl", reason="the NCCL extension is not built")
     name = "torch-nccl" if backend == "nccl" else backend
     outcomes = run_workers(_train, 1, SCHEDULES, False, name, timeout=280, init_kwargs={"backend": backend})
     _check(outcomes, 1, SCHEDULES, CUDA_RTOL, CUDA_ATOL)
 
 
 def _stream_contract():
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     rank, world = dearopt.rank(), dearopt.size()
     dev = backend.device
     t = torch.zeros(1 << 16, device=dev)

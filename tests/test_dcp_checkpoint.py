@@ -266,12 +266,12 @@ def test_a_checkpoint_loads_into_one_plain_torch_process(saved_at_2, tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(6, 3))
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
     before = _params(other)
-    with pytest.raises(dearopt.CheckpointMismatchError, match="only in the checkpoint"):
+    with pytest.raises(dearopt.errors.CheckpointMismatchError, match="only in the checkpoint"):
         ckpt.load(os.path.join(root, "a_plain"), other, other_opt)
     assert all(torch.equal(a, b) for a, b in zip(_params(other), before))
     wider = make_model("mlp")
     wider.fc3 = torch.nn.Linear(8, 4)
-    with pytest.raises(dearopt.CheckpointMismatchError, match="'fc3.weight' has shape"):
+    with pytest.raises(dearopt.errors.CheckpointMismatchError, match="'fc3.weight' has shape"):
         ckpt.load(os.path.join(root, "a_plain"), wider, torch.optim.SGD(wider.parameters(), lr=0.1))
     jobs = str(tmp_path / "job")
     for step in (3, 5, 7):
@@ -279,7 +279,7 @@ def test_a_checkpoint_loads_into_one_plain_torch_process(saved_at_2, tmp_path):
         if step != 7:
             shutil.copy(os.path.join(root, "a_plain", ".metadata"), ckpt.step_path(jobs, step))
     assert ckpt.latest(jobs) == (5, ckpt.step_path(jobs, 5))
-    with pytest.raises(dearopt.CheckpointMismatchError, match="not a finished DCP checkpoint"):
+    with pytest.raises(dearopt.errors.CheckpointMismatchError, match="not a finished DCP checkpoint"):
         ckpt.load(ckpt.step_path(jobs, 7), model, opt)
 
 

@@ -36,7 +36,7 @@ def pieces_units(world):
     """The MLP's units (bucket, piece) with its buckets split at 64 bytes (the pieces depend on the world size:
     each a multiple of it)."""
     from dearopt.schedules.deft.rounds import plan_units
-    from dearopt.planning.plan import build_plan
+    from dearopt.planning.build import build_plan
 
     return plan_units(build_plan(_synthetic_profile().params, 64, world, "deft", partition_size=64))
 
@@ -341,7 +341,7 @@ def test_the_measured_reduction_is_the_pair_only_where_faster_by_the_margin():
 
 def test_bucket_times_from_a_profile_by_hand():
     from dearopt.schedules.deft.rounds import deft_times
-    from dearopt.planning.plan import build_plan
+    from dearopt.planning.build import build_plan
 
     profile = _synthetic_profile()
     plan = build_plan(profile.params, 64, 2, "deft")

@@ -142,9 +142,9 @@ def test_skipped_step_is_caught_before_gradients_are_mixed(schedule, world):
 
 
 def _extra_helper_collective():
-    dearopt.allreduce(1.0)
+    dearopt.collectives.allreduce(1.0)
     if dearopt.rank() == 0:
-        dearopt.allreduce(torch.ones(3))  # one extra collective on rank 0
+        dearopt.collectives.allreduce(torch.ones(3))  # one extra collective on rank 0
     return dearopt.broadcast_object({"rank": dearopt.rank()})
 
 
@@ -261,7 +261,7 @@ def _nonfinite_written_after_averaging():
             opt.step()
             opt.synchronize()
             seen[case] = "stepped"
-        except dearopt.NonFiniteGradientError as exc:
+        except dearopt.errors.NonFiniteGradientError as exc:
             seen[case] = "NonFiniteGradientError: " + str(exc)
         opt.close()
     return seen
@@ -318,10 +318,10 @@ def test_debug_mode_catches_diverged_parameters():
 
 def test_collectives_before_init_are_a_named_error():
     assert not dearopt.is_initialized()
-    with pytest.raises(dearopt.NotInitializedError, match=r"dearopt.init\(\)"):
-        dearopt.allreduce(1.0)
+    with pytest.raises(dearopt.errors.NotInitializedError, match=r"dearopt.init\(\)"):
+        dearopt.collectives.allreduce(1.0)
     model = make_model("mlp")
-    with pytest.raises(dearopt.NotInitializedError, match=r"dearopt.init\(\)"):
+    with pytest.raises(dearopt.errors.NotInitializedError, match=r"dearopt.init\(\)"):
         dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=0.1), model)
 
 
@@ -558,7 +558,7 @@ def test_an_internal_error_is_named_on_its_rank_and_on_every_peer_promptly(where
         init_kwargs={"timeout": 30.0},
     )
     failed = outcomes[1]
-    inside = {"hook": "Executor._module_pre_hook", "step": "DistOptim.step()"}[where]
+    inside = {"hook": "Executor._reach_bucket", "step": "DistOptim.step()"}[where]
     if keeps_running:
         kind, message, cause = failed.value
         assert cause == "IndexError"
@@ -593,17 +593,17 @@ def test_an_internal_error_on_one_rank_keeps_its_cause(monkeypatch):
         def buggy(self, *args):
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(Executor, "locate", buggy)  # called by the gradient hook
+        monkeypatch.setattr(Executor, "_build_plan", buggy)  # called at the first gradient hook
         x, y = global_batch(0, "mlp")
-        with pytest.raises(dearopt.InternalError) as info:
+        with pytest.raises(dearopt.errors.InternalError) as info:
             loss_fn("mlp", model(x), y).backward()
         assert str(info.value) == (
-            "an unexpected RuntimeError was raised inside dearopt (Executor._on_grad_ready): a bug [rank 0, step 0]"
+            "an unexpected RuntimeError was raised inside dearopt (Executor._backward_begins): a bug [rank 0, step 0]"
         )
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.rank == 0 and info.value.step == 0
         monkeypatch.undo()
         monkeypatch.setattr(Executor, "zero_grad", buggy)
-        with pytest.raises(dearopt.InternalError, match=r"inside dearopt \(DistOptim.zero_grad\(\)\): a bug"):
+        with pytest.raises(dearopt.errors.InternalError, match=r"inside dearopt \(DistOptim.zero_grad\(\)\): a bug"):
             opt.zero_grad()
         monkeypatch.undo()
         opt.close()

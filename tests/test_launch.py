@@ -84,9 +84,9 @@ def test_init_errors_name_the_problem(monkeypatch):
         dearopt.init(timeout=-1)
     with pytest.raises(ValueError, match="backend"):
         dearopt.init(backend="carrier-pigeon")
-    with pytest.raises(dearopt.NotInitializedError, match="dearopt.init"):
+    with pytest.raises(dearopt.errors.NotInitializedError, match="dearopt.init"):
         dearopt.rank()
-    with pytest.raises(dearopt.BackendUnavailableError, match="CUDA"):
+    with pytest.raises(dearopt.errors.BackendUnavailableError, match="CUDA"):
         dearopt.init(backend="nccl")
 
 
@@ -97,12 +97,12 @@ def test_init_is_idempotent_and_world_of_one():
     dearopt.init()
     try:
         assert (dearopt.rank(), dearopt.size(), dearopt.local_rank(), dearopt.local_size()) == (0, 1, 0, 1)
-        assert dearopt.allreduce(2.5) == 2.5
+        assert dearopt.collectives.allreduce(2.5) == 2.5
         dearopt.shutdown()
         assert not dearopt.is_initialized()
         dearopt.init()  # no launcher: joins anew
         t = torch.tensor([1.5, -2.0])
-        dearopt.get_backend().all_reduce(t).wait()
+        dearopt.backends.get_backend().all_reduce(t).wait()
         assert t.tolist() == [1.5, -2.0] and dearopt.size() == 1
     finally:
         dearopt.shutdown()
@@ -146,13 +146,13 @@ def test_shutdown_closes_forked_communicators_and_joins_their_threads():
 
     before = _thread_ids()
     dearopt.init()
-    fork = dearopt.get_backend().fork()
+    fork = dearopt.backends.get_backend().fork()
     started = _thread_ids() - before  # the backend's and the fork's gloo worker threads
     assert started
     dearopt.shutdown()
     # every thread they started is joined (a thread of another library that starts meanwhile is not theirs)
     assert not started & _thread_ids()
-    with pytest.raises(dearopt.CollectiveError, match="closed"):
+    with pytest.raises(dearopt.errors.CollectiveError, match="closed"):
         fork.all_reduce(torch.ones(2))
 
 
@@ -198,7 +198,7 @@ def test_shutdown_frees_the_default_group_even_after_torch_binds_it_as_a_default
 # ranks re-join at different moments, and the second join must not meet what the first left behind.
 PROBE = (
     "import dearopt, torch; dearopt.init(); dearopt.shutdown(); dearopt.init(); "
-    "t = torch.tensor([float(dearopt.rank() + 1)]); dearopt.get_backend().all_reduce(t).wait(); "
+    "t = torch.tensor([float(dearopt.rank() + 1)]); dearopt.backends.get_backend().all_reduce(t).wait(); "
     "import os; "
     "os.write(1, f'RESULT {dearopt.rank()} {dearopt.size()} {dearopt.local_rank()} {t.item()}\\n'.encode()); "
     "dearopt.shutdown()"
@@ -317,7 +317,7 @@ def _reinit_while_rank0_lingers():
     dearopt.shutdown()
     dearopt.init(timeout=10)
     t = torch.tensor([1.0, 10.0]) * (me + 1)
-    dearopt.get_backend().all_reduce(t).wait()
+    dearopt.backends.get_backend().all_reduce(t).wait()
     return t.tolist()
 
 

@@ -1,4 +1,4 @@
-"""The csrc NCCL extension (dearopt._nccl) and the nccl-native backend.
+"""The csrc NCCL extension (dearopt.backends._nccl) and the nccl-native backend.
 
 CPU tests always run: the extension imports and reports its NCCL version, and
 calls that need a GPU raise clear exceptions instead of crashing (checked in
@@ -38,21 +38,21 @@ def _load_build_config():
 
 
 def _extension():
-    """dearopt._nccl, or skip/fail as the build configuration says."""
+    """dearopt.backends._nccl, or skip/fail as the build configuration says."""
     if WITH_NCCL in ("0", "false", "no", "off"):
         pytest.skip("DEAROPT_WITH_NCCL=0: the NCCL extension was not built on purpose")
     try:
-        from dearopt import _nccl
+        from dearopt.backends import _nccl
     except ImportError as exc:
         if WITH_NCCL in ("1", "true", "yes", "on"):
-            pytest.fail(f"DEAROPT_WITH_NCCL=1 but dearopt._nccl does not import: {exc}")
+            pytest.fail(f"DEAROPT_WITH_NCCL=1 but dearopt.backends._nccl does not import: {exc}")
         build = _load_build_config()
         cuda, why_cuda = build.find_cuda()
         nccl, why_nccl = build.find_nccl()
         if cuda is None or nccl is None:
-            pytest.skip(f"dearopt._nccl is not built and could not be: {why_cuda or why_nccl}")
+            pytest.skip(f"dearopt.backends._nccl is not built and could not be: {why_cuda or why_nccl}")
         pytest.fail(
-            f"nvcc and NCCL are present, so dearopt._nccl should have been built, but it does not import: "
+            f"nvcc and NCCL are present, so dearopt.backends._nccl should have been built, but it does not import: "
             f"{exc} (reinstall: pip install --no-build-isolation -e .)"
         )
     return _nccl
@@ -102,7 +102,7 @@ def test_gpu_calls_raise_cleanly_in_a_subprocess():
     _extension()
     proc = _run_python("""
         import json
-        from dearopt import _nccl
+        from dearopt.backends import _nccl
         out = {}
         uid = _nccl.get_unique_id()          # needs no GPU
         out["uid_len"] = len(uid)
@@ -149,10 +149,10 @@ def test_init_nccl_native_without_gpu_raises_backend_unavailable():
         import dearopt
         try:
             dearopt.init(backend="nccl-native")
-        except dearopt.BackendUnavailableError as exc:
+        except dearopt.errors.BackendUnavailableError as exc:
             print("UNAVAILABLE", exc)
         else:
-            print("INITIALIZED", dearopt.get_backend())
+            print("INITIALIZED", dearopt.backends.get_backend())
         assert not dearopt.is_initialized()
     """)
     assert proc.returncode == 0, _describe(proc)
@@ -165,7 +165,7 @@ def test_missing_extension_gives_a_clear_import_error():
         import sys
         class Block:
             def find_spec(self, name, path=None, target=None):
-                if name == "dearopt._nccl":
+                if name == "dearopt.backends._nccl":
                     raise ImportError("blocked for the test")
                 return None
         sys.meta_path.insert(0, Block())
@@ -363,11 +363,11 @@ def test_closed_backend_raises_collective_error():
     h = b.all_reduce(t)
     b.close()
     b.close()  # idempotent
-    with pytest.raises(dearopt.CollectiveError, match="all_reduce"):
+    with pytest.raises(dearopt.errors.CollectiveError, match="all_reduce"):
         b.all_reduce(t, bucket=3, step=7)
     try:
         h.wait()  # closing flushed the op: either fine or a CollectiveError, never a crash
-    except dearopt.CollectiveError:
+    except dearopt.errors.CollectiveError:
         pass
 
 
@@ -381,7 +381,7 @@ torch.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 dearopt.init(backend="nccl-native")
-backend = dearopt.get_backend()
+backend = dearopt.backends.get_backend()
 assert backend.name == "nccl-native", backend
 dev = backend.device
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
@@ -430,7 +430,7 @@ def test_distoptim_on_one_gpu_matches_plain_training(schedule):
 
 # -------------------------------------------------- two ranks (two GPUs)
 def _two_rank_ops(numel):
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     r, w = dearopt.rank(), dearopt.size()
     assert backend.name == "nccl-native" and backend.device.index == r % torch.cuda.device_count()
     dev = backend.device

@@ -16,11 +16,11 @@ from dearopt.planning.plan import (
     ParamSpec,
     When,
     after,
-    build_plan,
     forward_of,
     layout_buckets,
     padded_numel,
 )
+from dearopt.planning.build import build_plan
 from dearopt.schedules import Schedule, get_schedule, mark_updates, register
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.planning.plan import STEP, ParamSpec, build_plan
+from dearopt.planning.plan import STEP, ParamSpec
+from dearopt.planning.build import build_plan
 from dearopt.schedules import get_schedule
 from dearopt.schedules.prophet import prophet_blocks
 from harness import run_workers

@@ -25,7 +25,7 @@ def test_a_schedule_object_owns_and_validates_its_knobs():
     assert dearopt.Prophet(link_check_every=20).link_check_every == 20
     deft = dearopt.DeFT(links=2, preserver=False, apply="group")
     assert (deft.links, deft.preserver, deft.apply) == (2, None, "group")
-    assert isinstance(dearopt.DeFT().preserver, dearopt.Preserver)  # True: the defaults
+    assert isinstance(dearopt.DeFT().preserver, dearopt.schedules.Preserver)  # True: the defaults
     assert dearopt.DeAR(allreduce=0.25).with_knobs(first_bucket_size="2MB").knobs()["allreduce"] == 0.25
     for make, match in [
         (lambda: dearopt.DeAR(allreduce=2), "allreduce must be"),

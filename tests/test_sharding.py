@@ -148,7 +148,7 @@ def _checkpoints(opt_name, torch_state, torch_params):
     error = None
     try:
         opt.load_sharded_state_dict(other)
-    except dearopt.CheckpointMismatchError as exc:
+    except dearopt.errors.CheckpointMismatchError as exc:
         error = str(exc)
     return {
         "at3": at3["optimizer"],
@@ -328,7 +328,7 @@ def _nonfinite(policy):
             x, y = _poisoned_batch(step, world, rank)
             loss_fn("mlp", model(x), y).backward()
             opt.step()
-    except dearopt.NonFiniteGradientError as exc:
+    except dearopt.errors.NonFiniteGradientError as exc:
         return f"raised at step {step}: {exc}"
     opt.synchronize()
     return [p.detach().clone() for p in model.parameters()], opt.skipped_steps

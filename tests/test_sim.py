@@ -6,7 +6,9 @@ import statistics
 
 import pytest
 
-from dearopt.planning.plan import ParamSpec, build_plan
+from dearopt.planning.plan import ParamSpec
+
+from dearopt.planning.build import build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
 from dearopt.sim.profile import Profile, contention_from_overlap, stream_calibrated
 from dearopt.sim.simulator import cpu_costs, cpu_per_byte, simulate, workspace_passes

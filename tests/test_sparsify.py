@@ -331,7 +331,7 @@ def _poisoned(schedule):
             loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
             opt.step()
             opt.synchronize()
-    except dearopt.NonFiniteGradientError as exc:
+    except dearopt.errors.NonFiniteGradientError as exc:
         return step, str(exc)
     finally:
         opt.close()

@@ -48,9 +48,10 @@ import re
 import threading
 import time
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
 from dearopt.errors import (
@@ -338,7 +339,7 @@ class CollectiveBackend(abc.ABC):
         if full.numel() != shard.numel() * self.size:
             raise ValueError(
                 f"{op}: the full tensor has {full.numel()} elements but the shard has {shard.numel()} "
-                f"and the world size is {self.size}; pad the full tensor with dearopt.padded_numel"
+                f"and the world size is {self.size}; pad the full tensor with dearopt.backends.padded_numel"
             )
         if full.dtype != shard.dtype:
             raise TypeError(f"{op}: dtypes differ ({full.dtype} vs {shard.dtype})")
@@ -361,6 +362,14 @@ class CollectiveBackend(abc.ABC):
     def release_workspace(self) -> None:
         """Drop buffers kept between ops for reuse (none here).  Called when a re-plan makes new buckets, with
         nothing in flight: buffers sized and keyed for the old buckets would otherwise stay alive."""
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether an op of ``nbytes`` can start now without waiting for one in flight (a transport whose ops need
+        buffers of a bounded workspace says no when it is full; never blocks)."""
+        return True
+
+    def make_room(self, nbytes: int) -> None:
+        """Wait (with the timeout) until an op of ``nbytes`` has room; for an op that is due now."""
 
     def close(self) -> None:
         """Release resources, this backend's forks' first; the backend is unusable afterwards."""
@@ -394,6 +403,8 @@ class _ThenHandle(Handle):
 
 
 class _TorchHandle(Handle):
+    __slots__ = ("_backend", "_work", "op", "_where", "_finish", "_waited", "_finished", "_lock")
+
     def __init__(
         self,
         backend: "TorchDistBackend",
@@ -404,8 +415,10 @@ class _TorchHandle(Handle):
     ):
         self._backend = backend
         self._work = work
-        where = dict(where)
-        self.op = where.pop("op", op)  # a caller may name the op it is part of ("check_model")
+        if "op" in where:  # a caller may name the op it is part of ("check_model")
+            where = dict(where)
+            op = where.pop("op")
+        self.op = op
         self._where = where
         self._finish = finish
         self._waited = False  # wait() returned: the result may be used
@@ -444,8 +457,31 @@ class _TorchHandle(Handle):
         if self._waited:
             return
         with self._lock:
-            if not self._waited:
+            if self._waited:
+                return
+            work = self._work
+            if not self._backend.host_waits:  # NCCL: wait() orders the current stream after the op, the host goes on
+                try:
+                    work.wait()
+                except Exception as exc:
+                    raise translate_error(exc, rank=self._backend.rank, op=self.op, **self._where) from exc
+                done = True
+            else:
+                try:  # the usual case at a due moment: the op has finished
+                    done = work.is_completed() and work.wait() is not None
+                except Exception:  # it failed: the slow path names the error
+                    done = False
+            if not done:
                 self._wait(timeout)
+            elif self._finish is not None:
+                self._finish()
+                self._finish = None
+            self._waited = True
+            if self._backend.host_waits:  # gloo: the host itself waited for the op
+                self._finished = True
+                # torch's work object holds the op's tensors (a workspace buffer, kept for reuse or let go) until
+                # it is destroyed; this handle lives on in the engine until the next round: let them go now
+                self._work = None
 
     def _wait(self, timeout: Optional[float]) -> None:
         deadline = time.monotonic() + self._seconds(timeout)
@@ -465,12 +501,6 @@ class _TorchHandle(Handle):
         if self._finish is not None:
             self._finish()
             self._finish = None
-        self._waited = True
-        if self._backend.host_waits:  # gloo: the host itself waited for the op
-            self._finished = True
-            # torch's work object holds the op's tensors (a workspace buffer, kept for reuse or let go) until it
-            # is destroyed; this handle lives on in the engine until the next round: let them go now
-            self._work = None
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         deadline = time.monotonic() + self._seconds(timeout)
@@ -600,7 +630,17 @@ class TorchDistBackend(CollectiveBackend):
         self.name = f"torch-{self.pg_backend}"
         self._workspace: Dict[tuple, List[torch.Tensor]] = {}  # spare receive buffers by (numel, dtype)
         self._in_flight: Dict[int, tuple] = {}  # id(handle) -> (handle, receive buffer bytes), oldest first
+        self._in_flight_bytes = 0
         self._use_all_to_all = self.pg_backend == "gloo"
+        # the process group's own methods: torch.distributed's Python functions around them cost ten Python calls
+        # per collective (checks, logging); what they check is checked once here, and by the plan
+        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._a2a = _c10d.AllToAllOptions()
+        self._sum = _c10d.AllreduceOptions()
+        self._sum.reduceOp = dist.ReduceOp.SUM
+        self._rs = _c10d.ReduceScatterOptions()
+        self._rs.reduceOp = dist.ReduceOp.SUM
+        self._ag = _c10d.AllgatherOptions()
         self.host_waits = self.pg_backend == "gloo"
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.pg_backend == "nccl" else torch.device("cpu")
@@ -677,6 +717,7 @@ class TorchDistBackend(CollectiveBackend):
             return
         super().close()
         group, self.group = self.group, None
+        self._pg = None  # (the default group's object is not kept alive by a closed backend)
         if group is not None and self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group(group)
@@ -688,7 +729,44 @@ class TorchDistBackend(CollectiveBackend):
         """The spare receive buffers of the reduce-scatters (sized for the old buckets)."""
         self._workspace.clear()
 
+    def _run(self, op: str, where: dict, start, *args) -> Any:
+        """``start(*args)``: a process group method that starts a collective; its transport error named."""
+        if self._closed:
+            self._check_open(op, where)
+        try:
+            return start(*args)
+        except Exception as exc:
+            where = dict(where)
+            op = where.pop("op", op)
+            raise translate_error(exc, rank=self.rank, op=op, **where) from exc
+
     def reduce_scatter(self, out_shard, in_full, **where) -> Handle:
+        if self.size == 1 or self._closed or (self._use_all_to_all and in_full.dtype in _GLOO_WIDER):
+            return self._reduce_scatter_rarely(out_shard, in_full, where)
+        if not self._use_all_to_all:
+            work = self._run("reduce_scatter", where, self._pg._reduce_scatter_base, out_shard, in_full, self._rs)
+            return _TorchHandle(self, work, "reduce_scatter", where)
+        recv = self._workspace_like(in_full)
+        chunks = recv.view(self.size, out_shard.numel())
+        nbytes = recv.numel() * recv.element_size()
+        # through .data: the sum is the collective's result, not an in-place change that autograd's version
+        # counter (which the engine watches for the user's writes) should see; NCCL writes from C++ alike
+        result = out_shard.data
+
+        def finish():
+            torch.sum(chunks, dim=0, out=result)
+            self._in_flight.pop(id(handle), None)
+            self._in_flight_bytes -= nbytes
+            self._spare(recv)
+
+        work = self._run("reduce_scatter", where, self._pg.alltoall_base, recv, in_full, [], [], self._a2a)
+        handle = _TorchHandle(self, work, "reduce_scatter", where, finish)
+        self._in_flight[id(handle)] = (handle, nbytes)
+        self._in_flight_bytes += nbytes
+        return handle
+
+    def _reduce_scatter_rarely(self, out_shard, in_full, where) -> Handle:
+        """One rank, a closed backend, 16-bit integers on gloo: the cases off the hot path."""
         self._check_open("reduce_scatter", where)
         self.check_shapes("reduce_scatter", in_full, out_shard)
         if self.size == 1:
@@ -697,31 +775,37 @@ class TorchDistBackend(CollectiveBackend):
         (wide_out, wide_in), narrow = self._widened([out_shard, in_full])
         if narrow is not None:
             return self._then(self.reduce_scatter(wide_out, wide_in, **where), narrow)
-        if not self._use_all_to_all:
-            return self._start("reduce_scatter", where, dist.reduce_scatter_tensor, out_shard, in_full)
-        recv = self._workspace_like(in_full)
-        chunks = recv.view(self.size, out_shard.numel())
+        return self.reduce_scatter(out_shard, in_full, **where)
 
-        def finish():
-            torch.sum(chunks, dim=0, out=out_shard)
-            self._in_flight.pop(id(handle), None)
-            self._spare(recv)
+    def has_room(self, nbytes: int) -> bool:
+        """gloo: whether the reduce-scatters' and all-gathers' workspace holds another ``nbytes`` now; ops in flight
+        that have finished are reaped first (their sums taken, their buffers spared).  Never waits: it is asked
+        in gradient hooks, on the thread that runs backward, which must not wait for the link."""
+        if not self._use_all_to_all or self._in_flight_bytes + nbytes <= max(self.workspace_bytes, nbytes):
+            return True
+        for handle, _ in list(self._in_flight.values()):
+            if not handle.is_completed():
+                break
+            handle.wait()  # (gloo finishes ops in issue order)
+        return self._in_flight_bytes + nbytes <= max(self.workspace_bytes, nbytes)
 
-        handle = self._start("reduce_scatter", where, dist.all_to_all_single, recv, in_full, finish=finish)
-        self._in_flight[id(handle)] = (handle, recv.numel() * recv.element_size())
-        return handle
+    def make_room(self, nbytes: int) -> None:
+        """Wait for the oldest ops in flight until another ``nbytes`` fit in the workspace (an op due now)."""
+        budget = max(self.workspace_bytes, nbytes)
+        while self._in_flight and self._in_flight_bytes + nbytes > budget:
+            oldest, _ = next(iter(self._in_flight.values()))
+            oldest.wait()  # runs its finish: sums into its shard, spares its buffer
 
     def _workspace_like(self, full: torch.Tensor) -> torch.Tensor:
         """gloo: a buffer as large as ``full`` for a reduce-scatter's receive or an all-gather's send, within
         :attr:`workspace_bytes` for all of them together: past it, the oldest such ops in flight are waited for
         first (gloo runs one op at a time in issue order, so the link stays busy with the ones behind them) and
-        their buffers reused."""
+        their buffers reused.  The engine's issuer asks :meth:`has_room` first and holds an op back instead, so
+        that a gradient hook never waits here."""
         in_full = full
         need = in_full.numel() * in_full.element_size()
-        budget = max(self.workspace_bytes, need)
-        while self._in_flight and sum(n for _, n in self._in_flight.values()) + need > budget:
-            oldest, _ = next(iter(self._in_flight.values()))
-            oldest.wait()  # runs its finish: sums into its shard, spares its buffer
+        if self._in_flight_bytes + need > max(self.workspace_bytes, need):
+            self.make_room(need)
         key = (in_full.numel(), in_full.dtype)
         spare = self._workspace.get(key)
         if spare:
@@ -749,6 +833,32 @@ class TorchDistBackend(CollectiveBackend):
         self._workspace.setdefault((recv.numel(), recv.dtype), []).append(recv)
 
     def all_gather(self, out_full, in_shard, **where) -> Handle:
+        if self.size == 1 or self._closed or (self._use_all_to_all and in_shard.dtype in _GLOO_WIDER):
+            return self._all_gather_rarely(out_full, in_shard, where)
+        if not self._use_all_to_all:
+            work = self._run("all_gather", where, self._pg._allgather_base, out_full, in_shard, self._ag)
+            return _TorchHandle(self, work, "all_gather", where)
+        # gloo's all-gather copies through a temporary as large as the output, made when the op is issued and kept
+        # while it waits its turn: with a model's all-gathers issued at once that is a whole model's worth.  An
+        # all-to-all of the shard sent to every rank writes the output in place, from a send buffer of the
+        # bounded workspace (the same bytes on the link).
+        send = self._workspace_like(out_full)
+        send.view(self.size, -1).copy_(in_shard.view(1, -1).expand(self.size, -1))
+        nbytes = send.numel() * send.element_size()
+
+        def finish():
+            self._in_flight.pop(id(handle), None)
+            self._in_flight_bytes -= nbytes
+            self._spare(send)
+
+        work = self._run("all_gather", where, self._pg.alltoall_base, out_full, send, [], [], self._a2a)
+        handle = _TorchHandle(self, work, "all_gather", where, finish)
+        self._in_flight[id(handle)] = (handle, nbytes)
+        self._in_flight_bytes += nbytes
+        return handle
+
+    def _all_gather_rarely(self, out_full, in_shard, where) -> Handle:
+        """One rank, a closed backend, 16-bit integers on gloo: the cases off the hot path."""
         self._check_open("all_gather", where)
         self.check_shapes("all_gather", out_full, in_shard)
         if self.size == 1:
@@ -757,24 +867,17 @@ class TorchDistBackend(CollectiveBackend):
         (wide_out, wide_in), narrow = self._widened([out_full, in_shard])
         if narrow is not None:
             return self._then(self.all_gather(wide_out, wide_in, **where), narrow)
-        if not self._use_all_to_all:
-            return self._start("all_gather", where, _all_gather_flat, out_full, in_shard)
-        # gloo's all-gather copies through a temporary as large as the output, made when the op is issued and kept
-        # while it waits its turn: with a model's all-gathers issued at once that is a whole model's worth.  An
-        # all-to-all of the shard sent to every rank writes the output in place, from a send buffer of the
-        # bounded workspace (the same bytes on the link).
-        send = self._workspace_like(out_full)
-        send.view(self.size, -1).copy_(in_shard.view(1, -1).expand(self.size, -1))
-
-        def finish():
-            self._in_flight.pop(id(handle), None)
-            self._spare(send)
-
-        handle = self._start("all_gather", where, dist.all_to_all_single, out_full, send, finish=finish)
-        self._in_flight[id(handle)] = (handle, send.numel() * send.element_size())
-        return handle
+        return self.all_gather(out_full, in_shard, **where)
 
     def all_reduce(self, tensor, op: str = "sum", **where) -> Handle:
+        if (
+            op == "sum"
+            and not self._closed
+            and self.size > 1
+            and not (self._use_all_to_all and tensor.dtype in _GLOO_WIDER)
+        ):
+            work = self._run("all_reduce", where, self._pg.allreduce, [tensor], self._sum)
+            return _TorchHandle(self, work, "all_reduce", where)
         self._check_open("all_reduce", where)
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")

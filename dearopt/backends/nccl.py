@@ -2,7 +2,7 @@
 
 ``dearopt.init(backend="nccl-native")`` keeps a gloo process group for control
 traffic and runs every collective on an NCCL communicator owned by
-``dearopt._nccl`` (csrc/nccl_comm.cpp), whose unique id rank 0 creates and
+``dearopt.backends._nccl`` (csrc/nccl_comm.cpp), whose unique id rank 0 creates and
 broadcasts over that gloo group.
 
 Streams and waiting
@@ -41,10 +41,10 @@ from dearopt.backends.base import REDUCE_OPS, CollectiveBackend, CompletedHandle
 from dearopt.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 
 try:
-    from dearopt import _nccl
+    from dearopt.backends import _nccl
 except ImportError as _exc:  # pragma: no cover - depends on how dearopt was installed
     raise ImportError(
-        "dearopt.backends.nccl needs the compiled extension dearopt._nccl, which is not importable "
+        "dearopt.backends.nccl needs the compiled extension dearopt.backends._nccl, which is not importable "
         f"({_exc}). Build it with the CUDA toolkit (nvcc) and NCCL (pip install nvidia-nccl-cu13 pybind11) "
         "present: DEAROPT_WITH_NCCL=1 pip install --no-build-isolation -e ."
     ) from _exc
@@ -171,7 +171,7 @@ def _close_quietly(ref) -> None:
 
 
 class NcclNativeBackend(CollectiveBackend):
-    """Collectives on a communicator of the ``dearopt._nccl`` extension (one CUDA device per rank)."""
+    """Collectives on a communicator of the ``dearopt.backends._nccl`` extension (one CUDA device per rank)."""
 
     name = "nccl-native"
 

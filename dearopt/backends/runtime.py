@@ -402,7 +402,7 @@ def shutdown(complete: bool = True) -> None:
     that saves or evaluates after the others left was joined in the collectives that needs.  Then every
     communicator dearopt made is closed, including those of existing
     :class:`~dearopt.DistOptim` objects: using one after ``shutdown()`` raises
-    :class:`~dearopt.CollectiveError`; make a new one after the next ``init()``.
+    :class:`~dearopt.errors.CollectiveError`; make a new one after the next ``init()``.
     """
     global _runtime
     if _runtime is None:

@@ -106,6 +106,13 @@ def parse_args(argv):
         help="record a dearopt.sim profile in the same run (DIR/profile.json) and print the simulator's "
         "prediction for every schedule beside the measurement",
     )
+    p.add_argument(
+        "--standalone-ddp",
+        action="store_true",
+        help="also time a plain DDP script (fresh processes, no dearopt state, torch's own process group) on the "
+        "same workload and link, before and after the run, and print its median beside the bench's DDP "
+        "(dearopt.bench.standalone)",
+    )
     done = p.add_argument_group("finished runs (instead of measuring)")
     done.add_argument(
         "--rerender",
@@ -235,8 +242,26 @@ def main(argv=None) -> int:
         f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds",
         flush=True,
     )
+    alone = []
+    if args.standalone_ddp:
+        from dearopt.bench import standalone
+
+        print("[bench] a standalone DDP script first (fresh processes)", flush=True)
+        alone.append(standalone.run(cfg, args.ranks))
     results = spawn(run_rank, args.ranks, cfg, threads=args.threads, bind=args.bind)
+    if args.standalone_ddp:
+        print("[bench] the standalone DDP script again", flush=True)
+        alone.append(standalone.run(cfg, args.ranks))
     doc = report.summarize(results, cfg, link)
+    if alone:
+        ddp = doc["schedules"].get("ddp", {}).get("iter_time", float("nan"))
+        doc["standalone_ddp"] = standalone.compare(alone[0], alone[1], ddp)
+        s = doc["standalone_ddp"]
+        print(
+            f"[bench] standalone DDP script: median {s['median']:.3f} s (before {s['before']:.3f}, after "
+            f"{s['after']:.3f}); the bench's DDP {ddp:.3f} s: {s['bench_over_standalone']:.3f}x the standalone's",
+            flush=True,
+        )
     print(report.table(doc), flush=True)
     if out:
         if timeline:

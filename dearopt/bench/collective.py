@@ -26,7 +26,7 @@ def _measure(sizes_bytes, repeats):
     import dearopt
     from dearopt.backends.base import padded_numel
 
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     w = dearopt.size()
     rows = []
     for nbytes in sizes_bytes:

@@ -175,7 +175,7 @@ def predictions(doc: dict) -> Dict[str, dict]:
     the profile as deft sees the model (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one
     gradient, every gradient dense)."""
     from dearopt.errors import UsageError
-    from dearopt.planning.plan import build_plan
+    from dearopt.planning.build import build_plan
     from dearopt.schedules import get_schedule
     from dearopt.sim import Profile, predict
     from dearopt.sim.deft import schedule_from_json, simulate_deft

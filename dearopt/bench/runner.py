@@ -246,7 +246,7 @@ class _Parts:
     """The plain model and the bucket buffers for t_ff, t_bp, t_ar, t_rs, t_ag."""
 
     def __init__(self, cfg: dict, world: int, backend):
-        from dearopt.planning.plan import build_plan
+        from dearopt.planning.build import build_plan
         from dearopt.bench.models import build
 
         self.cfg = cfg
@@ -338,7 +338,7 @@ def run_rank(cfg: dict) -> dict:
 
     rank, world = dearopt.rank(), dearopt.size()
     torch.set_num_threads(cfg["threads"])
-    backend = dearopt.get_backend()
+    backend = dearopt.backends.get_backend()
     schedules = cfg["schedules"]
     t_start = time.perf_counter()
     from dearopt.bench.report import source

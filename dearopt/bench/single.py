@@ -87,10 +87,11 @@ def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, flo
     for b in getattr(executor, "buckets", None) or []:
         buckets.append(b.buffer)
         bucket_ptrs.add(b.buffer.untyped_storage().data_ptr())
-        shards.append(b.shard)
         for piece in b.pieces:
             shards += [t for t in (piece.gather_full, piece.gather_shard) if t is not None]
-            wire += [t for t in (piece.wire_full, piece.wire_shard) if t is not None]
+    issuer = getattr(executor, "issuer", None)
+    if issuer is not None:  # a comm hook's wire buffers (kept for the ops in flight)
+        wire += [t for kept in issuer.pool._free.values() for t in kept]
     grads = [p.grad for p in params if p.grad is not None and p.grad.untyped_storage().data_ptr() not in bucket_ptrs]
     out["gradients"] = _mib(_tensor_bytes(grads, seen))
     out["buckets"] = _mib(_tensor_bytes(buckets, seen))
@@ -269,7 +270,12 @@ def table(doc: dict) -> str:
     plain = next((r for r in rows if r["variant"] == "plain" and "error" not in r), None)
     ddp = next((r for r in rows if r["variant"] == "ddp" and "error" not in r), None)
     cuda = any("peak_mib" in r for r in rows)
-    head = f"{doc['model']} ({doc.get('dtype', 'float32')}) on {doc.get('gpu', doc['device'])}, world size 1"
+    from dearopt.engine.hooks import NATIVE
+
+    head = (
+        f"{doc['model']} ({doc.get('dtype', 'float32')}) on {doc.get('gpu', doc['device'])}, world size 1 "
+        f"(dearopt's gradient hooks in {'C++' if NATIVE else 'Python'})"
+    )
     lines = [
         head,
         f"{'variant':<14}{'ms/iter':>9}{'host ms':>9}{'vs plain':>10}"

@@ -36,7 +36,7 @@ depend on the world size, the bucket plan or the schedule:
 **What cannot move.**  ``deft``'s in-flight gradient groups and
 ``Sparsify``'s residuals are sums of this rank's gradients: they load only
 into the same world size, under the same schedule / comm hook.  Anything else
-is refused by name (:class:`dearopt.CheckpointMismatchError`), never loaded
+is refused by name (:class:`dearopt.errors.CheckpointMismatchError`), never loaded
 wrong.
 
 **Plain torch.**  :func:`torch_state_dicts` turns the output of
@@ -672,7 +672,7 @@ def load(
 
     Returns every saved ``extra`` value by name (the state dicts of the objects restored).
 
-    Raises :class:`dearopt.CheckpointMismatchError` for what cannot be loaded: another model, ``schedule="deft"``
+    Raises :class:`dearopt.errors.CheckpointMismatchError` for what cannot be loaded: another model, ``schedule="deft"``
     gradient sums in flight or ``Sparsify`` residuals at another world size or into another schedule.
     """
     m = _dcp()

@@ -27,7 +27,8 @@ Every rank must use the same hook (it is part of the plan's fingerprint).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple
+import functools
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -39,7 +40,6 @@ __all__ = [
     "ReduceInFloat32",
     "fp16_compress",
     "bf16_compress",
-    "resolve_comm_hook",
     "LOW_PRECISION",
     "Link",
     "GatherParameters",
@@ -74,6 +74,25 @@ class CommHook:
         return cls.encode is CommHook.encode and cls.decode is CommHook.decode and self.wire_dtype(dtype) == dtype
 
     # ------------------------------------------------- what carries a piece
+    def direct(self, op, backend) -> Optional[Callable[..., Any]]:
+        """Where ``op``'s piece travels as it is (this hook neither encodes nor changes what carries it): the
+        backend call that starts it, ``launch(**where) -> handle`` (the issuer then calls neither :meth:`start`
+        nor :meth:`finish`); None otherwise."""
+        cls = type(self)
+        if cls.start is not CommHook.start or cls.finish is not CommHook.finish:
+            return None
+        piece = op.piece
+        if not self.passes_through(piece.full.dtype):
+            return None
+        kind = op.spec.kind
+        if kind == REDUCE_SCATTER:
+            return functools.partial(backend.reduce_scatter, piece.shard, piece.full)
+        if kind == ALL_GATHER:
+            return functools.partial(backend.all_gather, piece.full, piece.shard)
+        if kind == ALL_REDUCE:
+            return functools.partial(backend.all_reduce, piece.full, "sum")
+        return None
+
     def start(self, op, link: "Link") -> Tuple[Any, Any]:
         """Start what carries ``op``'s piece (an :class:`dearopt.engine.issuer.OpState`) on ``link``; returns
         ``(handle, ctx)``.  By default the op's own collective (reduce-scatter, all-gather or all-reduce) on the
@@ -86,28 +105,30 @@ class CommHook:
             if kind == ALL_GATHER:
                 return backend.all_gather(piece.full, piece.shard, **where), None
             return backend.all_reduce(piece.full, "sum", **where), None
-        wire_full, wire_shard = piece.wire(self.wire_dtype(piece.full.dtype))
+        wire_full, wire_shard = piece.wire(self.wire_dtype(piece.full.dtype), link.pool)
         if kind == ALL_GATHER:  # (encoded before the gather starts)
             ctx = self._encode(piece.shard, piece.shard_grad, wire_shard)
-            return backend.all_gather(wire_full, wire_shard, **where), ctx
+            return backend.all_gather(wire_full, wire_shard, **where), (wire_full, wire_shard, ctx)
         ctx = self._encode(piece.full, piece.full_grad, wire_full)
         if kind == REDUCE_SCATTER:
-            return backend.reduce_scatter(wire_shard, wire_full, **where), ctx
-        return backend.all_reduce(wire_full, "sum", **where), ctx
+            return backend.reduce_scatter(wire_shard, wire_full, **where), (wire_full, wire_shard, ctx)
+        return backend.all_reduce(wire_full, "sum", **where), (wire_full, wire_shard, ctx)
 
     def finish(self, op, ctx: Any) -> None:
         """``op``'s collective completed: leave what arrived in the piece's result region (:meth:`decode`; the
-        flags and tags behind the gradients copied exactly)."""
+        flags and tags behind the gradients copied exactly), and give the wire buffers back."""
+        link = op.link
         piece = op.piece
-        if self.passes_through(piece.full.dtype):
+        if ctx is None:  # (it travelled as it is)
             return
-        wire_full, wire_shard = piece.wire(self.wire_dtype(piece.full.dtype))
+        wire_full, wire_shard, ctx = ctx
         shard = op.spec.result == "shard"
         wire, whole = (wire_shard, piece.shard) if shard else (wire_full, piece.full)
         result = piece.region(op.spec.result)
         n = result.numel()
         self.decode(wire[:n], result, ctx)
         whole[n:].copy_(wire[n:])
+        link.pool.give(wire_full)  # the wire buffers exist while the op is in flight only
 
     def _encode(self, region: torch.Tensor, grads: torch.Tensor, wire: torch.Tensor) -> Any:
         """Gradients through the hook; the flags and tags behind them are copied exactly."""
@@ -120,14 +141,32 @@ class CommHook:
         return f"<comm hook {self.name}>"
 
 
+class WirePool:
+    """Buffers in a comm hook's wire dtype, taken when an op starts and given back when it completes: memory for
+    the ops in flight, not for every bucket (a bfloat16 model reduced in float32 holds no float32 copy of its
+    gradients).  Kept by size for the next op of that size."""
+
+    def __init__(self):
+        self._free: dict = {}  # (numel, dtype, device) -> buffers
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((numel, dtype, device))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+
+
 @dataclasses.dataclass(frozen=True)
 class Link:
     """Where a hook starts a piece's collective: the data backend (collectives matched in plan order), the
-    control channel (small agreements off the data queue), and what names the collective (bucket, step)."""
+    control channel (small agreements off the data queue), what names the collective (bucket, step), and the
+    pool of wire buffers."""
 
     backend: Any
     control: Any
     where: dict
+    pool: WirePool = dataclasses.field(default_factory=WirePool)
 
 
 class GatherParameters(CommHook):
@@ -210,6 +249,21 @@ class ReduceInFloat32(CommHook):
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if dtype in LOW_PRECISION else dtype
 
+    def start(self, op, link: "Link"):
+        """A reduction through a float32 wire buffer; an all-gather in the bucket's own dtype (its shard was
+        rounded back already: gathering it wide and narrowing again would give the same values, at twice the
+        bytes and a float32 buffer)."""
+        if op.spec.kind == ALL_GATHER:
+            piece = op.piece
+            return link.backend.all_gather(piece.full, piece.shard, **link.where), None
+        return super().start(op, link)
+
+    def direct(self, op, backend):
+        if op.spec.kind == ALL_GATHER:
+            piece = op.piece
+            return functools.partial(backend.all_gather, piece.full, piece.shard)
+        return None
+
 
 def fp16_compress() -> CastHook:
     """Gradients travel as float16 (half the bytes; ~3 decimal digits; range +-65504)."""
@@ -219,35 +273,3 @@ def fp16_compress() -> CastHook:
 def bf16_compress() -> CastHook:
     """Gradients travel as bfloat16 (half the bytes; ~2 decimal digits; float32's range)."""
     return CastHook(torch.bfloat16)
-
-
-_BY_NAME = {
-    "fp16": fp16_compress,
-    "bf16": bf16_compress,
-    "fp32": ReduceInFloat32,
-    "auto": lambda: ReduceInFloat32(auto=True),
-}
-
-
-def resolve_comm_hook(hook) -> "CommHook | None":
-    """``"auto"`` -> bfloat16/float16 gradients reduced in float32, others as they are; ``None``/``"none"`` ->
-    None (gradients travel as they are); ``"fp16"``/``"bf16"`` -> a cast; ``"fp32"``: as ``"auto"``; or a
-    CommHook."""
-    from dearopt.compression.sparsify import (
-        Sparsify,
-    )  # (a sparsifier's exchange is itself a CommHook: imported here, not above)
-
-    if hook is None or hook == "none":
-        return None
-    if isinstance(hook, str):
-        if hook not in _BY_NAME:
-            raise ValueError(
-                f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32' or a dearopt.CommHook, got {hook!r}"
-            )
-        return _BY_NAME[hook]()
-    if not isinstance(hook, (CommHook, Sparsify)):
-        raise TypeError(
-            f"comm_hook must be 'auto', None, 'fp16', 'bf16', 'fp32', a dearopt.CommHook or a "
-            f"dearopt.Sparsify, got {type(hook).__name__}"
-        )
-    return hook

@@ -23,7 +23,8 @@ from dearopt.engine.buckets import BucketState
 from dearopt.errors import PlanMismatchError
 from dearopt.planning.order import parameters_in_forward_order
 from dearopt.engine.issuer import CreditWindow, Issuer, OpState
-from dearopt.planning.plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, allreduce_buckets, build_plan, moment_key
+from dearopt.planning.plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, allreduce_buckets, moment_key
+from dearopt.planning.build import build_plan
 from dearopt.schedules.prophet import profile_blocks
 from dearopt.engine.tied import EmbeddingRows
 
@@ -69,8 +70,9 @@ class BoundPlan:
     late_checked: FrozenSet[int]  # buckets whose gradients are checked at their update
     own_gradient_buckets: List[int]  # buckets whose buffers hold this rank's gradients at step()
     final_after_backward: FrozenSet[int]  # buckets whose p.grad holds the average once backward returns
-    grad_views: Dict[int, int]  # what user code may not read before step() unfinished: id(view) -> bucket
-    grad_params: Dict[int, int]  # id(param) -> bucket, the same
+    grad_views: List[Tuple[torch.Tensor, int]]  # what user code may not read before step() unfinished: (view, bucket)
+    grad_params: List[Tuple[torch.Tensor, int]]  # (param, bucket), the same
+    swappable: bool  # every parameter a plain Parameter (the guards swap their classes; no function mode needed)
     combines: Tuple[Tuple[BucketState, int, BucketState, int, Point], ...]  # tied weight, its twin, when
 
 
@@ -408,11 +410,12 @@ def _index(
         shard = op.spec.result == "shard" and last_early.get((op.spec.bucket, op.spec.piece)) is op
         if late or shard:
             final.discard(op.spec.bucket)
-    grad_views, grad_params = {}, {}
+    grad_views, grad_params = [], []
     for b in buckets:
         if b.spec.twin_of is None and b.index not in final:
             for p, view in zip(b.params, b.views):
-                grad_params[id(p)] = grad_views[id(view)] = b.index
+                grad_params.append((p, b.index))
+                grad_views.append((view, b.index))
     return BoundPlan(
         plan=plan,
         inputs=inputs,
@@ -432,5 +435,6 @@ def _index(
         final_after_backward=frozenset(final),
         grad_views=grad_views,
         grad_params=grad_params,
+        swappable=all(type(p) is torch.nn.Parameter for b in buckets for p in b.params),
         combines=combines,
     )

@@ -28,6 +28,7 @@ class PieceState:
         # the bucket owns its pieces; a piece refers back weakly, so that a bucket a re-plan drops (and its
         # buffer) is freed at once, without waiting for the cycle collector
         self._bucket = weakref.ref(bucket)
+        self._rank = rank
         self.index = index
         self.full = bucket.buffer[start:end]
         self.shard = shard
@@ -37,8 +38,6 @@ class PieceState:
         self.shard_grad = shard[: max(0, min(n, grad_numel - first_element))]
         self.full_grad = self.full[: max(0, min(end, grad_numel) - start)]
         self.own_in_full = self.full[rank * n : rank * n + self.shard_grad.numel()]  # where the shard came from
-        self.wire_full: Optional[torch.Tensor] = None  # the same piece in a comm hook's wire dtype
-        self.wire_shard: Optional[torch.Tensor] = None
         # sharded update (dearopt.engine.sharding): the all-gather carries the piece's parameters, not its gradients
         self.gather_full: Optional[torch.Tensor] = None
         self.gather_shard: Optional[torch.Tensor] = None
@@ -52,12 +51,13 @@ class PieceState:
         """The gradient elements of an op's result: this rank's shard, or the whole piece."""
         return self.shard_grad if result == "shard" else self.full_grad
 
-    def wire(self, dtype: torch.dtype):
-        """Buffers of this piece in ``dtype`` (allocated once) for a comm hook that changes the dtype."""
-        if self.wire_full is None or self.wire_full.dtype != dtype:
-            self.wire_full = torch.zeros(self.full.numel(), dtype=dtype, device=self.full.device)
-            self.wire_shard = torch.zeros(self.shard.numel(), dtype=dtype, device=self.shard.device)
-        return self.wire_full, self.wire_shard
+    def wire(self, dtype: torch.dtype, pool):
+        """Buffers of this piece in ``dtype`` for a comm hook that changes the dtype, from ``pool`` (a
+        :class:`dearopt.compression.hooks.WirePool`: give the full one back when the op completed); the shard is
+        the full one's own region, as in the bucket."""
+        n = self.shard.numel()
+        full = pool.take(self.full.numel(), dtype, self.full.device)
+        return full, full[self._rank * n : (self._rank + 1) * n]
 
 
 class BucketState:
@@ -75,6 +75,7 @@ class BucketState:
     ):
         self.spec = spec
         self.index = spec.index
+        self.size = len(params)  # parameters (the count of gradients that completes the bucket)
         self.group_of, self.n_groups = tuple(group_of), n_groups  # the optimizer's groups it was made for
         self.params = params
         self.names = names
@@ -83,13 +84,14 @@ class BucketState:
         self.ptrs = [v.data_ptr() for v in self.views]
         self.flags = self.buffer[spec.flags_offset : spec.flags_offset + len(params)]
         self.tags = self.buffer[spec.tags_offset : spec.tags_offset + world]
-        self.shard = torch.empty(spec.padded_numel // world, dtype=self.buffer.dtype, device=self.buffer.device)
+        # this rank's shard of each piece is the piece's own region of the buffer: the reduce-scatter writes its
+        # sum there (in place: the rest of the piece was sent and is read no more) and the all-gather sends it
+        # from there, so a shard costs no memory of its own
         self.pieces: List[PieceState] = []
-        offset = 0
         for k, (start, end) in enumerate(spec.pieces or ((0, spec.padded_numel),)):
             n = (end - start) // world
-            self.pieces.append(PieceState(self, k, start, end, self.shard[offset : offset + n], world, rank))
-            offset += n
+            own = self.buffer[start + rank * n : start + (rank + 1) * n]
+            self.pieces.append(PieceState(self, k, start, end, own, world, rank))
         self.group_members = [[p for p, g in zip(params, group_of) if g == gi] for gi in range(n_groups)]
         self.position = {id(p): j for j, p in enumerate(params)}
         self.used = [False] * len(params)  # got a gradient since the last zero_grad (sent as flags)
@@ -100,10 +102,12 @@ class BucketState:
         self.stamp = [-1] * len(params)  # the backward pass that last counted this gradient as ready
         self.ready = 0  # gradients counted ready in the communicating backward pass
         self.meta_written = False  # flags and step tag written into the buffer for this round
+        self.meta_tag = 0  # the step tag written (this rank's, as the host knows it)
         self.pending = False  # reduced gradients await the optimizer update
         self.zero_after_update: Optional[bool] = None  # zero_grad() came while the update was pending
         self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it
         self.sparse = [False] * len(params)  # autograd gives it sparse gradients (set by the executor's watch)
+        self.flat = None  # its flat runs (dearopt.engine.updates.FlatRuns), made at its first flat update
 
     @property
     def has_members(self) -> bool:
@@ -155,6 +159,21 @@ class BucketState:
                 self.stale[j], self.used[j], self.has_grad[j] = False, True, True
         if changed:
             self.mark_seen()
+
+    def take_counted(self, counted: Optional[bytes] = None) -> None:
+        """The gradients the C++ hooks counted in this pass (each already moved into its view): all of them, or
+        the positions whose byte in ``counted`` is set."""
+        n = len(self.params)
+        if counted is None or all(counted):
+            self.used = [True] * n
+            self.has_grad = [True] * n
+            self.stale = [False] * n
+        else:
+            for j in range(n):
+                if counted[j]:
+                    self.used[j] = self.has_grad[j] = True
+                    self.stale[j] = False
+        self.mark_seen()
 
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""

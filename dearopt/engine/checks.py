@@ -59,6 +59,7 @@ class Checks:
                 bucket.flags.copy_(host, non_blocking=on_gpu)
             bucket.tags.zero_()
             bucket.tags[self.rank : self.rank + 1].fill_(tag)  # a fill: `tags[rank] = tag` copies from the host
+            bucket.meta_tag = tag
             bucket.meta_written = True
             bucket.mark_seen()
 
@@ -180,11 +181,18 @@ class Checks:
         """Name the first non-finite parameter: in a bucket that holds the average (the same on every rank;
         where it came from is unknown), else in the ``own`` buckets, with the ranks it came from."""
 
-        def first_bad(chosen):
+        def first_bad(chosen, local=False):
+            """The first parameter with an element that is not finite; ``local``: in this rank's own gradients
+            only (outside its shards, where the reduce-scatter wrote the sums)."""
             position = 0
             for bucket in chosen:
+                finite = torch.isfinite(bucket.buffer)
+                if local:
+                    for piece in bucket.pieces:
+                        start = piece.shard.storage_offset() - bucket.buffer.storage_offset()
+                        finite[start : start + piece.shard.numel()] = True
                 for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
-                    if not bool(torch.isfinite(bucket.buffer[offset : offset + p.numel()]).all()):
+                    if not bool(finite[offset : offset + p.numel()].all()):
                         return position, name
                     position += 1
             return -1, None
@@ -194,14 +202,18 @@ class Checks:
         if name is not None or not own:  # the same answer on every rank: no rank goes on to the all-gather alone
             return f"the averaged gradient of parameter {name!r} is not finite (the rank it came from is unknown)"
         mine_buckets = [b for b in buckets if b.index in own]
-        mine, _ = first_bad(mine_buckets)
+        mine, _ = first_bad(mine_buckets, local=True)
         mine_t = torch.tensor([mine], dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self.control.all_gather(everyone, mine_t, step=step).wait()
         names = [n for b in mine_buckets for n in b.names]
         bad = {r: names[i] for r, i in enumerate(everyone.tolist()) if i >= 0}
         if not bad:
-            return "the averaged gradient is not finite although every rank's own gradients are finite (overflow)"
+            return (
+                "the averaged gradient is not finite, and no rank's own gradients outside its shard are: an overflow "
+                "of the sum, or inf/NaN in a rank's own shard (which the reduce-scatter overwrites; the rank it "
+                "came from is unknown)"
+            )
         first = min(bad)
         return f"non-finite gradients came from rank(s) {sorted(bad)}; first parameter: {bad[first]!r} on rank {first}"
 

@@ -48,9 +48,9 @@ from dearopt.compression.hooks import CommHook, hooks_for
 from dearopt.errors import UsageError
 from dearopt.collectives import broadcast_buffers_as_bytes
 from dearopt.engine.hooks import EngineHook, EngineHooks, Round, TrainingState
-from dearopt.engine.issuer import Issuer, OpState
+from dearopt.engine.issuer import Issuer
 from dearopt.engine.options import Options
-from dearopt.planning.plan import ALL_GATHER, Point, When
+from dearopt.planning.plan import Point
 from dearopt.planning.profile import LinkMonitor, ReadyProfile
 from dearopt.engine.sharding import ShardedUpdate
 from dearopt.engine.tied import TiedEmbeddings
@@ -149,9 +149,20 @@ class Executor:
             # on a GPU the rows' count is read on the host (which then waits for the device) and NCCL's dense
             # all-reduce is fast: rows only where asked for
             rows = False
+        self._buffers = None  # the model's buffers, listed again with each plan
         self.tied = TiedEmbeddings(model, {id(p) for p in trainable} if rows else set(), EngineHook)
-        self.hooks = EngineHooks(self, model)
+        self.hooks = EngineHooks(self, model, every_module=self.rounds.every_module)
+        if self.rounds.every_module:  # (DeFT) every gradient is seen from Python
+            self.hooks.gradients.per_param(True)
         self.hook_new_params()
+
+    @property
+    def buffers(self):
+        """The model's non-empty buffers, as broadcast before each training forward (listed once per plan, as DDP
+        lists them once)."""
+        if self._buffers is None:
+            self._buffers = [b for b in self.model.buffers() if b.numel() > 0]
+        return self._buffers
 
     def _low_precision(self) -> bool:
         from dearopt.compression.hooks import LOW_PRECISION
@@ -176,8 +187,11 @@ class Executor:
 
     # ------------------------------------------------------------------ hooks
     def hook_new_params(self) -> None:
-        """Give every trainable parameter a gradient hook (also ones unfrozen after construction)."""
-        self.hooks.hook_params(self.planner.planned(), self._on_grad_ready, self._note_sparse)
+        """Give every trainable parameter a gradient hook (also ones unfrozen after construction).  What is hooked
+        already is passed over by identity, without reading the parameter (a guarded one would call the guard)."""
+        hooked = self.hooks.gradients.slot_of
+        if any(id(p) not in hooked and p.requires_grad for g in self.optimizer.param_groups for p in g["params"]):
+            self.hooks.gradients.add(self.planner.planned())
 
     def _note_sparse(self, pid: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -190,8 +204,9 @@ class Executor:
         self.synchronize()
 
     def _root_pre_hook(self, module, args) -> None:
-        self.hooks.guard.disarm()  # from here the module hooks apply pending updates as the forward reaches them
-        if self.bound is None:
+        # (the pending updates' guard stays on: the forward gates apply them as the forward reaches their buckets,
+        # and a module that runs before its bucket's moment touches a guarded parameter, which applies it first)
+        if self.bound is None and self.hooks.recording:
             self.hooks.recorder.start()
         if not (module.training and torch.is_grad_enabled()):
             self.synchronize()  # (an evaluation between backward and step() leaves the gradient guard armed)
@@ -200,7 +215,7 @@ class Executor:
         self.forwards += 1
         self.hook_new_params()
         if self.options.broadcast_buffers and self.world > 1:
-            broadcast_buffers_as_bytes(self.model, self.control, self.step_count)
+            broadcast_buffers_as_bytes(self.buffers, self.control, self.step_count)
         self.profile.begin_forward()
         self.rounds.forward_started()
 
@@ -210,15 +225,19 @@ class Executor:
         if (
             module.training
             and torch.is_grad_enabled()
-            and (self.bound is None or self.bound.grad_params)
+            and (self.bound is None or (self.bound.grad_params and not self.bound.swappable))
             and not self.no_sync
             and self.accumulated + 1 >= self.options.backward_passes_per_step
         ):
-            self.hooks.grad_guard.push()
+            self.hooks.grad_guard.push()  # the fallback for tensors whose class cannot be swapped (DTensor)
 
     def _module_pre_hook(self, module, args) -> None:
-        self.hooks.recorder.saw(module)
+        """A rounds part that wants every module (DeFT): ``module`` is about to run."""
         self.rounds.module_reached(module)
+
+    def _reach_bucket(self, bucket: int) -> None:
+        """The forward gate: a module of ``bucket`` is about to run, beyond the bucket the forward has reached."""
+        self.rounds.reach_bucket(bucket)
 
     # ------------------------------------------------------------- planning
     def _build_plan(
@@ -228,8 +247,8 @@ class Executor:
         passes the old buckets as ``reuse``: one the new plan lays out alike is kept as it is; returns the ids of
         those kept."""
         planner = self.planner
-        if self.hooks.recorder.recording:
-            planner.module_order = self.hooks.recorder.stop()
+        if self.hooks.recording:
+            planner.module_order = self.hooks.stop_recording()
         trainable = planner.trainable() if trainable is None else trainable
         if self.issuer is not None:  # a re-plan (nothing in flight): buffers kept for the old buckets go
             self.backend.release_workspace()
@@ -247,14 +266,18 @@ class Executor:
                 planner.window,
                 hooks_for(plan, self.comm_hook, planner.rows, self.sparse),
                 self.timeline,
-                prepare=self._write_meta,
+                self.checks,
                 control=self.control,
+                wire_dtype=self.comm_hook.wire_dtype if self.comm_hook is not None else (lambda dtype: dtype),
+                sharded=self.sharding is not None,
             )
             issuer.launch_log = planner.launch_log
             return issuer
 
         reuse = reuse if self.rounds.reuses_buckets else ()
         self.bound, self.issuer, kept = planner.bind(trainable, reuse, make_issuer)
+        self.hooks.bind(self.bound, planner.module_order)
+        self._buffers = None
         self.rounds.plan_bound()
         return kept
 
@@ -362,36 +385,28 @@ class Executor:
             self.rounds.begin_backward()
         return self.bound.where.get(id(p))
 
-    def _on_grad_ready(self, p) -> None:
+    def _backward_begins(self) -> None:
+        """The first gradient of a backward pass: the plan made (first backward), the pass begun."""
+        if self.bound is None:
+            self._build_plan()
+        if self.state is not TrainingState.BACKWARD:
+            self.rounds.begin_backward()
+
+    def _param_ready(self, p) -> None:
+        """A gradient accumulated (the per-parameter path: every gradient seen from Python)."""
         self.rounds.grad_ready(p)
+
+    def _bucket_ready(self, bucket: int) -> None:
+        """Every gradient of ``bucket`` accumulated in this pass (counted in C++)."""
+        self.rounds.bucket_ready(bucket)
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
         self.rounds.step(skip, scaler_checked)
 
-    def _write_meta(self, bucket: BucketState) -> None:
-        r = self.round
-        dtype = self.comm_hook.wire_dtype(bucket.buffer.dtype) if self.comm_hook is not None else bucket.buffer.dtype
-        self.checks.write_meta(bucket, self.checks.tag(r.step, r.forwards, dtype))
-
-    def may_start(self, op: OpState) -> bool:
-        """Has the moment come at which ``op`` may start?  (``AFTER`` is the issuer's to judge.)"""
-        r, start = self.round, op.spec.start
-        if self.sharding is not None and op.spec.kind == ALL_GATHER and op.spec.bucket >= r.shards_updated:
-            return False  # it carries parameters: not before this rank's shard of them is updated
-        if start.when is When.GRADS_READY:
-            return r.backward_done or op.bucket.complete
-        if start.when is When.BACKWARD_END:
-            return r.backward_done
-        if start.when is When.STEP:
-            return r.stepped
-        if start.when is When.FORWARD:
-            return r.forward_reached >= start.index
-        return True
-
     def complete_due(self, point: Point) -> None:
         """Start, wait for and complete the ops due at ``point`` (before the moment is marked as reached)."""
-        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.may_start, host=self.profile.recording)
+        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.round, host=self.profile.recording)
 
     # ----------------------------------------------------------------- step
     def _gradients_requested(self, bucket: int) -> None:

@@ -44,7 +44,7 @@ class AveragedGradients:
         e = self.engine
         e.require_gradients("finish the gradient reduction")
         bound = e.bound
-        e.issuer.force_and_complete(bound.early_ops, e.may_start)
+        e.issuer.force_and_complete(bound.early_ops, e.round)
         self.combine()
         if e.round is not None and e.round.gathered:  # p.grad holds the average: that is where it lives now
             return bound.averaged_whole
@@ -226,9 +226,9 @@ class AveragedGradients:
         try:
             with e.guard.suspended():
                 # the reductions first: a gather reads what completing its reduce-scatter wrote (the local sum)
-                e.issuer.force_and_complete(e.bound.early_ops, e.may_start)
+                e.issuer.force_and_complete(e.bound.early_ops, e.round)
                 if e.sharding is None:
-                    e.issuer.force_and_complete(e.issuer.ops, e.may_start)
+                    e.issuer.force_and_complete(e.issuer.ops, e.round)
                 else:  # the plan's all-gathers carry parameters after step(): the gradients' average needs its own
                     self._gather_shards()
                 self.combine()
@@ -365,13 +365,12 @@ class AveragedGradients:
             )
         for bucket in e.buckets:
             if bucket.pending:
-                bucket.zero_after_update = bool(set_to_none)  # zeroed right after its update
-                if set_to_none:  # p.grad is None, as in torch; the update still reads the reduced gradient
-                    for p in bucket.params:
-                        p.grad = None
+                # zeroed right after its update, which still reads the reduced gradient; its parameters are
+                # guarded until then, so code that reads a p.grad first lands the update and finds it None
+                bucket.zero_after_update = bool(set_to_none)
             else:
                 bucket.zero(bool(set_to_none))
-        planned = {id(p) for b in e.buckets for p in b.params}
+        planned = e.bound.where
         for group in e.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in planned and p.grad is not None:

@@ -1,10 +1,20 @@
 """The engine's hooks on the user's model and tensors, and the records of its life cycle.
 
 :class:`EngineHooks` registers and removes every hook the engine puts on the
-model (forward pre/post hooks, a post-accumulate-grad hook and a one-shot
-sparse watch per parameter, state-dict hooks) and holds the two guards that
-watch user code (:mod:`dearopt.engine.guards`).  The callbacks are the engine's own
-methods, reached through :class:`EngineHook` (a weak reference).
+model and holds the two guards that watch user code (:mod:`dearopt.engine.guards`):
+
+* the root module's forward pre and post hooks, and state-dict hooks (Python, once per forward);
+* :class:`GradientHooks`: one post hook per parameter on its ``AccumulateGrad`` node.  With the C++ extension
+  (``dearopt.engine._ready``, csrc/ready.cpp) it moves a replaced ``.grad`` into its bucket view and counts the
+  bucket's gradients without the GIL, as DDP's reducer does; Python runs once per backward (``on_first``) and
+  once per bucket (``on_bucket``), or at every gradient where the engine asks for it (``per_param``: the steps
+  that time each gradient for the profile, DeFT).  Without the extension each parameter has a Python hook;
+* :class:`ForwardGates`: a forward pre-hook on every module that owns planned parameters, a C callable where the
+  extension is built: while updates are pending it calls the engine for a module whose bucket the forward has
+  not reached yet, else it costs one C call;
+* while the first forward runs, the recorder's hooks (the forward order the plan is made from).
+
+The callbacks are the engine's own methods, reached through :class:`EngineHook` (a weak reference).
 :class:`TrainingState` and :class:`Round` are the life cycle the engine keeps.
 """
 
@@ -12,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -105,41 +116,272 @@ class Round:
     combined: set = dataclasses.field(default_factory=set)  # tied weights whose twin gradient was added
 
 
+try:  # the C++ hooks (csrc/ready.cpp), built by setup.py where torch's C++ extension tools work
+    from dearopt.engine import _ready as _native
+except ImportError:  # pragma: no cover - a build without the extension: the Python hooks
+    _native = None
+
+NATIVE = _native is not None
+"""Whether the C++ hooks are built (``python -m dearopt.bench --count`` says which hooks a run used)."""
+
+
+def _plain(p: torch.Tensor) -> bool:
+    """A tensor whose storage the C++ hooks can look at (not a wrapper subclass such as DTensor)."""
+    return type(p) in (torch.Tensor, torch.nn.Parameter) or type(p.data) is torch.Tensor
+
+
+class GradientHooks:
+    """The gradient hooks of every planned parameter (see the module): ``on_first()`` once per backward (after
+    :meth:`expect_backward`), ``on_bucket(b)`` once bucket ``b`` has all its gradients, ``on_param(p)`` at every
+    gradient in per-parameter mode.  Each parameter is hooked once, for the engine's life; :meth:`bind` says
+    which bucket and position each has under the plan in force."""
+
+    def __init__(self, on_first: Callable, on_bucket: Callable, on_param: Callable, on_sparse):
+        """``on_sparse``: a bound method ``(id(param), grad)``, called at each parameter's first gradient."""
+        self._on_first, self._on_param, self._on_sparse = on_first, on_param, on_sparse
+        self.native = None
+        if _native is not None:
+            self.native = _native.ReadyHooks(on_first, on_bucket, EngineHook(self._param_by_slot))
+            self.native.expect_backward()
+        self.params: List[torch.Tensor] = []  # by slot
+        self.slot_of: Dict[int, int] = {}  # id(param) -> slot
+        self._handles = []
+        self._expect = True
+        self._per_param = self.native is None
+        self._timing = False
+        self._position_of: List[Tuple[int, int]] = []  # (slot, position in the plan) of every planned parameter
+
+    @property
+    def counting(self) -> bool:
+        """Whether C++ counts the buckets' gradients (else Python sees every gradient)."""
+        return not self._per_param
+
+    def _param_by_slot(self, slot: int):
+        return self._on_param(self.params[slot])
+
+    def add(self, params: Iterable[torch.Tensor]) -> None:
+        """Hook the parameters that require grad and are not hooked yet (one unfrozen later, too)."""
+        new = [p for p in params if id(p) not in self.slot_of and p.requires_grad]
+        if not new:
+            return
+        if self.native is not None and not all(_plain(p) for p in new):
+            self._fall_back()
+        if self.native is not None:
+            slots = self.native.add(new)
+        else:
+            slots = range(len(self.params), len(self.params) + len(new))
+            for p in new:
+                self._handles.append(p.register_post_accumulate_grad_hook(EngineHook(self._python_ready)))
+        for p, slot in zip(new, slots):
+            self.slot_of[id(p)] = slot
+            self.params.append(p)
+            watch = _SparseWatch(self._on_sparse, id(p))  # one-shot: the first gradient says whether it is sparse
+            watch.handle = p.register_hook(watch)
+
+    def _fall_back(self) -> None:
+        """A parameter the C++ hooks cannot see into (a DTensor): every parameter gets a Python hook instead."""
+        old, self.params, self.slot_of = self.params, [], {}
+        self.native.remove()
+        self.native = None
+        self._per_param = True
+        self.add(old)
+
+    def _python_ready(self, p) -> None:
+        if self._expect:
+            self._expect = False
+            self._on_first()
+        self._on_param(p)
+
+    def bind(self, buckets: Sequence) -> None:
+        """The plan in force: each planned parameter's bucket, position and view (for the C++ counting)."""
+        if self.native is None:
+            return
+        slots, which, positions, views = [], [], [], []
+        self._position_of = []
+        for b in buckets:
+            for j, (p, view) in enumerate(zip(b.params, b.views)):
+                slot = self.slot_of.get(id(p))
+                if slot is not None:
+                    slots.append(slot)
+                    which.append(b.index)
+                    positions.append(j)
+                    views.append(view)
+                    self._position_of.append((slot, b.spec.params[j]))
+        self.native.bind(slots, which, positions, views, [len(b.params) for b in buckets])
+
+    def per_param(self, on: bool) -> None:
+        """Python sees every gradient (``on``) or C++ counts them (off; only where the extension is built)."""
+        on = on or self.native is None
+        self._per_param = on
+        if self.native is not None:
+            self.native.per_param(on)
+
+    def timed(self, on: bool) -> bool:
+        """Note each gradient's arrival time in C++ while counting (the profile's steps); False where only
+        Python can (:meth:`per_param` then)."""
+        if self.native is None or self._per_param:
+            return False
+        if on != self._timing:
+            self.native.timing(on)
+            self._timing = on
+        return on
+
+    def arrivals(self) -> List[Tuple[int, float]]:
+        """``(position in the plan, perf_counter seconds)`` of each gradient that arrived in this pass (after
+        :meth:`timed`)."""
+        stamps = self.native.stamps()
+        n = len(stamps)
+        return [(pos, stamps[slot]) for slot, pos in self._position_of if slot < n and not math.isnan(stamps[slot])]
+
+    def expect_backward(self) -> None:
+        """The next gradient begins a backward pass: ``on_first()`` is called there."""
+        self._expect = True
+        if self.native is not None:
+            self.native.expect_backward()
+
+    def counted(self, bucket: int) -> bytes:
+        """Which positions of ``bucket`` got a gradient in this pass (one byte each), as C++ counted them."""
+        return self.native.counted(bucket)
+
+    def sparse_slots(self) -> List[int]:
+        return self.native.sparse_slots() if self.native is not None else []
+
+    def remove(self) -> None:
+        if self.native is not None:
+            self.native.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class _PyGate:
+    """:class:`ForwardGates`' Python stand-in for the C++ gate."""
+
+    def __init__(self, reach: Callable):
+        self._reach = reach
+        self.armed = False
+        self.reached = -1
+
+    def arm(self, reached: int) -> None:
+        self.reached, self.armed = reached, True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def hook(self, bucket: int) -> Callable:
+        gate = weakref.ref(self)
+
+        def module_reached(module, args):
+            g = gate()
+            if g is not None and g.armed and bucket > g.reached:
+                g._reach(bucket)
+
+        return module_reached
+
+
+class ForwardGates:
+    """A forward pre-hook on each module that owns planned parameters, with the last bucket holding them: while
+    the gate is armed (updates pending after ``step()``), a module whose bucket the forward has not reached calls
+    ``reach(bucket)``; the others cost one C call (a Python call without the extension)."""
+
+    def __init__(self, reach: Callable):
+        self.gate = _native.ForwardGate(reach) if _native is not None else _PyGate(reach)
+        self._handles = []
+
+    def bind(self, module_bucket: Dict[int, int], order: Sequence[torch.nn.Module]) -> None:
+        """Hooks for the plan in force (those of the old plan are removed): on the modules, in the recorded forward
+        order, that reach a bucket no module before them reached (each bucket's moment).  A module that runs out of
+        that order touches parameters whose update is pending, which the guard on them applies first
+        (:class:`dearopt.engine.guards.PendingUpdateGuard`); a hook on every module would cost each module's
+        call torch's slower path with hooks."""
+        self.remove()
+        reached = -1
+        for module in order:
+            bucket = module_bucket.get(id(module))
+            if bucket is not None and bucket > reached:
+                reached = bucket
+                self._handles.append(module.register_forward_pre_hook(self.gate.hook(bucket)))
+
+    def arm(self, reached: int = -1) -> None:
+        self.gate.arm(reached)
+
+    def disarm(self) -> None:
+        self.gate.disarm()
+
+    @property
+    def reached(self) -> int:
+        return self.gate.reached
+
+    @reached.setter
+    def reached(self, bucket: int) -> None:
+        self.gate.reached = bucket
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 class EngineHooks:
     """Every hook the engine registers, the forward-order recorder and the guards on user code."""
 
-    def __init__(self, engine, model: torch.nn.Module):
+    def __init__(self, engine, model: torch.nn.Module, every_module: bool):
+        """``every_module``: the rounds part wants ``module_reached(module)`` before every module with parameters
+        (DeFT's measuring marks); otherwise the forward gates call ``reach_bucket(b)``."""
         self.recorder = ForwardOrderRecorder()
         self.guard = PendingUpdateGuard(EngineHook(engine._make_current))
         self.grad_guard = GradientGuard(EngineHook(engine._gradients_requested))
         self.sparse_ids: set = set()  # parameters autograd gave a sparse gradient
-        self._engine = weakref.ref(engine)
+        self.model = model
+        self.gradients = GradientHooks(
+            EngineHook(engine._backward_begins),
+            EngineHook(engine._bucket_ready),
+            EngineHook(engine._param_ready),
+            engine._note_sparse,
+        )
+        self.gates = ForwardGates(EngineHook(engine._reach_bucket))
         self._handles = [
             model.register_forward_pre_hook(EngineHook(engine._root_pre_hook)),
             model.register_forward_hook(EngineHook(engine._root_post_hook)),
+            model.register_state_dict_pre_hook(EngineHook(engine._synchronize_hook)),
+            model.register_load_state_dict_pre_hook(EngineHook(engine._synchronize_hook)),
         ]
         # every module with parameters of its own, also those outside the optimizer now: a group added later
-        # (add_param_group) must find its modules in the recorded forward order and their updates applied in time
-        for module in model.modules():
-            if next(module.parameters(recurse=False), None) is not None:
-                self._handles.append(module.register_forward_pre_hook(EngineHook(engine._module_pre_hook)))
-        self._handles.append(model.register_state_dict_pre_hook(EngineHook(engine._synchronize_hook)))
-        self._handles.append(model.register_load_state_dict_pre_hook(EngineHook(engine._synchronize_hook)))
-        self._hooked: set = set()
+        # (add_param_group) must find its modules in the recorded forward order
+        modules = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+        self._recording = [m.register_forward_pre_hook(EngineHook(self._saw)) for m in modules]
+        self._every_module = (
+            [m.register_forward_pre_hook(EngineHook(engine._module_pre_hook)) for m in modules] if every_module else []
+        )
 
-    def hook_params(self, params: Iterable[torch.nn.Parameter], on_ready: Callable, on_sparse: Callable) -> None:
-        """Give every parameter that requires grad a gradient hook, once (also ones unfrozen later)."""
-        for p in params:
-            if id(p) not in self._hooked and p.requires_grad:  # a frozen one that still holds a gradient: later
-                self._hooked.add(id(p))
-                self._handles.append(p.register_post_accumulate_grad_hook(EngineHook(on_ready)))
-                watch = _SparseWatch(on_sparse, id(p))
-                watch.handle = p.register_hook(watch)
+    def _saw(self, module, args) -> None:
+        self.recorder.saw(module)
+
+    @property
+    def recording(self) -> bool:
+        """Whether the forward order may still be recorded (no plan was made yet)."""
+        return bool(self._recording)
+
+    def stop_recording(self) -> List[torch.nn.Module]:
+        """The forward order recorded; its hooks are removed."""
+        for h in self._recording:
+            h.remove()
+        self._recording = []
+        return self.recorder.stop()
+
+    def bind(self, bound, order: Sequence[torch.nn.Module]) -> None:
+        """The plan in force: the gradient hooks' buckets and the forward gates (``order``: the modules in the
+        recorded forward order)."""
+        self.gradients.bind(bound.buckets)
+        if not self._every_module:
+            self.gates.bind(bound.module_bucket, order)
 
     def remove(self) -> None:
         """Remove every hook and disarm the guards."""
         self.guard.disarm()
         self.grad_guard.disarm()
-        for h in self._handles:
+        self.gradients.remove()
+        self.gates.remove()
+        for h in self._handles + self._recording + self._every_module:
             h.remove()
-        self._handles = []
+        self._handles, self._recording, self._every_module = [], [], []

@@ -26,39 +26,65 @@ import torch
 
 from dearopt.engine.buckets import BucketState
 from dearopt.backends.base import CollectiveBackend, Handle
-from dearopt.compression.hooks import CommHook, Link, hooks_for
-from dearopt.planning.plan import CommOp, Plan, When
+from dearopt.compression.hooks import CommHook, Link, WirePool, hooks_for
+from dearopt.planning.plan import ALL_GATHER, CommOp, Plan, When
 from dearopt.engine.timeline import Timeline
 
 __all__ = ["CreditWindow", "OpState", "Issuer"]
 
 
 class OpState:
-    """A planned collective bound to its piece, with its handle for the current round."""
+    """A planned collective bound to its piece, with its handle for the current round.  What the issuer reads at
+    every start and completion is laid out here once, when the plan is bound (the hot path reads attributes)."""
 
-    __slots__ = ("position", "spec", "piece", "handle", "done", "ctx", "started_at", "finished_at", "nonfinite", "hook")
+    __slots__ = (
+        "position",
+        "spec",
+        "piece",
+        "bucket",
+        "handle",
+        "done",
+        "ctx",
+        "started_at",
+        "finished_at",
+        "nonfinite",
+        "hook",
+        "link",
+        "where",
+        "launch",
+        "when",
+        "index",
+        "reduces",
+        "nbytes",
+        "region",
+        "average",
+        "gated",
+    )
 
     def __init__(self, position: int, spec: CommOp, piece):
         self.position = position
         self.spec = spec
         self.piece = piece
+        self.bucket = piece.bucket  # (a strong reference: the issuer lives as long as the plan's buckets)
         self.handle: Optional[Handle] = None
         self.done = False
         self.ctx = None  # the comm hook's context from start
         self.hook: Optional[CommHook] = None  # what carries the piece (set by the issuer)
+        self.link: Optional[Link] = None
+        self.where = {"bucket": spec.bucket, "step": 0}  # names the collective in errors (the step: per round)
+        self.launch = None  # the backend call that starts it, where its hook lets it travel as it is
         self.started_at = 0.0
         self.finished_at: Optional[float] = None  # when it was first seen finished (profiling)
         # averaged ops: a one-element tensor, > 0 where the average holds inf/NaN (set in the averaging pass);
         # None until then, and where the result was not averaged here
         self.nonfinite: Optional[torch.Tensor] = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.spec.nbytes
-
-    @property
-    def bucket(self) -> BucketState:
-        return self.piece.bucket
+        self.when = spec.start.when
+        self.index = spec.start.index
+        self.reduces = spec.reduces
+        self.nbytes = spec.nbytes
+        self.region = piece.region(spec.result)
+        self.average = spec.average
+        self.gated = False  # a sharded update's all-gather: not before this rank's shard of it is updated
 
 
 class CreditWindow:
@@ -103,7 +129,9 @@ class CreditWindow:
 
 
 class Issuer:
-    """Carries out the ops of one plan: the order cursor, the credit window, completion."""
+    """Carries out the ops of one plan: the order cursor, the credit window, completion.  It is told where the
+    round is (a :class:`dearopt.engine.hooks.Round`: backward done, stepped, the bucket the forward reached, the
+    shards updated) and starts what that allows; it calls nobody back."""
 
     def __init__(
         self,
@@ -113,24 +141,37 @@ class Issuer:
         window: CreditWindow,
         carriers: Optional[Sequence[CommHook]],
         timeline: Timeline,
-        prepare: Callable[[BucketState], None],
+        checks,
         control: Optional[CollectiveBackend] = None,
+        wire_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
+        sharded: bool = False,
     ):
         """``carriers``: the comm hook that carries each op of ``plan``, in order
         (:func:`dearopt.compression.hooks.hooks_for` chooses them: the user's hook, embedding rows, a sparsifier's
-        exchange, the parameters of a sharded update); None: every op travels as it is."""
+        exchange, the parameters of a sharded update); None: every op travels as it is.  ``checks``: writes each
+        bucket's used flags and step tag before its first reduction (:class:`dearopt.engine.checks.Checks`);
+        ``wire_dtype``: the dtype a bucket's tag must be exact in; ``sharded``: the all-gathers carry the sharded
+        update's parameters."""
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
         self.control = control if control is not None else backend  # small agreements, off the data queue
         self.world = backend.size
         self.window = window
+        self.checks = checks
+        self._wire_dtype = wire_dtype
+        self.pool = WirePool()  # a comm hook's wire buffers, for the ops in flight
         for op, carrier in zip(self.ops, carriers if carriers is not None else hooks_for(plan, None)):
             op.hook = carrier  # what carries the op's piece
+            op.link = Link(backend, self.control, op.where, self.pool)
+            op.launch = carrier.direct(op, backend)  # None: through the hook's start and finish
+            op.gated = sharded and op.spec.kind == ALL_GATHER
         self.timeline = timeline
-        self._prepare = prepare
         self.cursor = 0
+        self._reaped = 0  # ops before it are completed (or not started)
         self.step = 0  # the step whose gradients the current round carries (names ops in errors)
+        self._tags: dict = {}  # wire dtype -> this round's step tag
+        self._forwards = 0
         self.launch_log = collections.deque(maxlen=100_000)  # (step, kind, bucket, piece) in issue order
         self.first_reduction_at: Optional[float] = None  # perf_counter of the round's first reduction
         self.last_reduction_done_at: Optional[float] = None
@@ -138,54 +179,108 @@ class Issuer:
         self.sends_in_flight: List[Handle] = []  # send()'s handles whose timeline span is open
 
     # ----------------------------------------------------------------- round
-    def start_round(self, step: int) -> None:
+    def start_round(self, step: int, forwards: int = 0) -> None:
+        """A new round: ``step`` and the training forwards before its backward make each bucket's step tag."""
         for op in self.ops:
             op.handle, op.done, op.ctx, op.finished_at, op.nonfinite = None, False, None, None, None
+            op.where["step"] = step
         self.cursor = 0
+        self._reaped = 0
         self.step = step
+        self._forwards = forwards
+        self._tags = {}
         self.window.clear()
         self.first_reduction_at = self.last_reduction_done_at = None
 
+    def reap(self) -> None:
+        """Complete the started ops that have finished, in order, without waiting for any (their results
+        decoded and averaged now; their buffers of the transport and the comm hook free for the next ops)."""
+        ops, i = self.ops, self._reaped
+        while i < self.cursor:
+            op = ops[i]
+            if not op.done:
+                if not op.handle.is_completed():
+                    break
+                self.complete(op)
+            i += 1
+        self._reaped = i
+
+    def _write_meta(self, bucket: BucketState) -> None:
+        """The bucket's used flags and this rank's step tag, before its first reduction of the round (the tag
+        exact in the bucket's own dtype and in the wire's)."""
+        dtype = self._wire_dtype(bucket.buffer.dtype)
+        if bucket.buffer.dtype in (torch.bfloat16, torch.float16):
+            dtype = bucket.buffer.dtype
+        tag = self._tags.get(dtype)
+        if tag is None:
+            tag = self._tags[dtype] = self.checks.tag(self.step, self._forwards, dtype)
+        self.checks.write_meta(bucket, tag)
+
     # ----------------------------------------------------------------- start
-    def start_ready(self, may_start: Callable[[OpState], bool], force_through: int = -1) -> None:
-        """Start ops at the cursor while they may start; those at positions <= ``force_through`` regardless."""
-        while self.cursor < len(self.ops):
-            op = self.ops[self.cursor]
+    def start_ready(self, r, force_through: int = -1) -> None:
+        """Start ops at the cursor while round ``r`` lets them start; those at positions <= ``force_through``
+        regardless.  An op starts when its ``start`` moment has come (``r``: backward done, stepped, the bucket the
+        forward reached; its bucket complete), the credit window and the transport's workspace have room, and the
+        op it follows (``AFTER``) has finished; a forced op waits for room and for that op."""
+        ops, n = self.ops, len(self.ops)
+        window = self.window if self.window.credit is not None else None
+        while self.cursor < n:
+            op = ops[self.cursor]
             forced = self.cursor <= force_through
-            if not forced and not may_start(op):
+            if not forced:
+                when = op.when
+                if when is When.GRADS_READY:
+                    ok = r.backward_done or op.bucket.ready >= op.bucket.size
+                elif when is When.BACKWARD_END:
+                    ok = r.backward_done
+                elif when is When.STEP:
+                    ok = r.stepped
+                elif when is When.FORWARD:
+                    ok = r.forward_reached >= op.index
+                else:
+                    ok = True
+                if not ok or (op.gated and op.spec.bucket >= r.shards_updated):
+                    return
+            if op.when is When.AFTER and not self._dependency_met(op, forced):
                 return
-            if op.spec.start.when is When.AFTER and not self._dependency_met(op, forced):
-                return
-            if not self.window.has_room(op.nbytes):
+            if window is not None and not window.has_room(op.nbytes):
                 if not forced:
                     return
-                self.window.make_room(op.nbytes)
+                window.make_room(op.nbytes)
+            if not self.backend.has_room(op.nbytes):  # (gloo's workspace: never waited for in a hook)
+                if not forced:
+                    return
+                self.backend.make_room(op.nbytes)
             self._start(op)
             self.cursor += 1
 
     def _dependency_met(self, op: OpState, forced: bool) -> bool:
         """An op after another goes once that one has finished (polled: a later start_ready starts it; the link is
         busy with that op meanwhile anyway), or at once, waiting for it, when forced."""
-        dependency = self.ops[op.spec.start.index]
+        dependency = self.ops[op.index]
         if forced or dependency.handle.is_completed():
             self.complete(dependency)
             return True
         return False
 
     def _start(self, op: OpState) -> None:
-        spec, piece = op.spec, op.piece
-        if spec.reduces:
-            self._prepare(piece.bucket)
+        bucket = op.bucket
+        if op.reduces:
+            if not bucket.meta_written:
+                self._write_meta(bucket)
             if self.first_reduction_at is None:
                 self.first_reduction_at = time.perf_counter()
-        op.handle, op.ctx = op.hook.start(
-            op, Link(self.backend, self.control, dict(bucket=spec.bucket, step=self.step))
-        )
-        piece.bucket.mark_seen()  # an in-place collective counts as the engine's write
+        if op.launch is not None:
+            op.handle = op.launch(**op.where)
+        else:
+            op.handle, op.ctx = op.hook.start(op, op.link)
+        bucket.seen_version = bucket.buffer._version  # an in-place collective counts as the engine's write
         op.started_at = time.perf_counter()
-        self.window.add(op)
-        self.launch_log.append((self.step, spec.kind, spec.bucket, spec.piece))
-        self.timeline.begin(("comm", op.position), spec.kind, "comm", bucket=spec.bucket, piece=spec.piece)
+        if self.window.credit is not None:
+            self.window.add(op)
+        self.launch_log.append((self.step, op.spec.kind, op.spec.bucket, op.spec.piece))
+        if self.timeline.enabled:
+            self.timeline.begin(("comm", op.position), op.spec.kind, "comm", bucket=op.spec.bucket, piece=op.spec.piece)
 
     def send(
         self,
@@ -234,35 +329,38 @@ class Issuer:
         """Wait for ``op`` (its data usable; ``host``: finished) and carry out its completion once."""
         if op.done:
             return
-        if op.handle is None:
+        handle = op.handle
+        if handle is None:
             raise RuntimeError(
                 f"op {op.position} ({op.spec}) is completed before it started: the plan's order "
                 f"and its due moments disagree"
             )
-        t0 = self.timeline.now()
+        timeline = self.timeline if self.timeline.enabled else None
+        t0 = timeline.now() if timeline is not None else 0.0
         if host:
-            op.handle.synchronize()
+            handle.synchronize()
         else:
-            op.handle.wait()
-        self.timeline.span(
-            "wait reduce" if op.spec.reduces else "wait all_gather",
-            "wait",
-            t0,
-            bucket=op.spec.bucket,
-            piece=op.spec.piece,
-        )
-        self.timeline.end(("comm", op.position))
-        piece, spec = op.piece, op.spec
-        result = piece.region(spec.result)
-        op.hook.finish(op, op.ctx)
-        if spec.average and self.world > 1:
-            op.nonfinite = self._average(result)
-        piece.bucket.mark_seen()
+            handle.wait()
+        if timeline is not None:
+            timeline.span(
+                "wait reduce" if op.reduces else "wait all_gather",
+                "wait",
+                t0,
+                bucket=op.spec.bucket,
+                piece=op.spec.piece,
+            )
+            timeline.end(("comm", op.position))
+        if op.launch is None:
+            op.hook.finish(op, op.ctx)
+        if op.average and self.world > 1:
+            op.nonfinite = self._average(op.region)
+        bucket = op.bucket
+        bucket.seen_version = bucket.buffer._version
         op.done = True
         if op.finished_at is None:
             op.finished_at = time.perf_counter()
-        if spec.reduces:
-            self.last_reduction_done_at = time.perf_counter()
+        if op.reduces:
+            self.last_reduction_done_at = op.finished_at
 
     def _average(self, result: torch.Tensor) -> Optional[torch.Tensor]:
         """Divide the sum by the number of ranks and find any inf/NaN in the same pass over it (torch's fused
@@ -314,10 +412,11 @@ class Issuer:
         for op in self.ops[: self.cursor]:
             self.complete(op)
 
-    def force_and_complete(self, ops: Sequence[OpState], may_start, *, host: bool = False) -> None:
-        """Start (forced) every op up to the last of ``ops``, then complete ``ops`` in plan order."""
+    def force_and_complete(self, ops: Sequence[OpState], r, *, host: bool = False) -> None:
+        """Start (forced) every op up to the last of ``ops`` (``ops`` in plan order), then complete them in
+        order; ``r``: the round (what may start on the way)."""
         if not ops:
             return
-        self.start_ready(may_start, force_through=max(op.position for op in ops))
-        for op in sorted(ops, key=lambda o: o.position):
+        self.start_ready(r, force_through=ops[-1].position)
+        for op in ops:
             self.complete(op, host=host)

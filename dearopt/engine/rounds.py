@@ -37,6 +37,8 @@ class ExactRounds:
     """The part that holds the averaged gradients between ``backward()`` and ``step()``."""
     reuses_buckets = True
     """A re-plan keeps the buckets the new plan lays out alike, with their gradients."""
+    every_module = False
+    """The forward gates reach each bucket's moment; no Python hook runs before every module."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -75,8 +77,12 @@ class ExactRounds:
             e.round = Round(e.step_count, e.forwards)
             for b in e.buckets:
                 b.start_round()
-            e.issuer.start_round(e.step_count)
+            e.issuer.start_round(e.step_count, e.forwards)
             e.profile.begin_backward(e.step_count, len(e.plan.params))
+        # C++ counts each bucket's gradients and Python runs once per bucket; the steps that time each gradient for
+        # the profile have C++ note the arrival times too (or, without the extension, see every gradient in Python)
+        recording = e.profile.recording
+        e.hooks.gradients.per_param(recording and not e.hooks.gradients.timed(recording))
 
     def show_predicted_sends(self) -> None:
         """Under a schedule whose buckets come from the profile (Prophet's blocks), each bucket's reduction as the
@@ -102,11 +108,7 @@ class ExactRounds:
             return
         bucket, j = located
         if bucket.index in self.stale:
-            raise UsageError(
-                f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
-                f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
-                f"or call optimizer.synchronize() before such a forward"
-            )
+            self._refuse_stale(bucket, j)
         bucket.take_gradient(p, j)
         if e.round is None or bucket.stamp[j] == e.pass_id:
             return
@@ -118,10 +120,41 @@ class ExactRounds:
         if bucket.complete or e.window.credit is not None:
             # with a credit window, an op held back for credit may start at any gradient hook once
             # earlier ops have finished, not only when the next bucket completes
-            e.issuer.start_ready(e.may_start)
+            e.issuer.start_ready(e.round)
+
+    def bucket_ready(self, b: int) -> None:
+        """Every gradient of bucket ``b`` accumulated in this pass (counted in C++; each one moved into its view)."""
+        e = self.engine
+        bucket = e.buckets[b]
+        if b in self.stale:
+            self._refuse_stale(bucket, 0)
+        bucket.take_counted()
+        if e.round is None:
+            return
+        bucket.ready = len(bucket.params)
+        if e.profile.recording:
+            e.issuer.observe()
+        e.issuer.start_ready(e.round)
+        e.issuer.reap()  # finished ones give their buffers back for the next
+
+    @staticmethod
+    def _refuse_stale(bucket: BucketState, j: int) -> None:
+        raise UsageError(
+            f"parameter {bucket.names[j]!r} received a gradient although its pending update was not applied "
+            f"before it was used: it was read in forward before its own module ran. Use schedule='wfbp', "
+            f"or call optimizer.synchronize() before such a forward"
+        )
 
     def end_backward(self) -> None:
         e = self.engine
+        e.hooks.gradients.expect_backward()
+        if e.hooks.gradients.counting:  # the buckets that did not complete: the gradients C++ counted in them
+            for bucket in e.buckets:
+                if bucket.ready < len(bucket.params):
+                    counted = e.hooks.gradients.counted(bucket.index)
+                    if bucket.index in self.stale and any(counted):
+                        self._refuse_stale(bucket, counted.index(1))
+                    bucket.take_counted(counted)
         e.timeline.span("backward", "compute", self.backward_start)
         if e.timeline.enabled:
             self.show_predicted_sends()
@@ -134,12 +167,14 @@ class ExactRounds:
         for b in e.buckets:  # unused since zero_grad(): a zero gradient (or the bucket would send a stale one)
             b.clear_stale()
         if e.profile.recording:
+            if e.hooks.gradients.counting:  # the arrival times C++ noted
+                e.profile.arrived(e.hooks.gradients.arrivals())
             e.profile.end_backward()
             e.issuer.observe()
         e.complete_due(BACKWARD_END)
         e.gradients.combine(BACKWARD_END)
         e.round.backward_done = True
-        e.issuer.start_ready(e.may_start)
+        e.issuer.start_ready(e.round)
         if e.bound.grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
             e.hooks.grad_guard.arm(e.bound.grad_views, e.bound.grad_params)
 
@@ -202,8 +237,9 @@ class ExactRounds:
             self.update_shards()
         self.update([e.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
         if e.round is not None:
-            e.issuer.start_ready(e.may_start)  # the ops that start at step()
-            e.hooks.guard.arm({id(p): b.index for b in e.buckets if b.pending for p in b.params})
+            e.issuer.start_ready(e.round)  # the ops that start at step()
+            e.hooks.guard.arm((p, b.index) for b in e.buckets if b.pending for p in b.params)
+            e.hooks.gates.arm(e.round.forward_reached)  # the next forward reaches each bucket's moment
         e.timeline.span("step", "update", t0)
 
     def plan_bound(self) -> None:
@@ -213,17 +249,11 @@ class ExactRounds:
     def forward_started(self) -> None:
         """A training forward began (nothing to do: the updates wait for their buckets' modules)."""
 
-    def module_reached(self, module) -> None:
-        """The forward is about to run ``module``: the moments of the buckets up to its own."""
-        e = self.engine
-        r = e.round
-        if r is None or not r.stepped:
-            return
-        bucket = e.bound.module_bucket.get(id(module))
-        if bucket is not None and bucket > r.forward_reached:
+    def reach_bucket(self, bucket: int) -> None:
+        """The forward gate: a module of ``bucket`` is about to run: the moments of the buckets up to it."""
+        r = self.engine.round
+        if r is not None and r.stepped and bucket > r.forward_reached:
             self.reach_forward(bucket)
-        elif e.window.credit is not None:
-            e.issuer.start_ready(e.may_start)  # ops held back for credit start as soon as room frees
 
     def touched(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after ``step()``: its pending updates first."""
@@ -255,7 +285,8 @@ class ExactRounds:
             e.complete_due(point)
             e.profile.forward_waited(time.perf_counter() - t0)
             e.round.forward_reached = k
-            e.issuer.start_ready(e.may_start)  # e.g. prefetch the next bucket's all-gather
+            e.hooks.gates.reached = k
+            e.issuer.start_ready(e.round)  # e.g. prefetch the next bucket's all-gather
             due = e.bound.updates_at.get(point, ())
             if due:
                 self.update([e.buckets[b] for b in due], tags_checked=False)
@@ -265,14 +296,18 @@ class ExactRounds:
         this rank's non-finite answer (``nonfinite``); returns whether any rank found inf/NaN.  The
         reduce-scatter leaves the flags' and tags' sum only on the rank whose shard holds the bucket's tail, and
         the all-gather carries parameters, so without this message no other rank would learn them; the
-        non-finite check rides along instead of taking a message of its own."""
+        non-finite check rides along instead of taking a message of its own.  What each rank adds is what it
+        wrote into its buffers' tails before the reduce-scatter (its used flags and its step tag, known on the
+        host): the reduce-scatter wrote its sums into the same buffers since (the shard is the buffer's own
+        region)."""
         e = self.engine
         if e.world == 1:
             return nonfinite
-        meta = torch.cat(
-            [torch.tensor([1.0 if nonfinite else 0.0], dtype=torch.float64)]
-            + [torch.cat([b.flags, b.tags]).double().cpu() for b in e.buckets]
-        ).to(e.control.device)
+        values = [1.0 if nonfinite else 0.0]
+        for b in e.buckets:
+            values += [1.0 if u else 0.0 for u in b.used]
+            values += [float(b.meta_tag) if r == e.rank else 0.0 for r in range(e.world)]
+        meta = torch.tensor(values, dtype=torch.float64, device=e.control.device)
         e.control.all_reduce(meta, "sum", step=step).wait()
         meta = meta.to(e.buckets[0].buffer.device)
         found = float(meta[0]) > 0
@@ -312,13 +347,14 @@ class ExactRounds:
             bucket.zero(set_to_none=True)
             e.round.shards_updated = bucket.index + 1
             e.timeline.span("update shard", "update", t0, bucket=bucket.index)
-            e.issuer.start_ready(e.may_start)  # its gather (due first in forward) overlaps the next updates
+            e.issuer.start_ready(e.round)  # its gather (due first in forward) overlaps the next updates
 
     def update(self, buckets: List[BucketState], tags_checked: bool) -> None:
         """The optimizer's update of ``buckets``, due at the same moment: each checked, then one call of the
         wrapped optimizer over all of them (:meth:`BucketUpdater.apply_buckets`), then each landed."""
         e = self.engine
         t0 = e.timeline.now()
+        e.hooks.guard.release(p for b in buckets for p in b.params)  # current from here on
         if e.sharding is None:  # sharded: updated at step(); the all-gather just completed brought them
             step, chosen = e.round.step, []
             for bucket in buckets:
@@ -351,5 +387,6 @@ class ExactRounds:
         e = self.engine
         e.round = None
         e.hooks.guard.disarm()
+        e.hooks.gates.disarm()
         if e.on_step_landed is not None:
             e.on_step_landed()

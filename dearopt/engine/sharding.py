@@ -25,7 +25,7 @@ then the update of a segment is exactly the update of those elements of the
 whole parameter.  The torch optimizers for which that holds are in
 :data:`ELEMENTWISE`; :func:`register_elementwise` declares another class.
 Others (LBFGS, Adafactor's factored moments, Muon's orthogonalisation,
-SparseAdam's sparse-only update) raise :class:`~dearopt.NotElementwiseError`.
+SparseAdam's sparse-only update) raise :class:`~dearopt.errors.NotElementwiseError`.
 
 **Checkpoints.**  :meth:`ShardedUpdate.gather_state` builds the ordinary
 per-parameter state (an all-gather per bucket and state entry: every rank

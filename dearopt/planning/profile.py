@@ -141,6 +141,13 @@ class ReadyProfile:
         if self._times is not None:
             self._times[position] = time.perf_counter() - self._t0
 
+    def arrived(self, arrivals) -> None:
+        """Every gradient's arrival at once: ``(position, perf_counter seconds)`` pairs (noted in C++)."""
+        if self._times is not None:
+            times, t0 = self._times, self._t0
+            for position, when in arrivals:
+                times[position] = when - t0
+
     def end_backward(self) -> None:
         if self._times is not None:
             self._backward = time.perf_counter() - self._t0

@@ -11,12 +11,12 @@ with one ``Schedule`` subclass and one line in :data:`_BUILTIN` (or a call to
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
-from dearopt.schedules.base import Schedule, mark_updates
+from dearopt.schedules.base import _REGISTRY, Schedule, mark_updates
 from dearopt.schedules.bytescheduler import ByteScheduler
 from dearopt.schedules.dear import DeAR
-from dearopt.schedules.deft.schedule import DeFT
+from dearopt.schedules.deft.schedule import DeFT, Preserver
 from dearopt.schedules.prophet import Prophet, ProphetAllReduce
 from dearopt.schedules.rsag import RSAG
 from dearopt.schedules.wfbp import WFBP
@@ -34,10 +34,11 @@ __all__ = [
     "Prophet",
     "ProphetAllReduce",
     "DeFT",
+    "Preserver",
 ]
 
 _BUILTIN = (DeAR, WFBP, RSAG, ByteScheduler, Prophet, ProphetAllReduce, DeFT)
-_REGISTRY: Dict[str, Schedule] = {cls.name: cls() for cls in _BUILTIN}
+_REGISTRY.update({cls.name: cls() for cls in _BUILTIN})
 
 
 def register(schedule: Schedule) -> Schedule:

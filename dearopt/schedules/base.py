@@ -257,9 +257,11 @@ def _default_of(cls, knob: str):
     return _knob_defaults(cls)[knob]
 
 
-def _takers(knob: str) -> List[str]:
-    from dearopt.schedules import _REGISTRY
+# the registry by name: the package fills it with the built-in schedules; dearopt.schedules.register adds others
+_REGISTRY: Dict[str, "Schedule"] = {}
 
+
+def _takers(knob: str) -> List[str]:
     return [s.name for s in _REGISTRY.values() if knob in s.knob_names()]
 
 

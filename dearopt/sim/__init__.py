@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-from dearopt.planning.plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, Plan, build_plan
+from dearopt.planning.plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, Plan
+
+from dearopt.planning.build import build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
 from dearopt.sim.profile import Profile, contention_from_overlap, record_profile
 from dearopt.sim.simulator import Prediction, simulate

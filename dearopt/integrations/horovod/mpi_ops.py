@@ -1,6 +1,6 @@
 """``horovod.torch.mpi_ops`` on dearopt: the job, tensor collectives and handles.
 
-Every collective runs on dearopt's backend (:func:`dearopt.get_backend`).  The
+Every collective runs on dearopt's backend (:func:`dearopt.backends.get_backend`).  The
 asynchronous forms return an integer handle; :func:`poll` asks the transport
 whether the op is done (it returns ``False`` while data is still in flight) and
 :func:`synchronize` waits for it and returns the result.
@@ -95,7 +95,7 @@ __all__ = [
 
 
 class HorovodNotInitializedError(NotInitializedError, ValueError):
-    """Raised before :func:`init`; a ``ValueError`` as in Horovod, and a :class:`dearopt.NotInitializedError`."""
+    """Raised before :func:`init`; a ``ValueError`` as in Horovod, and a :class:`dearopt.errors.NotInitializedError`."""
 
 
 class HorovodMismatchError(ValueError, RuntimeError):
@@ -108,7 +108,7 @@ class HorovodJoinedError(RuntimeError):
 
 
 class HorovodInternalError(RuntimeError):
-    """Horovod's name for a failed collective; dearopt raises its own :class:`dearopt.CollectiveError` types."""
+    """Horovod's name for a failed collective; dearopt raises its own :class:`dearopt.errors.CollectiveError` types."""
 
 
 # ------------------------------------------------------------------ the job

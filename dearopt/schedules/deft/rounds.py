@@ -484,6 +484,7 @@ class DelayedRounds:
     Gradients = DelayedGradients
     applied_steps = property(lambda self: self.updates.applied_steps, doc="The steps at which a group was applied.")
     reuses_buckets = False  # the schedule's state is per bucket: a re-plan makes new ones
+    every_module = True  # module_reached(module) before every module (its measuring marks, the due buckets)
 
     def __init__(self, engine):
         e = self.engine = engine
@@ -740,6 +741,7 @@ class DelayedRounds:
 
     def end_backward(self) -> None:
         e = self.engine
+        e.hooks.gradients.expect_backward()
         e.timeline.span("backward", "compute", self.backward_start)
         if self._accumulating:
             e.state = TrainingState.ACCUMULATED
@@ -831,7 +833,7 @@ class DelayedRounds:
         e.timeline.span("step", "update", t0)
         if self.updates.due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
             self.updates.due_landing = True
-            e.guard.arm({id(p): b for b in self.updates.due_buckets for p in e.buckets[b].params})
+            e.guard.arm((p, b) for b in self.updates.due_buckets for p in e.buckets[b].params)
         elif e.on_step_landed is not None:
             e.on_step_landed()
 
@@ -973,7 +975,7 @@ class GroupUpdates:
         e.timeline.span("update", "update", t0, buckets=chosen)
         if e.guard.armed:
             if self.due_buckets:
-                e.guard.arm({id(p): b for b in self.due_buckets for p in e.buckets[b].params})
+                e.guard.arm((p, b) for b in self.due_buckets for p in e.buckets[b].params)
             else:
                 e.guard.disarm()
         if not self.due_buckets and self.due_landing:

@@ -706,7 +706,7 @@ class DeFT(Schedule):
         elif preserver is False:
             preserver = None
         elif preserver is not None and not isinstance(preserver, Preserver):
-            raise TypeError(f"preserver= takes True, False or a dearopt.Preserver, got {preserver!r}")
+            raise TypeError(f"preserver= takes True, False or a dearopt.schedules.Preserver, got {preserver!r}")
         if links not in (1, 2) or isinstance(links, bool):
             raise ValueError(f"links must be 1 or 2, got {links!r}")
         if apply not in APPLY_MODES:

@@ -1,0 +1,87 @@
+"""DDP timed as a user runs it: a plain DDP script in processes of its own (``--standalone-ddp``).
+
+The bench's own DDP runs in the processes that also hold every dearopt schedule's model and optimizer.  This is the
+same training (the model, batches, SGD, ``bucket_cap_mb``, torch threads, warm-up and timed iterations) in fresh
+processes where no ``DistOptim`` is ever built and ``dearopt.init`` is never called: the process group is torch's
+own, as in a plain DDP script.  The bench runs it before and after its own run, on the same link, and reports its
+median beside the bench's DDP, so that a difference between the two shows in the run that would be affected.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from typing import List
+
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, world: int, port: int, cfg: dict, queue) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from dearopt.bench.models import build  # the bench's model and batches (no dearopt state)
+
+        torch.set_num_threads(cfg["threads"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        workload = build(cfg["model"], cfg["batch_size"], cfg["size"], seed=cfg["seed"])
+        model = DDP(workload.model, bucket_cap_mb=cfg["bucket_mb"])
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        batches = [workload.make_batch(1000 * rank + i) for i in range(cfg["distinct_batches"])]
+        times: List[float] = []
+        for i in range(cfg["warmup"] + cfg["iterations"]):
+            x, y = batches[i % len(batches)]
+            if i == cfg["warmup"]:
+                dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            workload.loss(model(x), y).backward()
+            opt.step()
+            if i >= cfg["warmup"]:
+                times.append(time.perf_counter() - t0)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, times, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run(cfg: dict, world: int, timeout: float = 3600) -> List[float]:
+    """Rank 0's iteration times (seconds) of a plain DDP run of ``cfg``'s workload on ``world`` fresh processes."""
+    from dearopt.bench.spawn import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(world):
+            rank, times, error = queue.get(timeout=timeout)
+            if error:
+                raise RuntimeError(f"standalone DDP rank {rank} failed:\n{error}")
+            out[rank] = times
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    # a step ends when the slowest rank's does: the per-iteration maximum over ranks, as the bench reports
+    return [max(values) for values in zip(*(out[r] for r in range(world)))]
+
+
+def compare(before: List[float], after: List[float], bench_ddp: float) -> dict:
+    """The standalone runs' medians beside the bench's DDP median."""
+    alone = statistics.median(before + after)
+    return {
+        "before": statistics.median(before),
+        "after": statistics.median(after),
+        "median": alone,
+        "bench_ddp": bench_ddp,
+        "bench_over_standalone": bench_ddp / alone,
+    }
