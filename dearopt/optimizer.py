@@ -25,6 +25,7 @@ import dearopt.backends.runtime as runtime
 from dearopt.errors import NotInitializedError, UsageError
 import dearopt.collectives as functions
 from dearopt.backends.base import engine_boundary
+from dearopt.backends.groups import group_backend, refuse_group_as_backend
 from dearopt.compression.hooks import resolve_comm_hook
 from dearopt.compression.sparsify import Sparsify
 from dearopt.engine.engine import Executor
@@ -100,6 +101,18 @@ def _check_arguments(optimizer, model):
         raise ValueError("the optimizer holds no parameter that requires grad: there is nothing to train")
 
 
+def _resolve_group(process_group, backend):
+    """The communicator ``DistOptim`` trains over: ``backend``, one over ``process_group``
+    (:func:`dearopt.backends.groups.group_backend`), or None (the job's)."""
+    refuse_group_as_backend(backend)
+    if process_group is None:
+        return backend
+    if backend is not None:
+        raise UsageError("DistOptim takes process_group= or backend=, not both; pass the process group alone")
+    main = runtime.get_backend()
+    return main._track_fork(group_backend(process_group, main.timeout))  # closed with the job's at shutdown()
+
+
 # GradScaler.step(optimizer) passes itself as ``grad_scaler`` to optimizers whose step() takes it, and warns
 # each process once that it will stop doing so; DistOptim relies on it to agree on inf/NaN across ranks.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
@@ -140,8 +153,14 @@ class DistOptim(torch.optim.Optimizer):
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
         tuner: a :class:`dearopt.planning.tuner.BayesianTuner` over ``buffer_size``, ``partition_size`` and ``credit``;
             built by default for the knobs set to ``"auto"``.  Its trials and result: ``optimizer.tuning``.
-        backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); one over a
-            subset of the ranks restricts the averaging to them (``dearopt.integrations.horovod``'s process sets).
+        process_group: the ranks to average over (default: every rank of the job): a
+            ``torch.distributed.ProcessGroup`` (``torch.distributed.new_group(ranks)``), a 1-D ``DeviceMesh``, or the
+            data-parallel dimension of a larger mesh (``mesh["dp"]``, beside ``parallelize_module`` over
+            ``mesh["tp"]``: ``DTensor`` parameters are averaged by their local shards).  Its rank 0 is the root of
+            the parameter broadcast; several ``DistOptim`` s may train on disjoint groups in one job
+            (:doc:`process_groups`).
+        backend: a dearopt communicator to train over instead (default: the job's, from :func:`dearopt.init`);
+            for a torch group or mesh use ``process_group``.
 
     Step hooks registered on this optimizer (``register_step_pre_hook``,
     ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
@@ -167,6 +186,7 @@ class DistOptim(torch.optim.Optimizer):
         checks: str = "step",
         timeline: Optional[str] = None,
         tuner=None,
+        process_group=None,
         backend=None,
     ):
         _check_arguments(optimizer, model)
@@ -196,6 +216,7 @@ class DistOptim(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.options = options
+        backend = _resolve_group(process_group, backend)
         main = runtime.get_backend() if backend is None else backend
         functions.check_same_model(model, optimizer, backend=backend)  # PlanMismatchError if the ranks' models differ
         if options.broadcast_parameters:
