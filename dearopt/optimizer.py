@@ -158,7 +158,7 @@ class DistOptim(torch.optim.Optimizer):
             data-parallel dimension of a larger mesh (``mesh["dp"]``, beside ``parallelize_module`` over
             ``mesh["tp"]``: ``DTensor`` parameters are averaged by their local shards).  Its rank 0 is the root of
             the parameter broadcast; several ``DistOptim`` s may train on disjoint groups in one job
-            (:doc:`process_groups`).
+            (docs/process_groups.md).
         backend: a dearopt communicator to train over instead (default: the job's, from :func:`dearopt.init`);
             for a torch group or mesh use ``process_group``.
 
