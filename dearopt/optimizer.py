@@ -102,15 +102,15 @@ def _check_arguments(optimizer, model):
 
 
 def _resolve_group(process_group, backend):
-    """The communicator ``DistOptim`` trains over: ``backend``, one over ``process_group``
-    (:func:`dearopt.backends.groups.group_backend`), or None (the job's)."""
+    """``(backend, main)``: the communicator given (``backend``, one over ``process_group``:
+    :func:`dearopt.backends.groups.group_backend`, or None for the job's) and the one ``DistOptim`` trains over."""
     refuse_group_as_backend(backend)
-    if process_group is None:
-        return backend
-    if backend is not None:
+    if process_group is not None and backend is not None:
         raise UsageError("DistOptim takes process_group= or backend=, not both; pass the process group alone")
     main = runtime.get_backend()
-    return main._track_fork(group_backend(process_group, main.timeout))  # closed with the job's at shutdown()
+    if process_group is not None:
+        backend = main._track_fork(group_backend(process_group, main.timeout))  # closed with the job's at shutdown()
+    return backend, main if backend is None else backend
 
 
 # GradScaler.step(optimizer) passes itself as ``grad_scaler`` to optimizers whose step() takes it, and warns
@@ -153,14 +153,8 @@ class DistOptim(torch.optim.Optimizer):
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
         tuner: a :class:`dearopt.planning.tuner.BayesianTuner` over ``buffer_size``, ``partition_size`` and ``credit``;
             built by default for the knobs set to ``"auto"``.  Its trials and result: ``optimizer.tuning``.
-        process_group: the ranks to average over (default: every rank of the job): a
-            ``torch.distributed.ProcessGroup`` (``torch.distributed.new_group(ranks)``), a 1-D ``DeviceMesh``, or the
-            data-parallel dimension of a larger mesh (``mesh["dp"]``, beside ``parallelize_module`` over
-            ``mesh["tp"]``: ``DTensor`` parameters are averaged by their local shards).  Its rank 0 is the root of
-            the parameter broadcast; several ``DistOptim`` s may train on disjoint groups in one job
-            (docs/process_groups.md).
-        backend: a dearopt communicator to train over instead (default: the job's, from :func:`dearopt.init`);
-            for a torch group or mesh use ``process_group``.
+        process_group: the ranks to average over: a torch ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``mesh["dp"]``
+            (docs/process_groups.md); or ``backend``: a dearopt communicator.  Default: the job's (``dearopt.init``).
 
     Step hooks registered on this optimizer (``register_step_pre_hook``,
     ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
@@ -216,8 +210,7 @@ class DistOptim(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.options = options
-        backend = _resolve_group(process_group, backend)
-        main = runtime.get_backend() if backend is None else backend
+        backend, main = _resolve_group(process_group, backend)
         functions.check_same_model(model, optimizer, backend=backend)  # PlanMismatchError if the ranks' models differ
         if options.broadcast_parameters:
             functions.broadcast_parameters(model, root_rank=0, backend=backend)
