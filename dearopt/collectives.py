@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 import dearopt.backends.runtime as runtime
+from dearopt.backends.groups import layout_of, local_tensor
 from dearopt.errors import PlanMismatchError, StepMismatchError, UsageError
 
 __all__ = [
@@ -71,7 +72,7 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], root_rank: int = 0, backe
     own = backend is None
     backend = runtime.get_backend() if own else backend
     groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
+    for t in map(local_tensor, tensors):  # a DTensor: this rank's shard (the same on the ranks of a dp group)
         groups[(t.dtype, t.device)].append(t)
     for (dtype, device), group in groups.items():
         flat = torch.cat([t.detach().reshape(-1) for t in group]).to(backend.device)
@@ -199,13 +200,16 @@ def allreduce(value, op: str = "avg"):
 
 # ------------------------------------------------------------------ the same model and optimizer on every rank
 def _describe_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """What must be equal on every rank: the tensors ``broadcast_parameters`` sends (name, shape, dtype, and for a
-    parameter whether it is trained), the optimizer's class and which parameters each of its groups holds."""
+    """What must be equal on every rank: the tensors ``broadcast_parameters`` sends (name, shape, dtype, for a
+    parameter whether it is trained, for a ``DTensor`` which shard this rank holds), the optimizer's class and which
+    parameters each of its groups holds."""
     tensors = []
     for name, t in model.state_dict(keep_vars=True).items():
         if isinstance(t, torch.Tensor):
             trained = bool(t.requires_grad) if isinstance(t, torch.nn.Parameter) else None
-            tensors.append((name, tuple(t.shape), str(t.dtype).replace("torch.", ""), trained))
+            entry = (name, tuple(t.shape), str(t.dtype).replace("torch.", ""), trained)
+            layout = layout_of(t)
+            tensors.append(entry if layout is None else entry + (layout,))
     position: Dict[int, int] = {}
     for i, p in enumerate(model.parameters()):
         position.setdefault(id(p), i)
@@ -240,8 +244,15 @@ def _names(names: List[str], most: int = 3) -> str:
 
 
 def _tensor_text(entry) -> str:
-    _, shape, dtype, trained = entry
-    return f"{tuple(shape)} {dtype}" + ("" if trained is None else (" trained" if trained else " frozen"))
+    _, shape, dtype, trained = entry[:4]
+    text = f"{tuple(shape)} {dtype}" + ("" if trained is None else (" trained" if trained else " frozen"))
+    if len(entry) > 4:  # a DTensor: its placements and the shard this rank holds
+        placements, sharded, local = entry[4]
+        where = ", ".join(f"coordinate {c} of mesh dimension {i}" for i, c in sharded)
+        text += f" DTensor {list(placements)} holding the local shard {tuple(local)}" + (
+            f" at {where}" if where else ""
+        )
+    return text
 
 
 def _differences(ref: dict, other: dict, r: int) -> List[str]:
@@ -264,6 +275,11 @@ def _differences(ref: dict, other: dict, r: int) -> List[str]:
         out.append(f"{n!r} is {_tensor_text(b[n])} on rank {r} and {_tensor_text(a[n])} on rank 0")
     if len(changed) > 3:
         out.append(f"{len(changed) - 3} more tensors differ in shape, dtype or requires_grad")
+    if any(a[n][:4] == b[n][:4] for n in changed):
+        out.append(
+            "the ranks averaged together hold different shards of a DTensor: average over the mesh dimension "
+            'its shards are replicated along (DistOptim(..., process_group=mesh["dp"])), not one it is sharded over'
+        )
     if not (only_ref or only_other or changed) and [e[0] for e in ref["tensors"]] != [e[0] for e in other["tensors"]]:
         out.append(f"the model's parameters and buffers are registered in another order on rank {r}")
     if ref["groups"] != other["groups"]:

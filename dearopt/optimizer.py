@@ -25,6 +25,7 @@ import dearopt.backends.runtime as runtime
 from dearopt.errors import NotInitializedError, UsageError
 import dearopt.collectives as functions
 from dearopt.backends.base import engine_boundary
+from dearopt.backends.groups import group_backend, refuse_group_as_backend
 from dearopt.compression import resolve_comm_hook
 from dearopt.compression.sparsify import Sparsify
 from dearopt.engine.engine import Executor
@@ -100,6 +101,18 @@ def _check_arguments(optimizer, model):
         raise ValueError("the optimizer holds no parameter that requires grad: there is nothing to train")
 
 
+def _resolve_group(process_group, backend):
+    """``(backend, main)``: the communicator given (``backend``, one over ``process_group``:
+    :func:`dearopt.backends.groups.group_backend`, or None for the job's) and the one ``DistOptim`` trains over."""
+    refuse_group_as_backend(backend)
+    if process_group is not None and backend is not None:
+        raise UsageError("DistOptim takes process_group= or backend=, not both; pass the process group alone")
+    main = runtime.get_backend()
+    if process_group is not None:
+        backend = main._track_fork(group_backend(process_group, main.timeout))  # closed with the job's at shutdown()
+    return backend, main if backend is None else backend
+
+
 # GradScaler.step(optimizer) passes itself as ``grad_scaler`` to optimizers whose step() takes it, and warns
 # each process once that it will stop doing so; DistOptim relies on it to agree on inf/NaN across ranks.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
@@ -140,8 +153,8 @@ class DistOptim(torch.optim.Optimizer):
         timeline: path for Chrome trace events (or ``DEAROPT_TIMELINE``).
         tuner: a :class:`dearopt.planning.tuner.BayesianTuner` over ``buffer_size``, ``partition_size`` and ``credit``;
             built by default for the knobs set to ``"auto"``.  Its trials and result: ``optimizer.tuning``.
-        backend: the communicator to train over (default: the job's, from :func:`dearopt.init`); one over a
-            subset of the ranks restricts the averaging to them (``dearopt.integrations.horovod``'s process sets).
+        process_group: the ranks to average over: a torch ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``mesh["dp"]``
+            (docs/process_groups.md); or ``backend``: a dearopt communicator.  Default: the job's (``dearopt.init``).
 
     Step hooks registered on this optimizer (``register_step_pre_hook``,
     ``register_step_post_hook``) fire once per ``step()``: the pre hooks when
@@ -167,6 +180,7 @@ class DistOptim(torch.optim.Optimizer):
         checks: str = "step",
         timeline: Optional[str] = None,
         tuner=None,
+        process_group=None,
         backend=None,
     ):
         _check_arguments(optimizer, model)
@@ -196,7 +210,7 @@ class DistOptim(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.options = options
-        main = runtime.get_backend() if backend is None else backend
+        backend, main = _resolve_group(process_group, backend)
         functions.check_same_model(model, optimizer, backend=backend)  # PlanMismatchError if the ranks' models differ
         if options.broadcast_parameters:
             functions.broadcast_parameters(model, root_rank=0, backend=backend)

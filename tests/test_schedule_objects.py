@@ -130,7 +130,7 @@ def test_the_engine_shape_measured_from_the_code():
         for n, p in inspect.signature(dearopt.DistOptim.__init__).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     ]
-    assert len(keyword) <= 12, keyword
+    assert len(keyword) <= 13, keyword  # 13: process_group= (issue 52) beside backend=
     names = set(dearopt.schedules.names()) | {"prophet-allreduce"}
     found = []
     for path in PACKAGE.rglob("*.py"):

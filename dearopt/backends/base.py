@@ -607,6 +607,14 @@ _TORCH_OPS = {
 }
 
 
+_SPARE_SUBGROUPS: Dict[tuple, list] = {}
+"""Groups of closed forks over a subset of the ranks, by ``(default group, members, kind)``, for the next fork over
+the same members.  torch names a group made by its members alone after its ranks and the number of groups this
+process holds, so a group made again after one over the same ranks was destroyed would meet under the old one's
+name, find its peers' stale addresses in the store and fail to connect.  Cleared when the default group goes
+(:func:`dearopt.backends.runtime.shutdown`)."""
+
+
 class TorchDistBackend(CollectiveBackend):
     """Collectives over an initialized ``torch.distributed`` process group.
 
@@ -686,7 +694,15 @@ class TorchDistBackend(CollectiveBackend):
         if members is None or len(members) == dist.get_world_size():
             group = dist.new_group(backend=kind, timeout=timeout)
         else:  # a subset of the ranks: only its members take part in making the new group
-            group = dist.new_group(ranks=members, backend=kind, timeout=timeout, use_local_synchronization=True)
+            key = (dist.group.WORLD, tuple(members), kind)
+            spare = _SPARE_SUBGROUPS.get(key)
+            if spare:  # one a closed fork left (see _SPARE_SUBGROUPS): every member takes it at the same fork
+                group = spare.pop()
+            else:
+                group = dist.new_group(ranks=members, backend=kind, timeout=timeout, use_local_synchronization=True)
+            child = TorchDistBackend(self.rank, self.size, self.timeout, group=group)
+            child._spare_key = key
+            return self._track_fork(child)
         return self._track_fork(TorchDistBackend(self.rank, self.size, self.timeout, group=group))
 
     def members(self) -> Optional[Tuple[int, ...]]:
@@ -718,7 +734,10 @@ class TorchDistBackend(CollectiveBackend):
         super().close()
         group, self.group = self.group, None
         self._pg = None  # (the default group's object is not kept alive by a closed backend)
-        if group is not None and self._owns_group and dist.is_initialized():
+        key = getattr(self, "_spare_key", None)
+        if group is not None and key is not None and key[0] is dist.group.WORLD and dist.is_initialized():
+            _SPARE_SUBGROUPS.setdefault(key, []).append(group)  # kept for the next fork over these ranks
+        elif group is not None and self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group(group)
             except Exception:  # already torn down with the default group

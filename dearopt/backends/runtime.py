@@ -30,7 +30,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from dearopt.backends.base import CollectiveBackend, TorchDistBackend
+from dearopt.backends.base import _SPARE_SUBGROUPS, CollectiveBackend, TorchDistBackend
 from dearopt.errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -412,6 +412,7 @@ def shutdown(complete: bool = True) -> None:
     runtime, _runtime = _runtime, None
     _leave_hooks.clear()
     runtime.backend.close()
+    _SPARE_SUBGROUPS.clear()  # (they go with the default group)
     if runtime.owns_process_group and dist.is_initialized():
         _torch_destroy_process_group()
 

@@ -67,6 +67,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from dearopt.backends.groups import is_dtensor, local_tensor
 from dearopt.errors import BackendUnavailableError, CheckpointMismatchError, CollectiveTimeoutError, UsageError
 
 __all__ = [
@@ -344,7 +345,9 @@ def _optimizer_entries(optimizer, names: Dict[int, str]) -> Dict[str, Any]:
             if name is None:
                 continue
             for key, value in entry.items():
-                if _is_elementwise(value, p):
+                if _is_elementwise(value, p) and is_dtensor(value):  # as it is: DCP saves a DTensor's shards
+                    out[f"{_FLAT}{name}.{key}"] = keep(value)
+                elif _is_elementwise(value, p):
                     out[f"{_FLAT}{name}.{key}"] = keep(value.reshape(-1))
                 else:
                     out[f"{_STATE}{name}.{key}"] = keep(value) if isinstance(value, torch.Tensor) else value
@@ -369,7 +372,8 @@ def _model_entries(model: torch.nn.Module) -> Tuple[Dict[str, torch.Tensor], Dic
     storage once."""
     entries, aliases, seen = {}, {}, {}
     for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
+        own = local_tensor(tensor)  # a DTensor: this rank's shard (the wrapper has no storage of its own)
+        key = (own.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
         if tensor.numel() and key in seen:
             aliases[name] = seen[key]
             continue
@@ -410,8 +414,12 @@ def _state_dict(model, optimizer, extra, copy: bool) -> Dict[str, Any]:
     optim = _optimizer_entries(optimizer, names)
     if _sharding(optimizer) is None:  # the whole state on every rank, the same
         replicated.update({k: v for k, v in optim.items() if isinstance(v, torch.Tensor)})
+    # a DTensor (tensor parallelism) is handed to DCP by every rank, its shard: DCP writes each shard once
+    sharded = {k: v for k, v in replicated.items() if is_dtensor(v)}
+    replicated = {k: v for k, v in replicated.items() if k not in sharded}
     owners = _owners({k: v.numel() * v.element_size() for k, v in replicated.items()}, world)
     out.update({k: v for k, v in replicated.items() if owners[k] == rank})
+    out.update(sharded)
     out.update({k: v for k, v in optim.items() if k not in replicated})
     out[_GROUPS] = _groups(_inner(optimizer), names)
     out[_META] = dict(_meta(model, optimizer, names, world), aliases=aliases)
@@ -596,7 +604,9 @@ def _optimizer_targets(stored, by_name, scalars, flats, sharding) -> Dict[str, A
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype, device=by_name[name].device)
     for key, (name, _) in flats.items():
         md, p = stored[key], by_name[name]
-        if sharding is None:
+        if sharding is None and is_dtensor(p):  # saved as a DTensor laid out as its parameter (read in its layout)
+            targets[key] = torch.empty_like(p.detach(), dtype=md.properties.dtype)
+        elif sharding is None:
             targets[key] = torch.empty(p.numel(), dtype=md.properties.dtype, device=p.device)
         else:
             pieces = [

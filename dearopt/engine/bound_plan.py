@@ -19,6 +19,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dearopt.backends.groups import local_tensor
 from dearopt.engine.buckets import BucketState
 from dearopt.errors import PlanMismatchError
 from dearopt.planning.order import parameters_in_forward_order
@@ -264,15 +265,16 @@ class Planner:
         specs = []
         for i, p in enumerate(ordered):
             dtype, size = str(p.dtype).replace("torch.", ""), p.element_size()
+            numel = local_tensor(p).numel()  # a DTensor: its local shard is what this rank reduces
             owner = e.tied.owner_of.get(id(p))
             if owner is not None:
                 name = f"{self.names.get(id(owner), 'tied weight')} (tied use)"
-                specs.append(ParamSpec(name, p.numel(), dtype, size, twin_of=position[id(owner)]))
+                specs.append(ParamSpec(name, numel, dtype, size, twin_of=position[id(owner)]))
             else:
                 specs.append(
                     ParamSpec(
                         self.names.get(id(p), f"param{i}"),
-                        p.numel(),
+                        numel,
                         dtype,
                         size,
                         row_numel=e.tied.row_numel.get(id(p), 0),

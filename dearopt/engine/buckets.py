@@ -14,9 +14,21 @@ from typing import List, Optional
 
 import torch
 
+from dearopt.backends.groups import is_dtensor, local_tensor
 from dearopt.planning.plan import Bucket
 
 __all__ = ["BucketState", "PieceState"]
+
+
+def _grad_view(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient as a view of ``buffer`` from ``offset``: shaped as ``p``, or for a ``DTensor`` parameter a
+    ``DTensor`` laid out as ``p`` whose local shard is the view (what autograd accumulates into)."""
+    if not is_dtensor(p):
+        return buffer[offset : offset + p.numel()].view_as(p)
+    local = p._local_tensor
+    flat = buffer[offset : offset + local.numel()].view(local.shape)
+    with torch.no_grad():
+        return type(p).from_local(flat, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 class PieceState:
@@ -80,8 +92,9 @@ class BucketState:
         self.params = params
         self.names = names
         self.buffer = torch.zeros(spec.padded_numel, dtype=params[0].dtype, device=params[0].device)
-        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(spec.offsets, params)]
-        self.ptrs = [v.data_ptr() for v in self.views]
+        self.has_dtensor = any(map(is_dtensor, params))  # updated per parameter (dearopt.engine.updates)
+        self.views = [_grad_view(self.buffer, o, p) for o, p in zip(spec.offsets, params)]
+        self.ptrs = [local_tensor(v).data_ptr() for v in self.views]
         self.flags = self.buffer[spec.flags_offset : spec.flags_offset + len(params)]
         self.tags = self.buffer[spec.tags_offset : spec.tags_offset + world]
         # this rank's shard of each piece is the piece's own region of the buffer: the reduce-scatter writes its
@@ -178,7 +191,7 @@ class BucketState:
     def take_gradient(self, p: torch.nn.Parameter, j: int) -> None:
         """After autograd accumulated into ``p.grad``: if the user replaced or cleared it, copy it back in."""
         grad = p.grad
-        if grad is None or grad.is_sparse or grad.data_ptr() != self.ptrs[j]:
+        if grad is None or grad.is_sparse or local_tensor(grad).data_ptr() != self.ptrs[j]:
             view = self.views[j]
             if grad is None:
                 view.zero_()

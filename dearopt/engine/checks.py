@@ -35,8 +35,11 @@ _TAG_STEPS = {torch.bfloat16: 32, torch.float16: 256}
 
 
 class Checks:
-    def __init__(self, options, control: CollectiveBackend, rank: int, world: int):
+    def __init__(self, options, control: CollectiveBackend, rank: int, world: int, tensor_parallel=None):
+        """``tensor_parallel``: a :class:`dearopt.engine.tensor_parallel.TensorParallel` where the model has
+        ``DTensor`` parameters (the non-finite answer is agreed over its ranks too), else None."""
         self.options = options
+        self.tensor_parallel = tensor_parallel
         self.control = control
         self.rank = rank
         self.world = world
@@ -137,6 +140,8 @@ class Checks:
                 self.control.all_reduce(flag, "max", step=step).wait()
                 found = float(flag) > 0
             agreed = found
+        if self.tensor_parallel is not None:  # every tensor-parallel rank skips or raises at the same step
+            agreed = self.tensor_parallel.any(agreed, step)
         if not agreed:
             return False
         if policy == "skip":

@@ -40,6 +40,7 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
+from dearopt.backends.groups import local_tensor
 from dearopt.engine.bound_plan import BoundPlan, PlanKnobs, Planner
 from dearopt.engine.buckets import BucketState
 from dearopt.engine.checks import Checks
@@ -53,6 +54,7 @@ from dearopt.engine.options import Options
 from dearopt.planning.plan import Point
 from dearopt.planning.profile import LinkMonitor, ReadyProfile
 from dearopt.engine.sharding import ShardedUpdate
+from dearopt.engine.tensor_parallel import TensorParallel, refuse_dtensors
 from dearopt.engine.tied import TiedEmbeddings
 from dearopt.engine.timeline import Timeline
 from dearopt.engine.updates import BucketUpdater
@@ -108,7 +110,11 @@ class Executor:
         except NotImplementedError:
             self.control = backend
         self.timeline = Timeline(options.timeline, self.rank)
-        self.checks = Checks(options, self.control, self.rank, self.world)
+        params = list(model.parameters())
+        refuse_dtensors(params, options)
+        # DTensor parameters: the global norm and the non-finite answer agreed over the tensor-parallel ranks too
+        self.tensor_parallel = TensorParallel.of(params, backend.timeout)
+        self.checks = Checks(options, self.control, self.rank, self.world, self.tensor_parallel)
         self.updater = BucketUpdater(optimizer)
         self.sharding = (
             ShardedUpdate(optimizer, self.control, self.rank, self.world) if options.shard_optimizer else None
@@ -161,7 +167,7 @@ class Executor:
         """The model's non-empty buffers, as broadcast before each training forward (listed once per plan, as DDP
         lists them once)."""
         if self._buffers is None:
-            self._buffers = [b for b in self.model.buffers() if b.numel() > 0]
+            self._buffers = [local_tensor(b) for b in self.model.buffers() if b.numel() > 0]
         return self._buffers
 
     def _low_precision(self) -> bool:
@@ -477,5 +483,7 @@ class Executor:
         self.tied.restore()
         self.timeline.flush()
         self.rounds.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
         if self.control is not self.backend:
             self.control.close()

@@ -148,6 +148,8 @@ class AveragedGradients:
             flag = torch.tensor([1.0 if found else 0.0], device=e.control.device)
             e.control.all_reduce(flag, "max", step=e.step_count).wait()
             found = float(flag) > 0
+        if e.tensor_parallel is not None:  # every tensor-parallel rank skips the same step
+            found = e.tensor_parallel.any(found, e.step_count)
         return found
 
     def scaler_found_inf(self, scaler, key: int, unscale: bool) -> bool:
@@ -190,6 +192,8 @@ class AveragedGradients:
     def _global_norm(self, regions, norm_type: float) -> torch.Tensor:
         """The norm over whole pieces and shards; shards are combined over ranks on the control channel."""
         e = self.engine
+        if e.tensor_parallel is not None:
+            return self._tensor_parallel_norm(regions, norm_type)
         device = e.control.device
         shards = [r for r, is_shard in regions if is_shard]
         whole = [r for r, is_shard in regions if not is_shard]
@@ -210,6 +214,32 @@ class AveragedGradients:
         if shards and e.world > 1:
             e.control.all_reduce(total, "sum", step=e.step_count).wait()
         return torch.tensor((float(total) + local_sum(whole)) ** (1.0 / norm_type), dtype=torch.float32)
+
+    def _tensor_parallel_norm(self, regions, norm_type: float) -> torch.Tensor:
+        """:meth:`_global_norm` with ``DTensor`` parameters: the elements of parameters sharded over the
+        tensor-parallel ranks are combined over those ranks too; the others (every tp rank holds them alike) are
+        counted once."""
+        e = self.engine
+        cut = e.tensor_parallel.split(regions, e.buckets)
+        inf = norm_type == math.inf
+
+        def local(parts) -> float:
+            if inf:
+                return max((float(r.abs().max()) for r in parts if r.numel()), default=0.0)
+            return float(sum(r.double().abs().pow(norm_type).sum() for r in parts)) if parts else 0.0
+
+        shard_tp = [r for inside, _, is_shard in cut if is_shard for r in inside]
+        shard_rest = [r for _, outside, is_shard in cut if is_shard for r in outside]
+        values = torch.tensor([local(shard_tp), local(shard_rest)], dtype=torch.float64, device=e.control.device)
+        if any(is_shard for _, _, is_shard in cut) and e.world > 1:
+            e.control.all_reduce(values, "max" if inf else "sum", step=e.step_count).wait()
+        whole_tp = local([r for inside, _, is_shard in cut if not is_shard for r in inside])
+        whole_rest = local([r for _, outside, is_shard in cut if not is_shard for r in outside])
+        shard_tp, shard_rest = values.tolist()
+        join = max if inf else (lambda a, b: a + b)
+        sharded = e.tensor_parallel.combine(join(shard_tp, whole_tp), norm_type, e.step_count)
+        total = join(sharded, join(shard_rest, whole_rest))
+        return torch.tensor(total if inf else total ** (1.0 / norm_type), dtype=torch.float32)
 
     # ------------------------------------------------ p.grad read or changed
     def requested(self, bucket: int) -> None:

@@ -35,6 +35,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 from torch import nn
 
+from dearopt.backends.groups import is_dtensor
 from dearopt.backends.base import JointHandle
 from dearopt.compression.hooks import CommHook
 
@@ -52,7 +53,11 @@ class TiedEmbeddings:
         embeddings = [
             m
             for m in model.modules()
-            if isinstance(m, nn.Embedding) and not m.sparse and m.max_norm is None and id(m.weight) in trainable
+            if isinstance(m, nn.Embedding)
+            and not m.sparse
+            and m.max_norm is None
+            and id(m.weight) in trainable
+            and not is_dtensor(m.weight)  # a tensor-parallel embedding: reduced dense, as its shard
         ]
         for emb in embeddings:
             weight = emb.weight

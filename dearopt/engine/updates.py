@@ -27,7 +27,8 @@ parameter's entries are views of its run's flat state, and scalar entries
 (``step``) are one tensor shared by the run, so that the run's update advances
 every parameter's.  A parameter no rank produced a gradient for is left out of
 its step, as torch skips ``grad=None``: its run splits there and it keeps a
-scalar state of its own.
+scalar state of its own.  A bucket holding a ``DTensor`` parameter (tensor parallelism) is updated per parameter:
+the optimizer's state of a ``DTensor`` is a ``DTensor`` too, as ``torch.distributed.checkpoint`` expects it.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class BucketUpdater:
 
     def _flat(self, bucket: BucketState) -> Optional["FlatRuns"]:
         """The bucket's flat runs where it is updated flat (made at its first update), else None."""
-        if not self.flat or any(bucket.sparse) or bucket.buffer.is_complex():
+        if not self.flat or any(bucket.sparse) or bucket.buffer.is_complex() or bucket.has_dtensor:
             return None
         runs = bucket.flat
         if runs is None or runs.moved():

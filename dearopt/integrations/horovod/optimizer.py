@@ -125,8 +125,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         model,
         schedule,
         buffer_size,
-        backend=None,
+        ranks=None,
     ):
+        """``ranks``: how :func:`_ranks_of` places this rank (a process set's group, or none)."""
         self._inner = optimizer
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
@@ -199,20 +200,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             broadcast_buffers=False,
             nonfinite="ignore",
             comm_hook=hook,
-            backend=backend,
+            **(ranks or {}),
         )
         self._sum = op == Sum
+        group = (ranks or {}).get("process_group")  # the ranks averaged over: a process set's, or the job's
+        self._world = torch.distributed.get_world_size(group) if group is not None else 1 if ranks else runtime.size()
 
     # ------------------------------------------------------------- Horovod
     def synchronize(self) -> None:
         """Wait for the gradient reductions: afterwards every ``p.grad`` holds the reduced gradient."""
         if not self._reduced:
             self._engine.reduce_gradients()
-            if self._sum and runtime.size() > 1:
+            if self._sum and self._world > 1:
                 with torch.no_grad():
                     for p in self._params:
                         if p.grad is not None:
-                            p.grad.mul_(runtime.size())
+                            p.grad.mul_(self._world)
             self._reduced = True
         self._synchronized = True
 
@@ -318,7 +321,7 @@ def DistributedOptimizer(
     are always reduced as dense tensors).
     """
     mpi_ops._check_init()
-    backend = _backend_of(process_set)
+    ranks = _ranks_of(process_set)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if gradient_predivide_factor != 1.0 and op != Average:
@@ -381,24 +384,25 @@ def DistributedOptimizer(
         model,
         schedule,
         buffer_size,
-        backend,
+        ranks,
     )
     return obj
 
 
-def _backend_of(process_set):
-    """The engine's communicator for ``process_set``: the set's on its members, a one-rank one elsewhere.
+def _ranks_of(process_set) -> dict:
+    """``DistOptim``'s argument for ``process_set``: on its members ``process_group=`` the set's torch group (the
+    mechanism of ``DistOptim(process_group=...)``), elsewhere a one-rank communicator; nothing for the global set.
 
     As in Horovod, a rank outside the set reduces nothing: its optimizer
     applies its own gradients.
     """
     if process_set is None or process_set.ranks is None:
-        return None
+        return {}
     if not isinstance(process_set, mpi_ops.ProcessSet) or process_set.process_set_id not in mpi_ops._process_sets:
         raise ValueError(f"process_set {process_set!r} was not added with hvd.add_process_set")
     if process_set.included():
-        return mpi_ops._set_backend(process_set)
+        return {"process_group": mpi_ops._set_backend(process_set).group}
     from dearopt.backends.base import TorchDistBackend
 
     main = runtime.get_backend()
-    return TorchDistBackend(0, 1, main.timeout, owns_group=False)
+    return {"backend": TorchDistBackend(0, 1, main.timeout, owns_group=False)}
