@@ -127,3 +127,96 @@ def test_tensor_parallel_times_data_parallel_is_exact():
                 "over tp": ("PlanMismatchError", 'process_group=mesh["dp"]'),
             },
         )
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block (attention with 2 heads, an MLP) and a linear head: the layout
+    ``parallelize_module`` shards in torchtitan's recipes (q, k, v and fc1 by columns, o and fc2 by rows; the norms and
+    the head stay plain, replicated over tp).  Heads are counted from the local width, so the same code runs sharded."""
+
+    def __init__(self, dim=16, head_dim=8):
+        super().__init__()
+        self.head_dim = head_dim
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (f(h).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.fc2(torch.relu(self.fc1(self.ln2(x))))
+        return self.head(x)
+
+
+def _block_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 4, 16, generator=g), torch.randn(8, 4, 16, generator=g)
+
+
+def _block(mesh=None):
+    torch.manual_seed(7)
+    model = _Block()
+    if mesh is None:
+        return model
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {name: ColwiseParallel() for name in ("q", "k", "v", "fc1")}
+    plan.update({name: RowwiseParallel() for name in ("o", "fc2")})
+    return parallelize_module(model, mesh["tp"], plan)
+
+
+def _train_block(model, opt, member, members, clip):
+    for step in range(3):
+        x, y = _block_batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(shard(x, member, members)), shard(y, member, members)).backward()
+        if clip:
+            opt.clip_grad_norm_(0.5)
+        opt.step()
+
+
+def _block_workers():
+    import dearopt
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for name, clip in (("dear", False), ("wfbp", False), ("dear+clip", True)):
+        model = _block(mesh)
+        opt = dearopt.DistOptim(
+            torch.optim.AdamW(model.parameters(), lr=0.01),
+            model,
+            process_group=mesh["dp"],
+            schedule=name.split("+")[0],
+            buffer_size=4096,
+        )
+        _train_block(model, opt, mesh["dp"].get_local_rank(), 2, clip)
+        opt.synchronize()
+        out[name] = [_full(p).detach().clone() for p in model.parameters()]
+        opt.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_transformer_block_under_tp_times_dp_is_exact():
+    outs = run_workers(_block_workers, 4, timeout=140)
+    want = {}
+    for clip in (False, True):
+        model = _block()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for step in range(3):
+            x, y = _block_batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        want[clip] = [p.detach().clone() for p in model.parameters()]
+    assert max(float((a - b).abs().max()) for a, b in zip(want[False], want[True])) > 1e-4  # the clip clips
+    for o in outs:
+        for name in ("dear", "wfbp", "dear+clip"):
+            assert_params_match(o.value[name], want[name.endswith("clip")])

@@ -62,7 +62,6 @@ from dearopt.errors import (
     PeerLostError,
     internal_error,
 )
-from dearopt.planning.plan import padded_numel
 
 __all__ = [
     "Handle",
@@ -213,6 +212,15 @@ def translate_error(exc: BaseException, *, rank: int, op: str, **where) -> Colle
     if _TIMEOUT_PATTERNS.search(str(exc)):
         return CollectiveTimeoutError(f"{op} did not complete in time: {text}", rank=rank, op=op, **where)
     return CollectiveError(f"{op} failed: {text}", rank=rank, op=op, **where)
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``world_size`` that holds ``numel`` elements (at least one per rank)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return max(1, -(-numel // world_size)) * world_size
 
 
 class Handle(abc.ABC):

@@ -15,15 +15,18 @@ The engine is parts by lifetime, as FSDP2 and Megatron-core split theirs:
 It records the forward order on the first iteration, has the schedule build
 the plan, and then drives the plan through the moments of every iteration:
 
-* **backward**: a post-accumulate-grad hook per parameter counts its bucket's
-  ready gradients; the issuer starts every op whose moment has come, strictly
-  in plan order.  When backward ends every bucket counts as ready, so all
+* **backward**: a post hook on each parameter's gradient accumulator, in C++
+  (``csrc/ready.cpp``), moves a replaced ``.grad`` into its bucket view and
+  counts the bucket's ready gradients; Python runs once per complete bucket
+  (:meth:`~dearopt.engine.rounds.ExactRounds.bucket_ready`), and the issuer
+  starts every op whose moment has come, strictly in plan order (without the
+  extension, or for DTensor parameters, the same in a Python hook per parameter).  When backward ends every bucket counts as ready, so all
   ranks always issue the same collectives.
 * **step()**: completes the ops due at ``step()`` (waits, averages), runs the
   checks (:mod:`dearopt.engine.checks`), applies the updates due at ``step()``
   (:mod:`dearopt.engine.updates`), and starts the ops that start at ``step()``.
-* **forward**: a pre-hook on each module that owns parameters reaches the
-  module's bucket: ops that start there are started, ops due there are
+* **forward**: a pre-hook (a C callable) on each module where the recorded
+  forward order enters a new bucket reaches that bucket: ops that start there are started, ops due there are
   completed, and updates due there are applied, bucket by bucket in order.
 
 The executor knows moments, not schedules: which op goes when is the plan's.
@@ -63,7 +66,6 @@ from dearopt.engine.rounds import ExactRounds
 __all__ = ["Executor", "TrainingState", "Round"]
 
 _log = logging.getLogger("dearopt")
-_EngineHook = EngineHook  # (the name of old)
 
 REPLAN_COLLECT_BYTES = 16 * 2**20
 """A re-plan that drops buckets holding at least this many bytes also runs the cycle collector (see

@@ -4,8 +4,8 @@ Collectives are matched across ranks by the order in which they start, so
 the issuer has one cursor over the plan's ops and never starts an op before
 every op ahead of it.  An op at the cursor starts when
 
-* the executor says its ``start`` moment has come (``may_start``), or the op
-  is *forced* (its result is due now), and
+* its ``start`` moment has come in the round passed in (``start_ready(round)``),
+  or the op is *forced* (its result is due now), and
 * the credit window has room for its bytes (ByteScheduler's credit; forced
   ops wait, with the timeout, for room), and
 * for an op that starts after another op (``When.AFTER``): that op has

@@ -38,6 +38,8 @@ import hashlib
 import re
 from typing import FrozenSet, List, Optional, Sequence, Tuple, Union
 
+from dearopt.backends.base import padded_numel
+
 __all__ = [
     "ParamSpec",
     "Bucket",
@@ -85,15 +87,6 @@ def parse_size(size: Union[int, float, str]) -> int:
     if value <= 0:
         raise ValueError(f"a size must be positive, got {size!r}")
     return value
-
-
-def padded_numel(numel: int, world_size: int) -> int:
-    """Smallest multiple of ``world_size`` that holds ``numel`` elements (at least one per rank)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    return max(1, -(-numel // world_size)) * world_size
 
 
 @dataclasses.dataclass(frozen=True)

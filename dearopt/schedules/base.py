@@ -25,7 +25,7 @@ KNOB_DEFAULTS: Dict[str, Any] = {
     "apply": "bucket",
 }
 """Every schedule knob with the value that means "not asked for": a knob a schedule does not have may be
-passed to :meth:`Schedule.with_knobs` at this value (the flat ``DistOptim`` keywords of old pass them all)."""
+passed to :meth:`Schedule.with_knobs` at this value."""
 
 
 def _size(value, knob: str, auto: bool = False):
