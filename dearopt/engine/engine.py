@@ -20,7 +20,8 @@ the plan, and then drives the plan through the moments of every iteration:
   counts the bucket's ready gradients; Python runs once per complete bucket
   (:meth:`~dearopt.engine.rounds.ExactRounds.bucket_ready`), and the issuer
   starts every op whose moment has come, strictly in plan order (without the
-  extension, or for DTensor parameters, the same in a Python hook per parameter).  When backward ends every bucket counts as ready, so all
+  extension, or for DTensor parameters, the same in a Python hook per parameter).
+  When backward ends every bucket counts as ready, so all
   ranks always issue the same collectives.
 * **step()**: completes the ops due at ``step()`` (waits, averages), runs the
   checks (:mod:`dearopt.engine.checks`), applies the updates due at ``step()``
