@@ -198,11 +198,33 @@ def _block_workers():
         opt.synchronize()
         out[name] = [_full(p).detach().clone() for p in model.parameters()]
         opt.close()
+    # inf/NaN in one tensor-parallel rank's shard only: every rank raises the named error, none waits for the others
+    model = _block(mesh)
+    opt = dearopt.DistOptim(
+        torch.optim.AdamW(model.parameters(), lr=0.01), model, process_group=mesh["dp"], buffer_size=4096
+    )
+    member = mesh["dp"].get_local_rank()
+    _train_block(model, opt, member, 2, False)
+    if mesh["tp"].get_local_rank() == 0:
+        model.q.weight.register_hook(lambda g: g * float("inf"))
+
+    def poisoned():
+        for step in (5, 6):
+            x, y = _block_batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(shard(x, member, 2)), shard(y, member, 2)).backward()
+            opt.step()
+        opt.synchronize()
+
+    attempts = Attempts()
+    attempts.attempt("inf on one tp rank", poisoned)
+    out["attempts"] = dict(attempts)
     return out
 
 
 @pytest.mark.timeout(150)
 def test_a_transformer_block_under_tp_times_dp_is_exact():
+    """Exact under dear, wfbp and clipping; inf in one tp rank's shard raises on every rank (no hang)."""
     outs = run_workers(_block_workers, 4, timeout=140)
     want = {}
     for clip in (False, True):
@@ -220,3 +242,4 @@ def test_a_transformer_block_under_tp_times_dp_is_exact():
     for o in outs:
         for name in ("dear", "wfbp", "dear+clip"):
             assert_params_match(o.value[name], want[name.endswith("clip")])
+        Attempts.expect(o.value["attempts"], {"inf on one tp rank": ("NonFiniteGradientError", "step")})

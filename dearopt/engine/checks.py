@@ -172,7 +172,10 @@ class Checks:
         """For schedules that update bucket by bucket: this bucket's averaged gradient (``raise`` only)."""
         if self.options.nonfinite != "raise":
             return
-        if not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum())):
+        found = not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum()))
+        if self.tensor_parallel is not None:  # the tensor-parallel ranks hold other shards: all raise, or none
+            found = self.tensor_parallel.any(found, step)
+        if found:
             raise NonFiniteGradientError(
                 self._describe_nonfinite(buckets, step) + " (this schedule checks bucket by bucket, so "
                 "buckets updated at an earlier moment of this step were already updated)",
