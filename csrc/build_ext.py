@@ -152,7 +152,7 @@ def _make_cmdclass(forced):
         from setuptools.command.build_ext import build_ext as base
 
     class BuildExt(base):
-        """Builds dearopt.backends._nccl and dearopt.engine._ready; in auto mode a failed build leaves the Python path."""
+        """Builds dearopt.backends._nccl and dearopt.engine._ready; in auto mode a failed build keeps Python."""
 
         def build_extension(self, ext):
             start = time.monotonic()
