@@ -138,7 +138,9 @@ class _Block(torch.nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        # k without a bias: softmax ignores it, so its gradient is rounding noise that Adam would scale up to lr
+        self.q, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(3))
+        self.k = torch.nn.Linear(dim, dim, bias=False)
         self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
         self.head = torch.nn.Linear(dim, dim)
 
