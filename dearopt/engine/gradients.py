@@ -63,11 +63,12 @@ class AveragedGradients:
         for owner, j, twin, k, due in e.bound.combines:
             if (point is None or due == point) and id(owner.params[j]) not in e.round.combined:
                 e.round.combined.add(id(owner.params[j]))
-                owner.views[j].add_(twin.views[k])
+                with e.hooks.grad_guard.suspended():  # the engine's own write, not user code reading p.grad
+                    owner.views[j].add_(twin.views[k])
+                    # the twin's part now lives in its weight's gradient, which user code zeroes
+                    # (model.zero_grad() never sees the twin): the twin starts the next round from zero
+                    twin.views[k].zero_()
                 owner.mark_seen()
-                # the twin's part now lives in its weight's gradient, which user code zeroes (model.zero_grad(),
-                # never sees the twin): the twin starts the next round from zero
-                twin.views[k].zero_()
                 twin.mark_seen()
 
     def reconcile(self) -> None:
