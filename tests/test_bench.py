@@ -447,3 +447,17 @@ def test_memory_bench_on_cpu(tmp_path):
     # the sharded update keeps half the optimizer state (two ranks; padding aside)
     assert rows["dear-sharded"]["breakdown"]["optimizer state"] < 0.6 * rows["ddp"]["breakdown"]["optimizer state"]
     assert "vs ddp" in proc.stdout
+
+
+def test_standalone_ddp_is_reported_beside_the_bench_ddp():
+    """dearopt.bench.standalone: a plain DDP run in fresh processes gives one time per iteration (the slowest
+    rank's), and compare() puts their median beside the bench's DDP as a ratio computed from them."""
+    from dearopt.bench import standalone
+
+    cfg = {"model": "tiny", "batch_size": 8, "size": 16, "seed": 0, "lr": 0.01, "bucket_mb": 25, "threads": 1}
+    cfg.update({"distinct_batches": 2, "warmup": 1, "iterations": 3})
+    times = standalone.run(cfg, 2, timeout=90)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    s = standalone.compare(times[:1], times[1:], bench_ddp=0.5)
+    assert s["median"] == pytest.approx(sorted(times)[1])
+    assert s["bench_over_standalone"] == pytest.approx(0.5 / s["median"])

@@ -74,6 +74,12 @@ def spawn(
         ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, queue, os.getpid(), bind))
         for r in range(world_size)
     ]
+    return run_processes(procs, queue, world_size, timeout)
+
+
+def run_processes(procs, queue, world_size: int, timeout: float, what: str = "rank") -> List[Any]:
+    """Start ``procs``, each of which puts ``(rank, value, error)`` on ``queue``; return the values in rank order
+    (a ``RuntimeError`` with the traceback of the first that failed); every process is joined or killed."""
     for p in procs:
         p.start()
     results = {}
@@ -81,7 +87,7 @@ def spawn(
         for _ in range(world_size):
             rank, value, error = queue.get(timeout=timeout)
             if error:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
+                raise RuntimeError(f"{what} {rank} failed:\n{error}")
             results[rank] = value
     finally:
         for p in procs:

@@ -51,28 +51,15 @@ def _rank(rank: int, world: int, port: int, cfg: dict, queue) -> None:
 
 def run(cfg: dict, world: int, timeout: float = 3600) -> List[float]:
     """Rank 0's iteration times (seconds) of a plain DDP run of ``cfg``'s workload on ``world`` fresh processes."""
-    from dearopt.bench.spawn import free_port
+    from dearopt.bench.spawn import free_port, run_processes
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(world):
-            rank, times, error = queue.get(timeout=timeout)
-            if error:
-                raise RuntimeError(f"standalone DDP rank {rank} failed:\n{error}")
-            out[rank] = times
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    times = run_processes(procs, queue, world, timeout, what="standalone DDP rank")
     # a step ends when the slowest rank's does: the per-iteration maximum over ranks, as the bench reports
-    return [max(values) for values in zip(*(out[r] for r in range(world)))]
+    return [max(values) for values in zip(*times)]
 
 
 def compare(before: List[float], after: List[float], bench_ddp: float) -> dict:

@@ -291,6 +291,21 @@ def simulate(
             summed.add(i)
             work(passes[i], "sum reduce_scatter", phase)
 
+    def wait_span(name: str, start: float) -> None:
+        """A timeline span for the host's wait from ``start`` to now (none where it did not wait)."""
+        if clock[0] > start:
+            events.append(
+                {
+                    "name": name,
+                    "cat": "wait",
+                    "ph": "X",
+                    "tid": 0,
+                    "ts": start * 1e6,
+                    "dur": (clock[0] - start) * 1e6,
+                    "args": {},
+                }
+            )
+
     def make_room(i: int, phase: str) -> None:
         """Before the host starts op ``i``: past the backend's workspace it waits for the oldest op holding a
         buffer of it until there is room (compute stops meanwhile)."""
@@ -304,18 +319,7 @@ def simulate(
             while oldest not in link.done:
                 advance(link.next_event(), phase)
             host_sum(oldest, phase)
-        if clock[0] > start:
-            events.append(
-                {
-                    "name": "wait workspace",
-                    "cat": "wait",
-                    "ph": "X",
-                    "tid": 0,
-                    "ts": start * 1e6,
-                    "dur": (clock[0] - start) * 1e6,
-                    "args": {},
-                }
-            )
+        wait_span("wait workspace", start)
 
     def slowdown(phase: str) -> float:
         """How many times slower compute runs now: while an op is on the link, it loses the CPU the op's bytes
@@ -401,18 +405,7 @@ def simulate(
                 if not link.busy:
                     raise RuntimeError(f"simulation stuck waiting for ops {indices} at {clock[0]:.4f}s")
             advance(link.next_event(), "backward", waiting=True)
-        if clock[0] > start:
-            events.append(
-                {
-                    "name": name,
-                    "cat": "wait",
-                    "ph": "X",
-                    "tid": 0,
-                    "ts": start * 1e6,
-                    "dur": (clock[0] - start) * 1e6,
-                    "args": {},
-                }
-            )
+        wait_span(name, start)
         for i in indices:
             host_sum(i, "backward")
         average(indices)
