@@ -355,13 +355,18 @@ def register_distoptim(model: torch.nn.Module, optimizer) -> None:
 
 def distoptims_of(model: torch.nn.Module) -> list:
     """The live ``DistOptim`` objects built on ``model`` or on any module inside it, in the order they were built."""
+    return [opt for _, opt in _registered(model)]
+
+
+def _registered(model: torch.nn.Module) -> list:
+    """``(module it was built on, DistOptim)`` for :func:`distoptims_of`'s optimizers, in the same order."""
     found, seen = [], set()
     for module in model.modules():
         for ref in _distoptims.get(module, ()):
             opt = ref()
             if opt is not None and id(opt) not in seen:
                 seen.add(id(opt))
-                found.append(opt)
+                found.append((module, opt))
     return found
 
 
@@ -384,30 +389,37 @@ def no_sync(model: torch.nn.Module):
         yield
 
 
-def _distoptim_text(executor, number: Optional[int] = None, count: Optional[int] = None) -> str:
-    names = [
-        executor.planner.names.get(id(p), f"<shape {tuple(p.shape)}>")
-        for group in executor.optimizer.param_groups
-        for p in group["params"]
+def _distoptim_text(model, optimizer, number: Optional[int] = None, count: Optional[int] = None) -> str:
+    """``optimizer`` (the wrapped one) and its parameters by their names in ``model``, the one it was built on."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    params = [
+        names.get(id(p), f"<shape {tuple(p.shape)}>") for group in optimizer.param_groups for p in group["params"]
     ]
     which = f"DistOptim {number} of {count} on this model" if number is not None and count > 1 else "this DistOptim"
-    return f"{which} ({type(executor.optimizer).__name__} over {_names(names)})"
+    return f"{which} ({type(optimizer).__name__} over {_names(params)})"
 
 
 def second_backward_refusal(executor) -> UsageError:
     """The error for a backward after ``executor`` sent the gradients of its step: it names the ``DistOptim``
     that communicated and, where the model has several, those that accumulated inside their own ``no_sync()``."""
-    mates = [opt for opt in distoptims_of(executor.model) if getattr(opt, "_executor", None) is not None]
-    number = next((i + 1 for i, opt in enumerate(mates) if opt._executor is executor), None)
-    me = _distoptim_text(executor, number, len(mates))
-    held = [(i + 1, opt) for i, opt in enumerate(mates) if opt._executor is not executor and opt._executor.no_sync]
+    mates = _registered(executor.model)
+    mine = executor.optimizer  # each torch optimizer is wrapped by one DistOptim at most
+    number = next((i + 1 for i, (_, opt) in enumerate(mates) if opt.optimizer is mine), None)
+    me = _distoptim_text(executor.model, mine, number, len(mates))
+    held = [
+        (i + 1, module, opt)
+        for i, (module, opt) in enumerate(mates)
+        if opt.optimizer is not mine and not opt.require_backward_grad_sync
+    ]
     message = (
         f"backward() was called again after {me} sent the gradients of this step "
         f"(backward_passes_per_step={executor.options.backward_passes_per_step}); call step() first, or "
         f"accumulate inside `with dearopt.no_sync(model):`, which holds back every DistOptim of the model"
     )
     if held:
-        others = "; ".join(_distoptim_text(opt._executor, i, len(mates)) for i, opt in held)
+        others = "; ".join(_distoptim_text(module, opt.optimizer, i, len(mates)) for i, module, opt in held)
         message += (
             f" (`optimizer.no_sync()` holds back only its own optimizer: {others} accumulated inside its "
             f"own no_sync(), this one did not)"

@@ -31,6 +31,7 @@ from dearopt.compression.sparsify import Sparsify
 from dearopt.engine.engine import Executor
 from dearopt.engine.options import Options
 from dearopt.engine.search import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS, PlanSearch
+from dearopt.engine.sharding import ShardedUpdate
 from dearopt.planning.plan import DEFAULT_BUFFER_SIZE
 from dearopt.schedules import Schedule
 
@@ -262,6 +263,12 @@ class DistOptim(torch.optim.Optimizer):
         """Steps skipped because of non-finite gradients (``nonfinite="skip"``)."""
         return self._executor.skipped_steps
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next backward communicates: False inside this optimizer's own :meth:`no_sync` (as DDP's
+        attribute of the same name; ``dearopt.no_sync(model)`` holds back every ``DistOptim`` of the model)."""
+        return not self._executor.no_sync
+
     _step_supports_amp_scaling = True
     """``torch.amp.GradScaler.step(optimizer)`` hands itself to :meth:`step`, which unscales the averaged
     gradients and agrees on inf/NaN across ranks (see :meth:`step`)."""
@@ -480,6 +487,29 @@ class DistOptim(torch.optim.Optimizer):
             saved = self._inner_state_dict(sharding.gather_state())
         saved.update(self._executor.engine_state())  # deft's group sums, a sparsifier's residuals
         return saved
+
+    @property
+    def engine_state_keys(self) -> Tuple[str, ...]:
+        """The keys :meth:`engine_state_dict` returns, known without computing them: ``"dearopt_deft"`` under
+        ``schedule="deft"``, ``"dearopt_sparse"`` under ``comm_hook=dearopt.Sparsify(...)``; empty otherwise."""
+        keys = ("dearopt_deft",) if self.options.policy.delays_updates else ()
+        return keys + (("dearopt_sparse",) if self._executor.sparse is not None else ())
+
+    def engine_state_dict(self) -> Dict[str, dict]:
+        """This rank's state kept by the engine beyond the wrapped optimizer's, the entries :meth:`state_dict`
+        adds (and :meth:`load_state_dict` takes back): ``dearopt_deft`` (``schedule="deft"``: its schedule, the
+        step within it and this rank's group sums; computed first, since it applies the groups that are due) and
+        ``dearopt_sparse`` (a sparsifier's residuals).  Per rank: a checkpoint saves one per rank
+        (:mod:`dearopt.checkpoint`)."""
+        return self._executor.engine_state()
+
+    @property
+    def sharded_update(self) -> Optional[ShardedUpdate]:
+        """Under ``shard_optimizer=True``: the :class:`dearopt.engine.sharding.ShardedUpdate` that keeps this
+        rank's segments of the optimizer state (``active`` once the first ``step()`` cut them; ``on_sharded``
+        is called then); None otherwise.  For checkpoints that read and write the segments in place
+        (:mod:`dearopt.checkpoint`)."""
+        return self._executor.sharding
 
     def _inner_state_dict(self, state) -> dict:
         """The wrapped optimizer's ``state_dict()`` over ``state`` (parameters to entries) instead of its own."""

@@ -314,7 +314,7 @@ def _sharding(optimizer):
     wrapped = _distoptim(optimizer)
     if wrapped is None:
         return None
-    sharding = wrapped._executor.sharding
+    sharding = wrapped.sharded_update
     return sharding if sharding is not None and sharding.active else None
 
 
@@ -393,7 +393,7 @@ def _meta(model, optimizer, names, world) -> dict:
         "shard_optimizer": bool(wrapped is not None and wrapped.options.shard_optimizer),
         "optimizer": type(_inner(optimizer)).__name__,
         "deft": bool(wrapped is not None and wrapped.options.policy.delays_updates),
-        "sparse": bool(wrapped is not None and wrapped._executor.sparse is not None),
+        "sparse": bool(wrapped is not None and "dearopt_sparse" in wrapped.engine_state_keys),
     }
 
 
@@ -405,10 +405,9 @@ def _state_dict(model, optimizer, extra, copy: bool) -> Dict[str, Any]:
     rank, world = _rank_world()
     names = _names(model, optimizer)
     out: Dict[str, Any] = {}
-    if wrapped is not None and wrapped.options.policy.delays_updates:  # first: it applies what is due
-        out[f"dearopt.rank{rank}.deft"] = wrapped._executor.rounds.deft_state()
-    if wrapped is not None and wrapped._executor.sparse is not None:
-        out[f"dearopt.rank{rank}.sparse"] = wrapped._executor.sparse.state_dict()
+    if wrapped is not None:  # deft's first: it applies what is due
+        for key, value in wrapped.engine_state_dict().items():  # dearopt_deft, dearopt_sparse
+            out[f"dearopt.rank{rank}.{key[len('dearopt_') :]}"] = value
     entries, aliases = _model_entries(model)
     replicated = {_MODEL + name: tensor.detach() for name, tensor in entries.items()}
     optim = _optimizer_entries(optimizer, names)
@@ -749,7 +748,7 @@ def load(
                         break
     sharding = _sharding(optimizer)
     # shard_optimizer=True before the first step(): the segments do not exist yet; their state is read when they do
-    deferred = sharding is None and wrapped is not None and wrapped._executor.sharding is not None
+    deferred = sharding is None and wrapped is not None and wrapped.sharded_update is not None
     objects += [key for key in scalars if not isinstance(stored[key], m["TensorStorageMetadata"])]
     if not deferred:
         targets.update(_optimizer_targets(stored, by_name, scalars, flats, sharding))
@@ -787,7 +786,7 @@ def load(
                     f"this checkpoint holds comm_hook=dearopt.Sparsify residuals (per-rank error feedback) of "
                     f"{meta['world']} ranks; they cannot move to {world} ranks: resume at {meta['world']} ranks"
                 )
-        elif _sparse_nonzero(sparse) and (wrapped is None or wrapped._executor.sparse is None):
+        elif _sparse_nonzero(sparse) and (wrapped is None or "dearopt_sparse" not in wrapped.engine_state_keys):
             raise CheckpointMismatchError(
                 "this checkpoint holds comm_hook=dearopt.Sparsify residuals (error "
                 "feedback): load it into a DistOptim with the same comm_hook"
@@ -820,21 +819,21 @@ def load(
         if wrapped is not None:
             if deft is not None and wrapped.options.policy.delays_updates:
                 torch_state["dearopt_deft"] = deft
-            if sparse is not None and wrapped._executor.sparse is not None:
+            if sparse is not None and "dearopt_sparse" in wrapped.engine_state_keys:
                 torch_state["dearopt_sparse"] = sparse
         (wrapped if wrapped is not None else optimizer).load_state_dict(torch_state)
     else:
-        inner.load_state_dict({"state": {}, "param_groups": torch_groups})  # the hyperparameters; no state
-        wrapped._share_inner()
-        if sparse is not None and wrapped._executor.sparse is not None:
-            wrapped._executor.sparse.load_state_dict(sparse)
+        hyper = {"state": {}, "param_groups": torch_groups}  # the hyperparameters; no state
+        if sparse is not None and "dearopt_sparse" in wrapped.engine_state_keys:
+            hyper["dearopt_sparse"] = sparse
+        wrapped.load_state_dict(hyper)
         scalar_values = {key: targets[key] for key in scalars if key in targets}
         if not deferred:
             _fill_segments(inner, sharding, by_name, scalars, flats, {**targets, **scalar_values})
         else:
 
             def read_segments():  # at the first step(), on every rank, once the segments exist
-                segments = wrapped._executor.sharding
+                segments = wrapped.sharded_update
                 tensors = _optimizer_targets(stored, by_name, scalars, flats, segments)
                 with _single(group):
                     m["dcp"].load(
@@ -846,7 +845,7 @@ def load(
                     )
                 _fill_segments(inner, segments, by_name, scalars, flats, {**tensors, **scalar_values})
 
-            wrapped._executor.sharding.on_sharded = read_segments
+            wrapped.sharded_update.on_sharded = read_segments
     _reshare(optimizer)
     out = {key[len(_EXTRA) :]: targets[key] for key in targets if key.startswith(_EXTRA)}
     for name, target in (extra or {}).items():
