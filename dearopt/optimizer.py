@@ -16,7 +16,7 @@ import itertools
 import sys
 import warnings
 import weakref
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
@@ -33,7 +33,7 @@ from dearopt.engine.options import Options
 from dearopt.engine.search import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS, PlanSearch
 from dearopt.engine.sharding import ShardedUpdate
 from dearopt.planning.plan import DEFAULT_BUFFER_SIZE
-from dearopt.schedules import Schedule
+from dearopt.schedules import Figures, Schedule
 
 __all__ = ["DistOptim", "PLAN_CHOICE_STEPS", "PLAN_CHOICE_REMATCH"]
 
@@ -227,6 +227,13 @@ class DistOptim(torch.optim.Optimizer):
             optimizer, model, engine, options, buffer, partition, credit_bytes, hook, on_step_landed=self._step_landed
         )
         self._search = PlanSearch(self._executor, tuner)
+        search, executor = self._search, self._executor
+        self._figures = Figures(  # read on self.schedule, the copy that runs
+            plan_choice=lambda: search.plan_choice,
+            link_monitor=executor.planner.link_monitor,
+            delayed=executor.rounds if options.policy.delays_updates else None,
+        )
+        options.policy.figures = self._figures
         self._closed = False
         runtime.on_leave(self._complete_at_leave)  # the last step's updates, when this process leaves the job
         _WRAPPED.add(optimizer)
@@ -315,82 +322,27 @@ class DistOptim(torch.optim.Optimizer):
         return self._search.tuning
 
     @property
-    def plan_choice(self):
-        """The measured choice of ``dear``'s all-reduced buckets (``allreduce="auto"``): a
-        :class:`dearopt.planning.tuner.TuningController` over a :class:`dearopt.planning.tuner.ChoiceTuner` whose
-        ``history`` holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is
-        nothing to choose."""
-        return self._search.plan_choice
+    def schedule(self) -> Schedule:
+        """The schedule this optimizer runs: a copy of the one passed (or named) with its knobs settled
+        (:meth:`dearopt.schedules.Schedule.resolve`), on which what this run measured and decided is read:
+        ``plan_choice`` (:class:`dearopt.DeAR`), ``link_changes`` (:class:`dearopt.Prophet`), ``in_force``,
+        ``preserved``, ``piece_reduction``, ``times``, ``repartitions`` and ``applied_steps``
+        (:class:`dearopt.DeFT`).  The object passed as ``schedule=`` is left as it was (it may be shared)."""
+        return self.options.policy
 
     @property
-    def link_changes(self) -> List[Tuple[int, float, float]]:
-        """Re-plans after the link's bandwidth changed (``link_check_every``): ``(step, planned bytes/s,
-        measured bytes/s)`` each, the same on every rank."""
-        monitor = self._executor.planner.link_monitor
-        return list(monitor.changes) if monitor is not None else []
-
-    @property
-    def deft_schedule(self):
-        """Under ``schedule="deft"``: the :class:`dearopt.schedules.deft.schedule.DeftSchedule` in force (None until the
-        plan is made; its ``update_frequency`` per bucket); None under every other schedule."""
-        return self._deft("deft")
-
-    @property
-    def sparse_traffic(self) -> Optional[Dict[str, int]]:
-        """Under ``comm_hook=dearopt.Sparsify(...)``: this rank's elements in the last step that communicated:
-        ``values`` it put into its reductions, ``indices`` it selected, ``received`` selections that reached it
-        from every rank; None without a sparsifier."""
-        sparse = self._executor.sparse
-        return dict(sparse.last_step_sent) if sparse is not None else None
-
-    @property
-    def deft_preserved(self):
-        """Under ``schedule="deft"`` with a solved, checked schedule: the Preserver's outcome (a
-        :class:`dearopt.schedules.deft.schedule.Preserved`: ratio, capacity factor, re-solves, passed); else None."""
-        return self._deft("preserved")
-
-    @property
-    def deft_reduction(self) -> Optional[str]:
-        """Under ``schedule="deft"``: how each piece is summed over ranks, ``"all_reduce"`` or
-        ``"reduce_scatter+all_gather"`` (measured faster, or a profile's fits); None under every other schedule."""
-        return self._deft("reduction")
-
-    @property
-    def deft_times(self) -> Optional[Dict[str, List[float]]]:
-        """Under ``schedule="deft"`` once solved: what the solver was given, per piece (seconds, rank 0's
-        measurement or the profile's, the same on every rank): ``forward`` and ``backward`` compute (the knapsack
-        capacities) and ``comm`` (each piece's reduction, the items' weights); None before and under every other
-        schedule."""
-        measured = self._deft("measured")
-        if measured is None:
-            return None
-        forward, backward, comm = measured
-        return {"forward": list(forward), "backward": list(backward), "comm": list(comm)}
-
-    @property
-    def deft_repartitions(self) -> Optional[List[int]]:
-        """Under ``schedule="deft"``: the sizes in bytes the measuring steps re-partitioned buckets and pieces to,
-        where one outlasted a stage (empty: none); None under every other schedule."""
-        sizes = self._deft("repartitions")
-        return list(sizes) if sizes is not None else None
-
-    @property
-    def applied_steps(self) -> Optional[List[int]]:
-        """Under ``schedule="deft"``: the steps at which a group of gradients was applied; None under every other
-        schedule (each step's gradients are applied at that step, unless skipped: :attr:`skipped_steps`)."""
-        steps = self._deft("applied_steps")
-        return list(steps) if steps is not None else None
-
-    def _deft(self, name: str):
-        """The delayed engine's ``name`` (``deft``), None under a schedule that applies each step at that step."""
-        return getattr(self._executor.rounds, name) if self.options.policy.delays_updates else None
+    def comm_hook(self):
+        """How gradients travel in this run (see the ``comm_hook`` argument): a :class:`dearopt.CommHook`, or under
+        ``comm_hook=dearopt.Sparsify(...)`` this run's :class:`dearopt.compression.sparsify.SparseExchange` (its
+        ``traffic``); None where every gradient travels as it is."""
+        return self._executor.sparse if self._executor.sparse is not None else self._executor.comm_hook
 
     @property
     def settled(self) -> bool:
         """Whether the plan has stopped changing by itself: the profile is applied, tuning (``"auto"`` knobs)
         and the measured choice of ``allreduce="auto"`` are over.  The same on every rank."""
         executor = self._executor
-        if self._deft("offset") and self._deft("deft") is None:
+        if self.options.policy.delays_updates and executor.rounds.offset and executor.rounds.deft is None:
             return False  # schedule="deft" is still measuring the job
         if executor.plan is None or (
             executor.profile.enabled and (executor.profile.result is None or executor.profile.fresh)
@@ -460,6 +412,7 @@ class DistOptim(torch.optim.Optimizer):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change local accumulation between steps (the same on every rank)."""
         options = self.options.replace(backward_passes_per_step=passes)
+        options.policy.figures = self._figures  # the same run: the new copy of the schedule reads the same figures
         self.options = options
         self._executor.options = options
         self._executor.checks.options = options

@@ -93,10 +93,12 @@ def _optimizer(name, model, world, lr):
 
 
 def _summary(opt, steps) -> dict:
-    schedule, kept = opt.deft_schedule, opt.deft_preserved
+    delayed = opt.schedule  # DeFT's figures; None on the exact schedules
+    schedule, kept = getattr(delayed, "in_force", None), getattr(delayed, "preserved", None)
+    applied = getattr(delayed, "applied_steps", None)
     out = {
         "steps": steps,
-        "updates": len(opt.applied_steps) if opt.applied_steps is not None else steps,
+        "updates": len(applied) if applied is not None else steps,
         "updates_per_step": schedule.updates_per_iteration if schedule is not None else 1.0,
         "period": len(schedule.period) if schedule is not None else 1,
     }

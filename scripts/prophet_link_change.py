@@ -89,7 +89,7 @@ def _rank(args) -> dict:
         backend.all_reduce(slowest, "max").wait()  # per step, the slower rank's time sets the pace
         times[name] = slowest.tolist()
     out = {
-        name: {"times": times[name], "blocks": blocks[name], "link_changes": opt.link_changes}
+        name: {"times": times[name], "blocks": blocks[name], "link_changes": opt.schedule.link_changes}
         for name, (_, opt) in runs.items()
     }
     for _, opt in runs.values():

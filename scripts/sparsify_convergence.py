@@ -53,7 +53,7 @@ def _rank_digits(args) -> dict:
     out = {}
     for name in RUNS:
         accuracy, _, opt = train_digits(lambda model: _optimizer(name, model, args, 2e-3), args.epochs, rank, world)
-        out[name] = {"accuracy": accuracy, "traffic": opt.sparse_traffic}
+        out[name] = {"accuracy": accuracy, "traffic": getattr(opt.comm_hook, "traffic", None)}
         opt.close()
     return out
 
@@ -66,7 +66,7 @@ def _rank_lm(args) -> dict:
     out = {}
     for name in ("dense", "deft-10%", "deft-1%"):
         curve, opt = train_lm(lambda model: _optimizer(name, model, args, 3e-3), args.lm_steps, rank, world)
-        out[name] = {"held_out_loss": curve, "traffic": opt.sparse_traffic}
+        out[name] = {"held_out_loss": curve, "traffic": getattr(opt.comm_hook, "traffic", None)}
         opt.close()
     return out
 

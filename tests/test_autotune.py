@@ -90,7 +90,7 @@ def _train_with_plan_choice(opt_name, steps):
     opt.synchronize()
     measured = opt._executor.profile.result  # the forward's computation was timed, its waits left out
     assert measured.forward is not None and 0 < measured.forward < measured.backward + 1.0
-    choice = opt.plan_choice
+    choice = opt.schedule.plan_choice
     opt._executor.replan(blocks=False)  # the candidates as they were listed, from the size-fused plan
     choices = opt._executor.plan_choices()
     return (

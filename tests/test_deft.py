@@ -175,7 +175,7 @@ def _deft_runs(names, opt_names, clipped=(), value_clipped=()):
             opt.step()
         out[(name, opt_name, clip)] = (
             [p.detach().clone() for p in model.parameters()],
-            opt.applied_steps,
+            opt.schedule.applied_steps,
             len(opt.plan.buckets),
             norms,
         )
@@ -267,7 +267,7 @@ def _accumulating_runs():
                     else:
                         loss_fn("mlp", model(parts[0][k]), parts[1][k]).backward()
                 opt.step()
-            out[(name, apply)] = ([p.detach().clone() for p in model.parameters()], opt.applied_steps)
+            out[(name, apply)] = ([p.detach().clone() for p in model.parameters()], opt.schedule.applied_steps)
             opt.close()
     return out
 
@@ -384,7 +384,7 @@ def _from_profile_and_resume():
             start,
             load,
         )
-        schedule, reduction = opt.deft_schedule, opt.deft_reduction
+        schedule, reduction = opt.schedule.in_force, opt.schedule.piece_reduction
         opt.close()
         return params, saved, (schedule, reduction)
 
@@ -648,18 +648,18 @@ def _measured(buffer_size, steps, preserver=False, links=1, reduction=None, micr
     out = (
         [p.detach().clone() for p in model.parameters()],
         executor.offset,
-        opt.deft_schedule,
+        opt.schedule.in_force,
         real.get("times"),
         executor.measured,
-        opt.applied_steps,
-        opt.deft_repartitions,
+        opt.schedule.applied_steps,
+        opt.schedule.repartitions,
         len(executor.units),
-        opt.deft_preserved,
+        opt.schedule.preserved,
         executor.mu,
         len(opt._executor.buckets),
         [executor.unit_nbytes(u) for u in range(len(executor.units))],
-        opt.deft_reduction,
-        opt.deft_times,
+        opt.schedule.piece_reduction,
+        opt.schedule.times,
         [list(b.params) for b in opt.plan.buckets],
         list(executor.units),
     )

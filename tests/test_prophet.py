@@ -263,7 +263,7 @@ def _link_drops_midway(steps=14, slow_from=6):
     opt.synchronize()
     out = (
         [p.detach().clone() for p in model.parameters()],
-        opt.link_changes,
+        opt.schedule.link_changes,
         [list(b.params) for b in opt.plan.buckets],
         blocks,
     )

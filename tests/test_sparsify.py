@@ -175,7 +175,7 @@ def _runs(cases):
             loss_fn("mlp", model(shard(x, rank, world)), shard(y, rank, world)).backward()
             opt.step()
             opt.synchronize()
-            sent.append(dict(opt.sparse_traffic))
+            sent.append(dict(opt.comm_hook.traffic))
         out[case] = ([p.detach().clone() for p in model.parameters()], _layout(opt), sent)
         opt.close()
     return out

@@ -412,7 +412,7 @@ def run_rank(cfg: dict) -> dict:
             # a schedule whose iterations repeat with a period (deft: merged groups, sends crossing iterations)
             # is timed in whole periods, one sample per period (its mean iteration): a few single iterations
             # of a period of 5 measure one phase of it, not its pace
-            deft = getattr(runner.opt, "deft_schedule", None)
+            deft = getattr(getattr(runner.opt, "schedule", None), "in_force", None)  # DeFT's
             period = len(deft.period) if deft is not None else 1
             if deft is not None:  # its sends run on across iterations: after settle() (or a re-solve) the link
                 # starts idle and the backlog of unfinished sends builds up over several iterations; timed from
@@ -424,7 +424,7 @@ def run_rank(cfg: dict) -> dict:
                     i += 1
             for k, v in timed_samples(runner.step, batches, i, per_round[r], period).items():
                 samples[s][k].extend(v)
-            choice = getattr(runner.opt, "plan_choice", None)
+            choice = getattr(getattr(runner.opt, "schedule", None), "plan_choice", None)
             if choice is not None and choice.history:
                 _log(
                     rank,
@@ -432,7 +432,7 @@ def run_rank(cfg: dict) -> dict:
                     + ", ".join(f"{plan_label(k)} {t:.3f}" for k, t in choice.history)
                     + f"; kept {plan_label(choice.current)}",
                 )
-            traffic = getattr(runner.opt, "sparse_traffic", None)
+            traffic = getattr(getattr(runner.opt, "comm_hook", None), "traffic", None)
             if traffic is not None and r == 0:
                 _log(
                     rank,
@@ -441,25 +441,25 @@ def run_rank(cfg: dict) -> dict:
                     f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent",
                 )
             if deft is not None and (rebuild or r == 0):  # a new optimizer (and schedule) per round with rebuild
-                split = [round(x / 2**20, 2) for x in runner.opt.deft_repartitions]
+                split = [round(x / 2**20, 2) for x in runner.opt.schedule.repartitions]
                 _log(
                     rank,
                     f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
                     f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets sent in "
                     f"{deft.buckets} pieces"
                     + (f" (re-partitioned to {split} MiB)" if split else "")
-                    + f", summed by {runner.opt.deft_reduction}",
+                    + f", summed by {runner.opt.schedule.piece_reduction}",
                 )
                 if deft.mu is not None:
                     _log(rank, f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
-                times = runner.opt.deft_times
+                times = runner.opt.schedule.times
                 if times is not None:
                     _log(
                         rank,
                         f"  {s:>5}: solved from forward {sum(times['forward']):.3f}s, backward "
                         f"{sum(times['backward']):.3f}s of compute and {sum(times['comm']):.3f}s of reductions",
                     )
-                kept = runner.opt.deft_preserved
+                kept = runner.opt.schedule.preserved
                 if kept is not None:
                     _log(
                         rank,
@@ -490,17 +490,17 @@ def run_rank(cfg: dict) -> dict:
                 if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
                     from dearopt.sim.deft import schedule_to_json
 
-                    kept = runner.opt.deft_preserved
+                    kept = runner.opt.schedule.preserved
                     plans[s][-1]["deft"] = {
                         "schedule": schedule_to_json(deft),
                         "partition_size": plan.partition_size,
                         "pieces": deft.buckets,
                         "updates_per_step": deft.updates_per_iteration,
                         "period": len(deft.period),
-                        "repartitions": runner.opt.deft_repartitions,
-                        "reduction": runner.opt.deft_reduction,
-                        "times": runner.opt.deft_times,
-                        "apply": runner.opt._executor.rounds.apply_mode,
+                        "repartitions": runner.opt.schedule.repartitions,
+                        "reduction": runner.opt.schedule.piece_reduction,
+                        "times": runner.opt.schedule.times,
+                        "apply": runner.opt.schedule.apply,
                         "preserver": None
                         if kept is None
                         else {

@@ -292,6 +292,13 @@ class SparseExchange(CommHook):
             self._pending = None
 
     # ------------------------------------------------------------ exchange
+    @property
+    def traffic(self) -> Dict[str, int]:
+        """This rank's elements in the last step that communicated: ``values`` it put into its reductions,
+        ``indices`` it selected, ``received`` selections that reached it from every rank
+        (``optimizer.comm_hook.traffic``)."""
+        return dict(self.last_step_sent)
+
     def _count(self, step: int, values: int, indices: int, received: int) -> None:
         if step != self._step_of_count:
             self._step_of_count = step

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from dearopt.schedules.base import _REGISTRY, Schedule, mark_updates
+from dearopt.schedules.base import _REGISTRY, Figures, Schedule, mark_updates
 from dearopt.schedules.bytescheduler import ByteScheduler
 from dearopt.schedules.dear import DeAR
 from dearopt.schedules.deft.schedule import DeFT, Preserver
@@ -23,6 +23,7 @@ from dearopt.schedules.wfbp import WFBP
 
 __all__ = [
     "Schedule",
+    "Figures",
     "mark_updates",
     "get_schedule",
     "register",

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tupl
 
 from dearopt.planning.plan import DEFAULT_FIRST_BUCKET_SIZE, CommOp, Layout, ParamSpec, Point, parse_size
 
-__all__ = ["Schedule", "mark_updates", "KNOB_DEFAULTS"]
+__all__ = ["Schedule", "Figures", "mark_updates", "KNOB_DEFAULTS"]
 
 KNOB_DEFAULTS: Dict[str, Any] = {
     "first_bucket_size": DEFAULT_FIRST_BUCKET_SIZE,
@@ -35,6 +35,42 @@ def _size(value, knob: str, auto: bool = False):
         return parse_size(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{knob}: {exc}") from None
+
+
+class Figures:
+    """What the engine running a schedule measured and decided, read-only.
+
+    A ``DistOptim`` hands one to the copy of the schedule it runs (``optimizer.schedule.figures``), made from the
+    engine parts that keep the figures; the schedules' own properties read it (``DeAR.plan_choice``,
+    ``Prophet.link_changes``, ``DeFT.applied_steps``, ...), so that a schedule never holds the engine.  Each figure
+    is read when asked and handed out as a copy.  ``Figures()`` (no parts) is the answer of a schedule no optimizer
+    runs: nothing measured (None, or empty).
+
+    Args:
+        plan_choice: answers the measured choice of ``allreduce="auto"`` as it stands (the plan search's).
+        link_monitor: the :class:`dearopt.planning.profile.LinkMonitor` of ``link_check_every``.
+        delayed: a delayed schedule's rounds part (:class:`dearopt.schedules.deft.rounds.DelayedRounds`).
+    """
+
+    def __init__(self, *, plan_choice: Optional[Callable[[], Any]] = None, link_monitor=None, delayed=None):
+        self._plan_choice = plan_choice
+        self._link_monitor = link_monitor
+        self._delayed = delayed
+
+    @property
+    def plan_choice(self):
+        """The measured choice of ``allreduce="auto"`` (a :class:`dearopt.planning.tuner.TuningController`), or None."""
+        return self._plan_choice() if self._plan_choice is not None else None
+
+    @property
+    def link_changes(self) -> List[Tuple[int, float, float]]:
+        """Re-plans after the link's bandwidth changed: ``(step, planned bytes/s, measured bytes/s)`` each."""
+        return list(self._link_monitor.changes) if self._link_monitor is not None else []
+
+    def delayed(self, name: str):
+        """A delayed schedule's figure ``name`` as its rounds part keeps it (``deft``, ``preserved``,
+        ``reduction``, ``measured``, ``repartitions``, ``applied_steps``), or None under any other schedule."""
+        return getattr(self._delayed, name) if self._delayed is not None else None
 
 
 class Schedule(abc.ABC):
@@ -79,6 +115,10 @@ class Schedule(abc.ABC):
     rows_by_default: ClassVar[bool] = True
     """Whether embeddings are reduced as rows unless asked otherwise (a schedule that sums a tied weight's two
     gradients as one says False)."""
+    figures: Figures = Figures()
+    """What this run measured and decided (a read-only view of the engine): set by ``DistOptim`` on the copy of
+    the schedule it runs (``optimizer.schedule``); the schedule's own properties read it.  Nothing measured on any
+    other schedule object (the one passed as ``schedule=`` is never changed)."""
 
     def __init__(
         self,

@@ -39,7 +39,7 @@ class DeAR(Schedule):
     next forward.  ``"predicted"``: from a profile of steps 1-3, as many as fit in the link's idle time in
     backward (:func:`dearopt.planning.plan.allreduce_buckets`).  ``"auto"`` (default): that prediction, then measured
     against none (DeAR's plan), all (DDP's) and DeAR's plan on Prophet's gradient blocks for a few steps each,
-    and the fastest is kept (``optimizer.plan_choice``).  A fraction in [0, 1] of the bytes from the output
+    and the fastest is kept (``optimizer.schedule.plan_choice``).  A fraction in [0, 1] of the bytes from the output
     side (0: DeAR as in the paper) fixes the plan.  The other knobs: :class:`Schedule`.
     """
 
@@ -57,6 +57,14 @@ class DeAR(Schedule):
             raise ValueError(f"allreduce must be a fraction in [0, 1], 'auto' or 'predicted', got {allreduce!r}")
         self.allreduce = allreduce
         super().__init__(**common)
+
+    @property
+    def plan_choice(self):
+        """On ``optimizer.schedule``: the measured choice of the all-reduced buckets (``allreduce="auto"``): a
+        :class:`dearopt.planning.tuner.TuningController` over a :class:`dearopt.planning.tuner.ChoiceTuner` whose
+        ``history`` holds each rule's measured steps/s; None until rank 0's profile is shared, and where there is
+        nothing to choose."""
+        return self.figures.plan_choice
 
     def resolve(self, options):
         """``allreduce`` settled: 1 under a Sparsify (whole sums), 0 under ``shard_optimizer=True``."""

@@ -204,7 +204,7 @@ class Prophet(Schedule):
     ``link_check_every``: every this many steps rank 0 re-measures the gradients' ready times and the link's
     bandwidth on the job's own reductions; when the bandwidth moved by more than 25 % in two measurements in a
     row every rank re-plans at the same step (:class:`dearopt.planning.profile.LinkMonitor`; the re-plans:
-    ``optimizer.link_changes``).  ``"auto"``: 20; ``None``: never.  The other knobs: :class:`Schedule`.
+    ``optimizer.schedule.link_changes``).  ``"auto"``: 20; ``None``: never.  The other knobs: :class:`Schedule`.
     """
 
     name = "prophet"
@@ -222,6 +222,12 @@ class Prophet(Schedule):
             raise ValueError(f"link_check_every must be an integer >= 1, 'auto' or None, got {every!r}")
         self.link_check_every = link_check_every
         super().__init__(**common)
+
+    @property
+    def link_changes(self) -> List[Tuple[int, float, float]]:
+        """On ``optimizer.schedule``: the re-plans after the link's bandwidth changed (``link_check_every``):
+        ``(step, planned bytes/s, measured bytes/s)`` each, the same on every rank."""
+        return self.figures.link_changes
 
     def resolve(self, options):
         """``link_check_every='auto'`` settled to 20 steps."""

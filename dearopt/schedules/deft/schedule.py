@@ -597,7 +597,7 @@ class Preserver:
     steps is one step with the noise divided by sqrt(k) (the variable-batch-size view).
     :func:`preserved_schedule` then re-solves with raised capacities until :func:`preserver_check` passes,
     at most ``max_resolves`` times; a schedule that still fails is used with a warning
-    (``optimizer.deft_preserved.passed`` is False), as the paper keeps its last re-solve.
+    (``optimizer.schedule.preserved.passed`` is False), as the paper keeps its last re-solve.
 
     ``statistic``: ``"progress"`` (the default since 2026-11-26) asks the schedule's expected loss decrease
     over one period to be at least ``1 - epsilon`` of exact training's (where the model expects exact training
@@ -713,6 +713,50 @@ class DeFT(Schedule):
             raise ValueError(f"apply must be one of {APPLY_MODES}, got {apply!r}")
         self.given, self.preserver, self.links, self.apply = given, preserver, links, apply
         super().__init__(**common)
+
+    # ------------------------------------------- what the run decided (on ``optimizer.schedule``)
+    @property
+    def in_force(self) -> Optional["DeftSchedule"]:
+        """On ``optimizer.schedule``: the :class:`DeftSchedule` in force (``given``, or solved once the plan is
+        made; None before; its ``update_frequency`` per bucket)."""
+        return self.figures.delayed("deft")
+
+    @property
+    def preserved(self) -> Optional["Preserved"]:
+        """On ``optimizer.schedule``, with a solved, checked schedule: the Preserver's outcome (a
+        :class:`Preserved`: ratio, capacity factor, re-solves, passed); else None."""
+        return self.figures.delayed("preserved")
+
+    @property
+    def piece_reduction(self) -> Optional[str]:
+        """On ``optimizer.schedule``: how each piece is summed over ranks, ``"all_reduce"`` or
+        ``"reduce_scatter+all_gather"`` (measured faster, or a profile's fits)."""
+        return self.figures.delayed("reduction")
+
+    @property
+    def times(self) -> Optional[Dict[str, List[float]]]:
+        """On ``optimizer.schedule`` once solved: what the solver was given, per piece (seconds, rank 0's
+        measurement or the profile's, the same on every rank): ``forward`` and ``backward`` compute (the knapsack
+        capacities) and ``comm`` (each piece's reduction, the items' weights); None before."""
+        measured = self.figures.delayed("measured")
+        if measured is None:
+            return None
+        forward, backward, comm = measured
+        return {"forward": list(forward), "backward": list(backward), "comm": list(comm)}
+
+    @property
+    def repartitions(self) -> Optional[List[int]]:
+        """On ``optimizer.schedule``: the sizes in bytes the measuring steps re-partitioned buckets and pieces to,
+        where one outlasted a stage (empty: none)."""
+        sizes = self.figures.delayed("repartitions")
+        return list(sizes) if sizes is not None else None
+
+    @property
+    def applied_steps(self) -> Optional[List[int]]:
+        """On ``optimizer.schedule``: the steps at which a group of gradients was applied (the exact schedules
+        apply each step's gradients at that step, unless skipped: ``optimizer.skipped_steps``)."""
+        steps = self.figures.delayed("applied_steps")
+        return list(steps) if steps is not None else None
 
     def _takes_partitions(self) -> bool:
         return True
