@@ -226,7 +226,10 @@ class DistOptim(torch.optim.Optimizer):
         self._executor = Executor(
             optimizer, model, engine, options, buffer, partition, credit_bytes, hook, on_step_landed=self._step_landed
         )
-        self._search = PlanSearch(self._executor, tuner)
+        self._search = PlanSearch(options, optimizer, self._executor.control, self._executor.world, tuner)
+        first = self._search.first_trial()
+        if first is not None:
+            self._executor.replan(**first)  # the tuner's first trial
         search, executor = self._search, self._executor
         self._figures = Figures(  # read on self.schedule, the copy that runs
             plan_choice=lambda: search.plan_choice,
@@ -305,15 +308,26 @@ class DistOptim(torch.optim.Optimizer):
             hook(self, (), {})
         if loss is not None and self.options.policy.delays_updates:
             self._executor.rounds.measurement.record_loss(loss)
-        self._search.notice_new_inputs()
+        self._search.notice_new_inputs(self._executor.planner.generation)
         self._inner._opt_called = True  # an LR scheduler built on the wrapped optimizer: its step() counts as called
         if grad_scaler is not None:
             found_inf = self._executor.gradients.scaler_found_inf(grad_scaler, id(self), unscale=True)
             self._executor.step(skip=found_inf, scaler_checked=True)
         else:
             self._executor.step()
-        self._search.step_ended()
+        self._search_step()
         return None
+
+    def _search_step(self) -> None:
+        """At ``step()``'s end, on every rank: the re-plan the plan search asks for, then DDP's plan where the loop
+        reads ``p.grad`` before every ``step()``."""
+        executor = self._executor
+        profile = executor.profile
+        knobs = self._search.step_ended(profile.enabled and profile.result is None, executor.plan_choices)
+        if knobs is not None:
+            executor.replan(**knobs)  # every rank, at the same step boundary
+        if executor.adapt_to_gradient_reads():
+            self._search.adopted_ddp_plan()
 
     @property
     def tuning(self):
