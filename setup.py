@@ -38,6 +38,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout",
+            "pytest-xdist",
             "scikit-learn",
             "matplotlib",
             "bayesian-optimization>=2.0",
