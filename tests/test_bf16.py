@@ -29,8 +29,7 @@ def _train(comm_hook, schedule):
     opt.step()
     opt.synchronize()
     # the wire buffers the reductions took (given back to the issuer's pool once each op completed)
-    pool = opt._executor.issuer.pool._free
-    wire = sorted({str(t.dtype) for kept in pool.values() for t in kept})
+    wire = sorted({str(t.dtype) for t in opt._executor.issuer.pool.buffers()})
     out = [p.detach().clone() for p in model.parameters()], wire
     opt.close()
     return out
@@ -93,3 +92,26 @@ def _float32_hook():
 def test_float32_models_get_no_hook_by_default():
     """The default leaves a float32 model's buckets as they were (no wire buffers, the plan's hook is 'none')."""
     assert run_workers(_float32_hook, 1, timeout=50)[0].value is True
+
+
+def test_the_wire_pool_holds_what_the_ops_in_flight_need_not_a_buffer_per_size():
+    """A free buffer serves any op that fits in it (the smallest that fits); where none fits, the smaller free
+    ones are let go before a buffer of the op's size is made."""
+    from dearopt.compression.hooks import WirePool
+
+    pool, f32, cpu = WirePool(), torch.float32, torch.device("cpu")
+    a = pool.take(100, f32, cpu)
+    b = pool.take(60, f32, cpu)  # both in flight: two buffers
+    pool.give(a)
+    pool.give(b)
+    assert sorted(t.numel() for t in pool.buffers()) == [60, 100]
+    c = pool.take(50, f32, cpu)  # the smallest that fits: b's buffer, its front
+    assert c.numel() == 50 and c.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    pool.give(c)
+    d = pool.take(300, f32, cpu)  # none fits: the free ones go, one buffer of 300 is made
+    assert pool.buffers() == [] and d.numel() == 300
+    pool.give(d)
+    for n in (300, 120, 7):  # every later size fits in it, one at a time: one buffer in all
+        pool.give(pool.take(n, f32, cpu))
+    assert [t.numel() for t in pool.buffers()] == [300]
+    assert pool.take(10, torch.bfloat16, cpu).dtype == torch.bfloat16  # another dtype: a buffer of its own

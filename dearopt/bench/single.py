@@ -91,7 +91,7 @@ def breakdown(model: torch.nn.Module, optimizer, dist_opt=None) -> Dict[str, flo
             shards += [t for t in (piece.gather_full, piece.gather_shard) if t is not None]
     issuer = getattr(executor, "issuer", None)
     if issuer is not None:  # a comm hook's wire buffers (kept for the ops in flight)
-        wire += [t for kept in issuer.pool._free.values() for t in kept]
+        wire += issuer.pool.buffers()
     grads = [p.grad for p in params if p.grad is not None and p.grad.untyped_storage().data_ptr() not in bucket_ptrs]
     out["gradients"] = _mib(_tensor_bytes(grads, seen))
     out["buckets"] = _mib(_tensor_bytes(buckets, seen))

@@ -73,6 +73,16 @@ class CommHook:
         cls = type(self)
         return cls.encode is CommHook.encode and cls.decode is CommHook.decode and self.wire_dtype(dtype) == dtype
 
+    def wire_nbytes(self, op) -> int:
+        """Bytes of wire buffer ``op`` takes from the pool while in flight (0: none, or a hook with a
+        :meth:`start` of its own, whose buffers the pool does not see)."""
+        return self._wire_of(op) if type(self).start is CommHook.start else 0
+
+    def _wire_of(self, op) -> int:
+        """The bytes of the wire buffer the default :meth:`start` takes for ``op``."""
+        full = op.piece.full
+        return 0 if self.passes_through(full.dtype) else full.numel() * self.wire_dtype(full.dtype).itemsize
+
     # ------------------------------------------------- what carries a piece
     def direct(self, op, backend) -> Optional[Callable[..., Any]]:
         """Where ``op``'s piece travels as it is (this hook neither encodes nor changes what carries it): the
@@ -144,17 +154,36 @@ class CommHook:
 class WirePool:
     """Buffers in a comm hook's wire dtype, taken when an op starts and given back when it completes: memory for
     the ops in flight, not for every bucket (a bfloat16 model reduced in float32 holds no float32 copy of its
-    gradients).  Kept by size for the next op of that size."""
+    gradients).  A free buffer serves any op of its dtype and device that fits in it (a view of its front), the
+    smallest that fits first; where none fits, the free ones smaller than the op are let go before a buffer of
+    its size is made, so that what the pool holds stays what the most ops in flight at once need, not one
+    buffer per bucket size."""
 
     def __init__(self):
-        self._free: dict = {}  # (numel, dtype, device) -> buffers
+        self._free: dict = {}  # (dtype, device) -> free buffers, smallest first
+        self.taken = 0  # bytes of the buffers taken and not given back (the ops in flight)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.get((numel, dtype, device))
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+        self.taken += numel * dtype.itemsize
+        free = self._free.get((dtype, device))
+        if free:
+            for i, buffer in enumerate(free):
+                if buffer.numel() >= numel:
+                    return free.pop(i)[:numel]
+            free.clear()  # none fits: the smaller ones go (a buffer of this size serves them next time)
+        return torch.empty(numel, dtype=dtype, device=device)[:numel]
 
     def give(self, buffer: torch.Tensor) -> None:
-        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+        """``buffer``: what :meth:`take` returned (its whole buffer is kept)."""
+        self.taken -= buffer.numel() * buffer.dtype.itemsize
+        whole = buffer._base if buffer._base is not None else buffer
+        free = self._free.setdefault((whole.dtype, whole.device), [])
+        free.append(whole)
+        free.sort(key=torch.Tensor.numel)
+
+    def buffers(self) -> List[torch.Tensor]:
+        """The free buffers (what the pool holds between rounds)."""
+        return [t for kept in self._free.values() for t in kept]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +213,9 @@ class GatherParameters(CommHook):
         if piece.gather_full is None:
             return self.hook.start(op, link)
         return link.backend.all_gather(piece.gather_full, piece.gather_shard, **link.where), "parameters"
+
+    def wire_nbytes(self, op) -> int:
+        return self.hook.wire_nbytes(op) if op.piece.gather_full is None else 0
 
     def finish(self, op, ctx) -> None:
         """The parameters are in place."""
@@ -257,6 +289,9 @@ class ReduceInFloat32(CommHook):
             piece = op.piece
             return link.backend.all_gather(piece.full, piece.shard, **link.where), None
         return super().start(op, link)
+
+    def wire_nbytes(self, op) -> int:
+        return 0 if op.spec.kind == ALL_GATHER else self._wire_of(op)  # (its start: the default's for the rest)
 
     def direct(self, op, backend):
         if op.spec.kind == ALL_GATHER:

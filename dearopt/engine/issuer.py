@@ -59,6 +59,7 @@ class OpState:
         "region",
         "average",
         "gated",
+        "wire",
     )
 
     def __init__(self, position: int, spec: CommOp, piece):
@@ -85,6 +86,12 @@ class OpState:
         self.region = piece.region(spec.result)
         self.average = spec.average
         self.gated = False  # a sharded update's all-gather: not before this rank's shard of it is updated
+        self.wire = 0  # bytes of the comm hook's wire buffer it holds in flight (set by the issuer)
+
+
+WIRE_BUDGET = 64 * 2**20
+"""Bytes of comm-hook wire buffers in flight at once (or one op's, where larger): a bfloat16 model reduced in
+float32 holds this, not a float32 copy of every bucket whose reduction is under way."""
 
 
 class CreditWindow:
@@ -166,6 +173,9 @@ class Issuer:
             op.link = Link(backend, self.control, op.where, self.pool)
             op.launch = carrier.direct(op, backend)  # None: through the hook's start and finish
             op.gated = sharded and op.spec.kind == ALL_GATHER
+            op.wire = carrier.wire_nbytes(op) if op.launch is None else 0
+        # wire buffers in flight at once (a bfloat16 model's float32 sums): at most this many bytes, or one op's
+        self.wire_budget = max([WIRE_BUDGET] + [op.wire for op in self.ops])
         self.timeline = timeline
         self.cursor = 0
         self._reaped = 0  # ops before it are completed (or not started)
@@ -251,8 +261,23 @@ class Issuer:
                 if not forced:
                     return
                 self.backend.make_room(op.nbytes)
+            if op.wire and not self._wire_room(op.wire, forced):
+                return
             self._start(op)
             self.cursor += 1
+
+    def _wire_room(self, nbytes: int, forced: bool) -> bool:
+        """Whether an op whose wire buffer takes ``nbytes`` fits in :attr:`wire_budget` beside the ops in flight
+        (the finished ones completed first, giving theirs back); a forced op waits for the oldest ones."""
+        pool = self.pool
+        while pool.taken and pool.taken + nbytes > self.wire_budget:
+            self.reap()
+            if not pool.taken or pool.taken + nbytes <= self.wire_budget or self._reaped >= self.cursor:
+                break
+            if not forced:
+                return False
+            self.complete(self.ops[self._reaped])
+        return True
 
     def _dependency_met(self, op: OpState, forced: bool) -> bool:
         """An op after another goes once that one has finished (polled: a later start_ready starts it; the link is
