@@ -24,7 +24,7 @@ import torch
 from dearopt.engine.buckets import BucketState
 from dearopt.errors import UsageError
 from dearopt.engine.gradients import AveragedGradients
-from dearopt.engine.hooks import EngineHook, Round, TrainingState
+from dearopt.engine.hooks import EngineHook, TrainingState
 from dearopt.planning.plan import BACKWARD_END, STEP, forward_of
 
 __all__ = ["ExactRounds"]
@@ -33,8 +33,6 @@ __all__ = ["ExactRounds"]
 class ExactRounds:
     """Carries each step's gradients through the plan's moments (see the module)."""
 
-    Gradients = AveragedGradients
-    """The part that holds the averaged gradients between ``backward()`` and ``step()``."""
     reuses_buckets = True
     """A re-plan keeps the buckets the new plan lays out alike, with their gradients."""
     every_module = False
@@ -42,43 +40,49 @@ class ExactRounds:
 
     def __init__(self, engine):
         self.engine = engine
+        self.gradients: AveragedGradients = None  # the gradients part it makes (gradients_part)
         self.stale: set = set()  # buckets whose update was still pending as this backward began
         self.backward_start = 0.0  # the timeline's clock as this backward began
+
+    def gradients_part(self, *parts, **named) -> AveragedGradients:
+        """Make the part that holds the averaged gradients between ``backward()`` and ``step()``, given what it
+        reads (:class:`AveragedGradients`' arguments)."""
+        self.gradients = AveragedGradients(*parts, **named)
+        return self.gradients
 
     # -------------------------------------------------------------- backward
     def begin_backward(self) -> None:
         e = self.engine
-        if e.state is TrainingState.REDUCING:  # names the DistOptim that communicated (several on one model)
+        if e.life.state is TrainingState.REDUCING:  # names the DistOptim that communicated (several on one model)
             from dearopt.collectives import second_backward_refusal
 
             raise second_backward_refusal(e)
-        e.pass_id += 1
+        e.life.begin_pass()
         # Buckets still waiting for their update were not reached by this
         # forward: apply them now (their parameters cannot have gradients
         # unless they were read before their own module ran).
         self.stale = {b.index for b in e.buckets if b.pending}
         if self.stale:
             e.synchronize()
-        e.gradients.reconcile()
+        self.gradients.reconcile()
         self.backward_start = e.timeline.now()
         torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
         e.hook_new_params()
-        e.state = TrainingState.BACKWARD
-        e.planner.watch_link(e.step_count)
+        sending = e.life.in_backward()
+        e.planner.watch_link(e.life.step_count)
         if e.planner.groups_key() != e.bound.inputs.groups:
             # a parameter was unfrozen or frozen, or a group added: re-plan, and forget what was derived from the
             # old set (the profile, Prophet's blocks, the measured choice); the same on every rank
-            e.planner.forget_derived(e.step_count, keep_rule=e.gradients.reads)
+            e.planner.forget_derived(e.life.step_count, keep_rule=self.gradients.reads)
             e.replan(_inside_backward=True)
         elif e.planner.profile_changes_plan(e.plan):  # rank 0's profile changes it (the same on every rank)
             e.replan(_inside_backward=True)
-        communicates = (not e.no_sync) and (e.accumulated + 1 >= e.options.backward_passes_per_step)
-        if communicates:
-            e.round = Round(e.step_count, e.forwards)
+        if sending:
+            e.life.open_round()
             for b in e.buckets:
                 b.start_round()
-            e.issuer.start_round(e.step_count, e.forwards)
-            e.profile.begin_backward(e.step_count, len(e.plan.params))
+            e.issuer.start_round(e.life.step_count, e.life.forwards)
+            e.profile.begin_backward(e.life.step_count, len(e.plan.params))
         # C++ counts each bucket's gradients and Python runs once per bucket; the steps that time each gradient for
         # the profile have C++ note the arrival times too (or, without the extension, see every gradient in Python)
         recording = e.profile.recording
@@ -110,9 +114,9 @@ class ExactRounds:
         if bucket.index in self.stale:
             self._refuse_stale(bucket, j)
         bucket.take_gradient(p, j)
-        if e.round is None or bucket.stamp[j] == e.pass_id:
+        if e.life.round is None or bucket.stamp[j] == e.life.pass_id:
             return
-        bucket.stamp[j] = e.pass_id
+        bucket.stamp[j] = e.life.pass_id
         bucket.ready += 1
         if e.profile.recording:
             e.profile.grad_ready(bucket.spec.params[j])
@@ -120,7 +124,7 @@ class ExactRounds:
         if bucket.complete or e.window.credit is not None:
             # with a credit window, an op held back for credit may start at any gradient hook once
             # earlier ops have finished, not only when the next bucket completes
-            e.issuer.start_ready(e.round)
+            e.issuer.start_ready(e.life.round)
 
     def bucket_ready(self, b: int) -> None:
         """Every gradient of bucket ``b`` accumulated in this pass (counted in C++; each one moved into its view)."""
@@ -129,12 +133,12 @@ class ExactRounds:
         if b in self.stale:
             self._refuse_stale(bucket, 0)
         bucket.take_counted()
-        if e.round is None:
+        if e.life.round is None:
             return
         bucket.ready = len(bucket.params)
         if e.profile.recording:
             e.issuer.observe()
-        e.issuer.start_ready(e.round)
+        e.issuer.start_ready(e.life.round)
         e.issuer.reap()  # finished ones give their buffers back for the next
 
     @staticmethod
@@ -158,12 +162,8 @@ class ExactRounds:
         e.timeline.span("backward", "compute", self.backward_start)
         if e.timeline.enabled:
             self.show_predicted_sends()
-        if e.round is None:
-            e.state = TrainingState.ACCUMULATED
-            e.accumulated += 1
+        if not e.life.backward_ended():
             return
-        e.accumulated = 0
-        e.state = TrainingState.REDUCING
         for b in e.buckets:  # unused since zero_grad(): a zero gradient (or the bucket would send a stale one)
             b.clear_stale()
         if e.profile.recording:
@@ -172,9 +172,9 @@ class ExactRounds:
             e.profile.end_backward()
             e.issuer.observe()
         e.complete_due(BACKWARD_END)
-        e.gradients.combine(BACKWARD_END)
-        e.round.backward_done = True
-        e.issuer.start_ready(e.round)
+        self.gradients.combine(BACKWARD_END)
+        e.life.round.backward_done = True
+        e.issuer.start_ready(e.life.round)
         if e.bound.grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
             e.hooks.grad_guard.arm(e.bound.grad_views, e.bound.grad_params)
 
@@ -188,9 +188,9 @@ class ExactRounds:
         e = self.engine
         e.hooks.grad_guard.disarm()
         if e.options.debug and e.bound is not None:
-            e.checks.parameters(e.buckets, e.step_count)
+            e.checks.parameters(e.buckets, e.life.step_count)
         e.require_gradients("step")
-        r, g, bound = e.round, e.gradients, e.bound
+        r, g, bound = e.life.round, self.gradients, e.bound
         if r.gathered:  # p.grad held the average since user code read it: what it holds now is the gradient
             g.take_user_gradients()
         else:
@@ -221,12 +221,9 @@ class ExactRounds:
             )
         if e.profile.recording:
             e.profile.share(e.control, e.issuer.reduction_services(), r.step)
-        e.forwards = 0
-        e.step_count += 1
-        e.state = TrainingState.IDLE
+        e.life.stepped(skip)
         if skip:  # the same decision on every rank: finish what was started, apply nothing
             e.issuer.complete_started()
-            e.skipped_steps += 1
             self.finish_round()
             return
         for b in e.buckets:
@@ -236,10 +233,10 @@ class ExactRounds:
         if e.sharding is not None:
             self.update_shards()
         self.update([e.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
-        if e.round is not None:
-            e.issuer.start_ready(e.round)  # the ops that start at step()
+        if e.life.round is not None:
+            e.issuer.start_ready(e.life.round)  # the ops that start at step()
             e.hooks.guard.arm((p, b.index) for b in e.buckets if b.pending for p in b.params)
-            e.hooks.gates.arm(e.round.forward_reached)  # the next forward reaches each bucket's moment
+            e.hooks.gates.arm(e.life.round.forward_reached)  # the next forward reaches each bucket's moment
         e.timeline.span("step", "update", t0)
 
     def plan_bound(self) -> None:
@@ -251,19 +248,19 @@ class ExactRounds:
 
     def reach_bucket(self, bucket: int) -> None:
         """The forward gate: a module of ``bucket`` is about to run: the moments of the buckets up to it."""
-        r = self.engine.round
+        r = self.engine.life.round
         if r is not None and r.stepped and bucket > r.forward_reached:
             self.reach_forward(bucket)
 
     def touched(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after ``step()``: its pending updates first."""
-        r = self.engine.round
+        r = self.engine.life.round
         if r is not None and r.stepped:
             self.reach_forward(bucket)
 
     def synchronize(self) -> None:
         """Apply every pending update now."""
-        r = self.engine.round
+        r = self.engine.life.round
         if r is not None and r.stepped:
             self.reach_forward(len(self.engine.buckets) - 1)
 
@@ -278,15 +275,15 @@ class ExactRounds:
     def reach_forward(self, target: int) -> None:
         """The forward reached bucket ``target``: carry out every bucket's forward moment up to it, in order."""
         e = self.engine
-        while e.round is not None and e.round.forward_reached < target:
-            k = e.round.forward_reached + 1
+        while e.life.round is not None and e.life.round.forward_reached < target:
+            k = e.life.round.forward_reached + 1
             point = forward_of(k)
             t0 = time.perf_counter()
             e.complete_due(point)
             e.profile.forward_waited(time.perf_counter() - t0)
-            e.round.forward_reached = k
+            e.life.round.forward_reached = k
             e.hooks.gates.reached = k
-            e.issuer.start_ready(e.round)  # e.g. prefetch the next bucket's all-gather
+            e.issuer.start_ready(e.life.round)  # e.g. prefetch the next bucket's all-gather
             due = e.bound.updates_at.get(point, ())
             if due:
                 self.update([e.buckets[b] for b in due], tags_checked=False)
@@ -345,9 +342,9 @@ class ExactRounds:
             if bucket.has_members:
                 e.sharding.apply(bucket, include, e.updater)
             bucket.zero(set_to_none=True)
-            e.round.shards_updated = bucket.index + 1
+            e.life.round.shards_updated = bucket.index + 1
             e.timeline.span("update shard", "update", t0, bucket=bucket.index)
-            e.issuer.start_ready(e.round)  # its gather (due first in forward) overlaps the next updates
+            e.issuer.start_ready(e.life.round)  # its gather (due first in forward) overlaps the next updates
 
     def update(self, buckets: List[BucketState], tags_checked: bool) -> None:
         """The optimizer's update of ``buckets``, due at the same moment: each checked, then one call of the
@@ -356,11 +353,11 @@ class ExactRounds:
         t0 = e.timeline.now()
         e.hooks.guard.release(p for b in buckets for p in b.params)  # current from here on
         if e.sharding is None:  # sharded: updated at step(); the all-gather just completed brought them
-            step, chosen = e.round.step, []
+            step, chosen = e.life.round.step, []
             for bucket in buckets:
                 if not tags_checked:
                     e.checks.check_tags(bucket, step)
-                if bucket.index in e.bound.late_checked and not e.round.scaler_checked:
+                if bucket.index in e.bound.late_checked and not e.life.round.scaler_checked:
                     e.checks.nonfinite_bucket(bucket, e.buckets, step)
                 include = self.included(bucket)
                 if bucket.has_members:
@@ -379,13 +376,13 @@ class ExactRounds:
             bucket.zero(bucket.zero_after_update)
             bucket.zero_after_update = None
         e.timeline.span("update", "update", t0, bucket=bucket.index)
-        e.round.updates_left -= 1
-        if e.round.updates_left == 0:
+        e.life.round.updates_left -= 1
+        if e.life.round.updates_left == 0:
             self.finish_round()
 
     def finish_round(self) -> None:
         e = self.engine
-        e.round = None
+        e.life.close_round()
         e.hooks.guard.disarm()
         e.hooks.gates.disarm()
         if e.on_step_landed is not None:
