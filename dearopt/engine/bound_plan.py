@@ -136,6 +136,17 @@ class Planner:
             ):
                 profile.result, profile.fresh = profile.latest, True
 
+    def replan_due(self, step: int, bound: BoundPlan, reads_gradients: bool) -> bool:
+        """As a backward begins at ``step``: whether ``bound``'s inputs no longer hold (the same answer on every
+        rank).  A parameter unfrozen or frozen, or a group added: what was derived from the old set is forgotten
+        (:meth:`forget_derived`; ``reads_gradients``: the all-reduce rule stays); rank 0's fresh profile that
+        changes the plan (:meth:`profile_changes_plan`, after the link monitor's measurement)."""
+        self.watch_link(step)
+        if self.groups_key() != bound.inputs.groups:
+            self.forget_derived(step, keep_rule=reads_gradients)
+            return True
+        return self.profile_changes_plan(bound.plan)
+
     def forget_derived(self, step: int, keep_rule: bool) -> None:
         """The trainable set or the groups changed: the profile, Prophet's blocks and the measured choice were
         derived from the old set; drop them (the profile is taken again from the next step).  ``keep_rule``: the

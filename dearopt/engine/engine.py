@@ -51,11 +51,10 @@ from dearopt.engine.checks import Checks
 from dearopt.backends.base import CollectiveBackend
 from dearopt.compression.hooks import CommHook, hooks_for
 from dearopt.errors import UsageError
-from dearopt.collectives import broadcast_buffers_as_bytes
+from dearopt.collectives import broadcast_buffers_as_bytes, second_backward_refusal
 from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle, Round, TrainingState
 from dearopt.engine.issuer import Issuer
 from dearopt.engine.options import Options
-from dearopt.planning.plan import Point
 from dearopt.planning.profile import LinkMonitor, ReadyProfile
 from dearopt.engine.sharding import ShardedUpdate
 from dearopt.engine.tensor_parallel import TensorParallel, refuse_dtensors
@@ -156,9 +155,24 @@ class Executor:
             from dearopt.schedules.deft.rounds import DelayedRounds as Rounds
         else:
             Rounds = ExactRounds
-        self.rounds = Rounds(self)  # the moments protocol: what a step's gradients do, from backward to update
         self._buffers = None  # the model's buffers, listed again with each plan
-        self.hooks = EngineHooks(self, model, every_module=self.rounds.every_module)
+        self.hooks = EngineHooks(self, model, every_module=Rounds.every_module)
+        # the moments protocol: what a step's gradients do, from backward to update
+        if Rounds is ExactRounds:
+            self.rounds = ExactRounds(
+                self.life,
+                self.hooks,
+                self.profile,
+                self.timeline,
+                self.checks,
+                self.control,
+                self.updater,
+                options,
+                sharding=self.sharding,
+                on_step_landed=on_step_landed,
+            )
+        else:
+            self.rounds = Rounds(self)
         # the averaged gradients between backward() and step(): the rounds part's kind, given what it reads
         self.gradients = self.rounds.gradients_part(
             self.life,
@@ -177,19 +191,7 @@ class Executor:
         self.hook_new_params()
 
     # ------------------------------------------------- the life cycle, read
-    state = property(lambda self: self.life.state, doc="Where the loop is (:class:`TrainingState`).")
-    round = property(lambda self: self.life.round, doc="The round of the step's gradients on their way, or None.")
     step_count = property(lambda self: self.life.step_count, doc="Steps taken.")
-    skipped_steps = property(lambda self: self.life.skipped_steps, doc="Steps skipped for non-finite gradients.")
-
-    @property
-    def no_sync(self) -> bool:
-        """Inside ``DistOptim.no_sync()``: backward passes accumulate without communicating."""
-        return self.life.no_sync
-
-    @no_sync.setter
-    def no_sync(self, value: bool) -> None:
-        self.life.no_sync = bool(value)
 
     @property
     def options(self) -> Options:
@@ -198,7 +200,7 @@ class Executor:
 
     @options.setter
     def options(self, options: Options) -> None:
-        self._options = self.planner.options = self.checks.options = options
+        self._options = self.planner.options = self.checks.options = self.rounds.options = options
         self.life.passes = options.backward_passes_per_step
 
     @property
@@ -330,7 +332,7 @@ class Executor:
         self.life.planned = True
         self.hooks.bind(self.bound, planner.module_order)
         self._buffers = None
-        self.rounds.plan_bound()
+        self.bound = self.rounds.plan_bound(self.bound, self.issuer)  # (as the rounds part carries it out)
         self.gradients.bind(self.bound, self.issuer)
         return kept
 
@@ -430,24 +432,31 @@ class Executor:
         return True
 
     # ------------------------------------------------------------- backward
-    def locate(self, p):
-        """A gradient hook's first part: the plan made (first backward), the pass begun; ``p``'s bucket and
-        position, or None if ``p`` was not trainable when the plan was made."""
-        if self.bound is None:
-            self._build_plan()
-        if self.life.state is not TrainingState.BACKWARD:
-            self.rounds.begin_backward()
-        return self.bound.where.get(id(p))
-
     def _backward_begins(self) -> None:
-        """The first gradient of a backward pass: the plan made (first backward), the pass begun."""
+        """A gradient hook's first part: the plan made (first backward), the pass begun."""
         if self.bound is None:
             self._build_plan()
         if self.life.state is not TrainingState.BACKWARD:
-            self.rounds.begin_backward()
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        """A backward pass begins: the life cycle moves here, the rounds part does its work between the moves
+        and, where the trainable set or rank 0's profile changed, the engine re-plans (the same on every rank)."""
+        life, rounds = self.life, self.rounds
+        if life.state is TrainingState.REDUCING:  # names the DistOptim that communicated (several on one model)
+            refusal = rounds.second_backward_refusal()
+            raise refusal if refusal is not None else second_backward_refusal(self)
+        life.begin_pass()
+        rounds.begin_backward()
+        self.hook_new_params()
+        sending = life.in_backward()
+        if rounds.replans_in_backward and self.planner.replan_due(life.step_count, self.bound, self.gradients.reads):
+            self.replan(_inside_backward=True)
+        rounds.backward_begun(sending)
 
     def _param_ready(self, p) -> None:
         """A gradient accumulated (the per-parameter path: every gradient seen from Python)."""
+        self._backward_begins()
         self.rounds.grad_ready(p)
 
     def _bucket_ready(self, bucket: int) -> None:
@@ -457,10 +466,6 @@ class Executor:
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
         self.rounds.step(skip, scaler_checked)
-
-    def complete_due(self, point: Point) -> None:
-        """Start, wait for and complete the ops due at ``point`` (before the moment is marked as reached)."""
-        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.life.round, host=self.profile.recording)
 
     # ----------------------------------------------------------------- step
     def _gradients_requested(self, bucket: int) -> None:
@@ -476,11 +481,6 @@ class Executor:
         self.timeline.flush()
 
     # ----------------------------------------------------------- gradients
-    def require_gradients(self, what: str) -> None:
-        """A ``UsageError`` unless a communicating backward ran since the last ``step()``
-        (:meth:`LifeCycle.require_gradients`)."""
-        self.life.require_gradients(what)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()`` (:meth:`dearopt.engine.gradients.AveragedGradients.zero`)."""
         with self.hooks.guard.suspended():

@@ -464,6 +464,11 @@ class DeftMeasurement:
             self.losses[e.life.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
 
 
+_SECOND_BACKWARD = (
+    "backward() was called again before step(): under schedule='deft' every backward is one step of the schedule"
+)
+
+
 class DelayedRounds:
     """``deft``'s rounds (the moments protocol of :mod:`dearopt.engine.rounds`): a group of gradients travels across
     iterations as the :class:`DeftSchedule` says, through the engine's issuer (:meth:`Issuer.send`) and buckets;
@@ -554,12 +559,13 @@ class DelayedRounds:
         return group, 1.0 / (e.world * group.covers)
 
     # --------------------------------------------------------------- plan
-    def plan_bound(self) -> None:
+    def plan_bound(self, bound, issuer):
         """The plan's buckets are new (never reused: the schedule's state is per bucket): its units, and a solved
-        or restored schedule checked against them."""
+        or restored schedule checked against them; returns the bound plan as these rounds carry it out (``p.grad``
+        holds this rank's own gradient after backward: changes to it are refused)."""
         e = self.engine
-        # p.grad holds this rank's own gradient: changes must be refused
-        e.bound = dataclasses.replace(e.bound, final_after_backward=frozenset())
+        bound = dataclasses.replace(bound, final_after_backward=frozenset())
+        e.bound = bound  # (the engine takes the returned plan too; the rest below reads it here)
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(e.plan)
         self.units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in e.buckets]
@@ -575,6 +581,7 @@ class DelayedRounds:
             )
         if self.loaded is not None:
             _restore(self, self.loaded)
+        return bound
 
     measured = property(lambda self: self.measurement.measured, doc="The times the schedule was solved from.")
     preserved = property(lambda self: self.measurement.preserved, doc="The Preserver's outcome, once solved.")
@@ -646,25 +653,28 @@ class DelayedRounds:
                 self._all_reduce(self.group, u)
 
     # ----------------------------------------------------------- backward
+    replans_in_backward = False  # its groups span iterations: a changed input is refused, not re-planned
+
+    second_backward_refusal = staticmethod(
+        lambda: UsageError(_SECOND_BACKWARD)
+    )  # the error for a backward before step()
+
     def begin_backward(self) -> None:
+        """A backward pass begins (the engine moved the life cycle to a new pass)."""
         e = self.engine
-        if e.life.state is TrainingState.REDUCING:
-            raise UsageError(
-                "backward() was called again before step(): under schedule='deft' every backward "
-                "is one step of the schedule"
-            )
-        e.life.begin_pass()
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
         self.stale = set(self.updates.due_buckets)
         self.updates.apply_due()
         for b in e.buckets:  # what user code did to p.grad since (model.zero_grad(), p.grad = None, ...)
             b.reconcile()
-        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
-        e.hook_new_params()
         if any(id(p) not in e.bound.where for p in e.planner.trainable()):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
-        sending = e.life.in_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
+
+    def backward_begun(self, sending: bool) -> None:
+        """The backward pass is under way; ``sending``: this step of the schedule communicates."""
+        e = self.engine
         self.backward_start = e.timeline.now()
         # inside no_sync(), or before the last of backward_passes_per_step: the gradients accumulate in p.grad
         # and this step of the schedule begins with the backward that communicates (its forward stage's sends
@@ -696,7 +706,7 @@ class DelayedRounds:
 
     def grad_ready(self, p) -> None:
         e = self.engine
-        located = e.locate(p)
+        located = e.bound.where.get(id(p))  # (the engine made the plan and began the pass)
         e.issuer.poll_sends()
         if located is None:
             return
