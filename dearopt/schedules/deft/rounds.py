@@ -565,7 +565,6 @@ class DelayedRounds:
         holds this rank's own gradient after backward: changes to it are refused)."""
         e = self.engine
         bound = dataclasses.replace(bound, final_after_backward=frozenset())
-        e.bound = bound  # (the engine takes the returned plan too; the rest below reads it here)
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(e.plan)
         self.units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in e.buckets]
