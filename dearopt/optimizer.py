@@ -271,13 +271,13 @@ class DistOptim(torch.optim.Optimizer):
     @property
     def skipped_steps(self) -> int:
         """Steps skipped because of non-finite gradients (``nonfinite="skip"``)."""
-        return self._executor.skipped_steps
+        return self._executor.life.skipped_steps
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """Whether the next backward communicates: False inside this optimizer's own :meth:`no_sync` (as DDP's
         attribute of the same name; ``dearopt.no_sync(model)`` holds back every ``DistOptim`` of the model)."""
-        return not self._executor.no_sync
+        return not self._executor.life.no_sync
 
     _step_supports_amp_scaling = True
     """``torch.amp.GradScaler.step(optimizer)`` hands itself to :meth:`step`, which unscales the averaged
@@ -434,12 +434,12 @@ class DistOptim(torch.optim.Optimizer):
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally, without communication."""
-        previous = self._executor.no_sync
-        self._executor.no_sync = True
+        previous = self._executor.life.no_sync
+        self._executor.life.no_sync = True
         try:
             yield
         finally:
-            self._executor.no_sync = previous
+            self._executor.life.no_sync = previous
 
     def state_dict(self):
         """The wrapped optimizer's ``state_dict()``, in torch's ordinary per-parameter layout.

@@ -514,7 +514,7 @@ def _internal_failure(where, fault_dir, keeps_running):
     original = getattr(owner, name)
 
     def buggy(self, *args, **kwargs):
-        if self.engine.rank == 1 and self.engine.step_count == 2:
+        if self.rank == 1 and self.life.step_count == 2:
             _mark_fault(stamp)
             raise IndexError("list index out of range (injected)")
         return original(self, *args, **kwargs)

@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
+from dearopt.backends.base import CollectiveBackend
 from dearopt.backends.groups import local_tensor
 from dearopt.engine.buckets import BucketState
+from dearopt.engine.checks import Checks
 from dearopt.errors import PlanMismatchError
 from dearopt.planning.order import parameters_in_forward_order
 from dearopt.engine.issuer import CreditWindow, Issuer, OpState
 from dearopt.planning.plan import BACKWARD_END, STEP, ParamSpec, Plan, Point, allreduce_buckets, moment_key
 from dearopt.planning.build import build_plan
+from dearopt.planning.profile import ReadyProfile
 from dearopt.schedules.prophet import profile_blocks
-from dearopt.engine.tied import EmbeddingRows
+from dearopt.engine.tied import EmbeddingRows, TiedEmbeddings
 
-__all__ = ["BoundPlan", "PlanInputs", "PlanKnobs", "Planner"]
+__all__ = ["BoundPlan", "PlanInputs", "PlanKnobs", "Planner", "hook_name", "trainable_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +88,25 @@ class Planner:
     monitor, the embedding rows' hook, and ``generation``, bumped when the trainable set or the groups changed
     (what was derived from the old ones is void)."""
 
-    def __init__(self, engine, knobs: PlanKnobs, link_monitor=None):
-        self.engine = engine
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options,
+        profile: ReadyProfile,
+        tied: TiedEmbeddings,
+        checks: Checks,
+        control: CollectiveBackend,
+        knobs: PlanKnobs,
+        *,
+        sharded: bool = False,
+        link_monitor=None,
+    ):
+        self.model, self.optimizer = model, optimizer
+        self.options = options  # the engine's Options (set again where DistOptim replaces them)
+        self.profile, self.tied, self.checks, self.control = profile, tied, checks, control
+        self.rank, self.world = control.rank, control.size
+        self.sharded = sharded  # the sharded update (shard_optimizer=True): part of every plan
         self.knobs = knobs
         self.window = CreditWindow(knobs.credit)
         self.launch_log = collections.deque(maxlen=100_000)  # the issuers' (step, kind, bucket, piece)
@@ -95,7 +115,7 @@ class Planner:
         self.rows = EmbeddingRows()  # the comm hook of row-sparse buckets (its counts over the run)
         self.generation = 0
         self.names: Dict[int, str] = {}
-        for name, p in engine.model.named_parameters():
+        for name, p in model.named_parameters():
             self.names.setdefault(id(p), name)
 
     def change(self, **knobs) -> None:
@@ -108,7 +128,7 @@ class Planner:
     def watch_link(self, step: int) -> None:
         """The link monitor's measurement, shared by rank 0 at the last ``step()``: where the link changed, the
         new profile is fresh (the next question :meth:`profile_changes_plan` answers)."""
-        profile = self.engine.profile
+        profile = self.profile
         if profile.remeasured:
             profile.remeasured = False
             if self.link_monitor is not None and self.link_monitor.observe(
@@ -116,12 +136,23 @@ class Planner:
             ):
                 profile.result, profile.fresh = profile.latest, True
 
+    def replan_due(self, step: int, bound: BoundPlan, reads_gradients: bool) -> bool:
+        """As a backward begins at ``step``: whether ``bound``'s inputs no longer hold (the same answer on every
+        rank).  A parameter unfrozen or frozen, or a group added: what was derived from the old set is forgotten
+        (:meth:`forget_derived`; ``reads_gradients``: the all-reduce rule stays); rank 0's fresh profile that
+        changes the plan (:meth:`profile_changes_plan`, after the link monitor's measurement)."""
+        self.watch_link(step)
+        if self.groups_key() != bound.inputs.groups:
+            self.forget_derived(step, keep_rule=reads_gradients)
+            return True
+        return self.profile_changes_plan(bound.plan)
+
     def forget_derived(self, step: int, keep_rule: bool) -> None:
         """The trainable set or the groups changed: the profile, Prophet's blocks and the measured choice were
         derived from the old set; drop them (the profile is taken again from the next step).  ``keep_rule``: the
         all-reduce rule stays (the loop reads ``p.grad`` every step: DDP's plan was chosen for that)."""
-        self.engine.profile.forget(step + 1)
-        self.change(blocks=False, allreduce=None if keep_rule else self.engine.options.allreduce)
+        self.profile.forget(step + 1)
+        self.change(blocks=False, allreduce=None if keep_rule else self.options.allreduce)
         self.generation += 1
 
     # ---------------------------------------------------------------- inputs
@@ -129,24 +160,16 @@ class Planner:
         """The parameters the plan covers: those of the optimizer's groups that require grad, and frozen ones
         that still hold a gradient (torch's optimizer would still update them with it; they leave the plan once
         ``zero_grad(set_to_none=True)`` cleared it)."""
-        seen, out = set(), []
-        for group in self.engine.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen and (p.requires_grad or p.grad is not None):
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return trainable_of(self.optimizer)
 
     def groups_key(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> tuple:
         """The trainable set by parameter group (ids): the part of the inputs user code changes."""
         planned = {id(p) for p in (self.trainable() if trainable is None else trainable)}
-        return tuple(
-            tuple(id(p) for p in group["params"] if id(p) in planned) for group in self.engine.optimizer.param_groups
-        )
+        return tuple(tuple(id(p) for p in group["params"] if id(p) in planned) for group in self.optimizer.param_groups)
 
     def inputs(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> PlanInputs:
         """The inputs a plan made now would be derived from."""
-        measured = self.engine.profile.result
+        measured = self.profile.result
         return PlanInputs(self.groups_key(trainable), self.knobs, None if measured is None else id(measured))
 
     def planned(self, trainable: Optional[List[torch.nn.Parameter]] = None) -> List[torch.Tensor]:
@@ -154,30 +177,31 @@ class Planner:
         (:mod:`dearopt.engine.tied`)."""
         trainable = self.trainable() if trainable is None else trainable
         ids = {id(p) for p in trainable}
-        tied = self.engine.tied
-        return trainable + [twin for owner, uses in tied.twins.items() if owner in ids for _, _, twin in uses]
+        return trainable + [twin for owner, uses in self.tied.twins.items() if owner in ids for _, _, twin in uses]
 
     def phases(self) -> Optional[Tuple[float, float]]:
         """The profiled forward and backward computation (seconds), where the profile timed the forward."""
-        measured = self.engine.profile.result
+        measured = self.profile.result
         if measured is None or measured.forward is None:
             return None
         return measured.forward, measured.backward
 
     # ------------------------------------------------------------------ plan
-    def plan(self, trainable: List[torch.nn.Parameter]) -> Tuple[Plan, List[torch.Tensor], List[ParamSpec]]:
-        """The plan for ``trainable`` now (agreed by every rank), the tensors in forward order and their specs."""
-        e = self.engine
+    def plan(
+        self, trainable: List[torch.nn.Parameter], step: int, hook_name: str
+    ) -> Tuple[Plan, List[torch.Tensor], List[ParamSpec]]:
+        """The plan for ``trainable`` at ``step`` (agreed by every rank), the tensors in forward order and their
+        specs; ``hook_name``: how gradients travel, as the plan's fingerprint names it (:func:`hook_name`)."""
         planned = self.planned(trainable)
         twins_by_module: Dict[int, List[torch.Tensor]] = {}
-        for uses in e.tied.twins.values():
+        for uses in self.tied.twins.values():
             for module, _, twin in uses:
                 twins_by_module.setdefault(id(module), []).append(twin)
         ordered = self._agree_on_order(
-            parameters_in_forward_order(e.model, self.module_order, planned, twins_by_module), planned
+            parameters_in_forward_order(self.model, self.module_order, planned, twins_by_module), planned, step
         )
         specs = self._specs(ordered)
-        measured = e.profile.result
+        measured = self.profile.result
         if measured is not None and len(measured.ready) != len(specs):  # made for another trainable set
             measured = None
         ready, bandwidth, latency = (measured.ready, measured.bandwidth, measured.latency) if measured else (None,) * 3
@@ -190,39 +214,45 @@ class Planner:
         plan = build_plan(
             specs,
             k.buffer_size,
-            e.world,
-            e.options.policy,
+            self.world,
+            self.options.policy,
             groups=groups,
             phases=self.phases(),
             gathers_at_step=k.blocks,
             partition_size=k.partition_size,
-            priority=e.options.priority,
+            priority=self.options.priority,
             ready_times=ready,
             bandwidth=bandwidth,
             latency=latency,
             credit=k.credit,
-            comm_hook=_hook_name(e),
-            first_bucket_size=e.options.first_bucket_size,
+            comm_hook=hook_name,
+            first_bucket_size=self.options.first_bucket_size,
             allreduce=k.allreduce,
-            sharded_update=e.sharding is not None,
+            sharded_update=self.sharded,
         )
-        e.checks.plan_agreement(plan, e.step_count)
+        self.checks.plan_agreement(plan, step)
         return plan, ordered, specs
 
     def bind(
-        self, trainable: List[torch.nn.Parameter], reuse: Sequence[BucketState], make_issuer
+        self,
+        trainable: List[torch.nn.Parameter],
+        reuse: Sequence[BucketState],
+        make_issuer,
+        step: int,
+        hook_name: str,
+        sparse_ids: Set[int] = frozenset(),
     ) -> Tuple[BoundPlan, Issuer, set]:
-        """Plan for ``trainable`` and lay the plan onto the tensors.  A bucket of ``reuse`` (the old plan's) that
-        the new plan lays out alike (same spec, parameters and groups) is kept as it is; returns the bound plan,
-        its issuer (``make_issuer(plan, buckets)``) and the ids of the buckets kept."""
-        e = self.engine
+        """Plan for ``trainable`` at ``step`` and lay the plan onto the tensors.  A bucket of ``reuse`` (the old
+        plan's) that the new plan lays out alike (same spec, parameters and groups) is kept as it is; returns the
+        bound plan, its issuer (``make_issuer(plan, buckets)``) and the ids of the buckets kept.  ``sparse_ids``:
+        the parameters seen with a sparse gradient."""
         inputs = self.inputs(trainable)
-        plan, ordered, specs = self.plan(trainable)
+        plan, ordered, specs = self.plan(trainable, step, hook_name)
         group_of_param = {}
-        for gi, group in enumerate(e.optimizer.param_groups):
+        for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 group_of_param.setdefault(id(p), gi)
-        n_groups = len(e.optimizer.param_groups)
+        n_groups = len(self.optimizer.param_groups)
         old = {(b.spec, tuple(map(id, b.params)), b.group_of, b.n_groups): b for b in reuse}
         buckets, where, kept = [], {}, set()
         for spec in plan.buckets:
@@ -235,21 +265,21 @@ class Planner:
                     where[id(p)] = (state, j)
             else:
                 state = BucketState(
-                    spec, params, [specs[i].name for i in spec.params], list(groups), n_groups, e.world, e.rank
+                    spec, params, [specs[i].name for i in spec.params], list(groups), n_groups, self.world, self.rank
                 )
                 for j, p in enumerate(params):
                     state.adopt(p, j)
-                    state.sparse[j] = id(p) in e.hooks.sparse_ids
+                    state.sparse[j] = id(p) in sparse_ids
                     where[id(p)] = (state, j)
             buckets.append(state)
         module_bucket = {}
-        for module in e.model.modules():
+        for module in self.model.modules():
             idx = [where[id(p)][0].index for p in module.parameters(recurse=False) if id(p) in where]
             if idx:
                 module_bucket[id(module)] = max(idx)
         issuer = make_issuer(plan, buckets)
         combines = []
-        for owner_id, uses in e.tied.twins.items():
+        for owner_id, uses in self.tied.twins.items():
             for _, _, twin in uses:
                 if id(twin) in where and owner_id in where:
                     owner_bucket, j = where[owner_id]
@@ -260,13 +290,13 @@ class Planner:
         return bound, issuer, kept
 
     def _specs(self, ordered: List[torch.Tensor]) -> List[ParamSpec]:
-        e = self.engine
+        tied = self.tied
         position = {id(p): i for i, p in enumerate(ordered)}
         specs = []
         for i, p in enumerate(ordered):
             dtype, size = str(p.dtype).replace("torch.", ""), p.element_size()
             numel = local_tensor(p).numel()  # a DTensor: its local shard is what this rank reduces
-            owner = e.tied.owner_of.get(id(p))
+            owner = tied.owner_of.get(id(p))
             if owner is not None:
                 name = f"{self.names.get(id(owner), 'tied weight')} (tied use)"
                 specs.append(ParamSpec(name, numel, dtype, size, twin_of=position[id(owner)]))
@@ -277,34 +307,33 @@ class Planner:
                         numel,
                         dtype,
                         size,
-                        row_numel=e.tied.row_numel.get(id(p), 0),
+                        row_numel=tied.row_numel.get(id(p), 0),
                     )
                 )
         return specs
 
     def _agree_on_order(
-        self, ordered: List[torch.nn.Parameter], trainable: List[torch.nn.Parameter]
+        self, ordered: List[torch.nn.Parameter], trainable: List[torch.nn.Parameter], step: int
     ) -> List[torch.nn.Parameter]:
         """Rank 0's forward order for everyone: a rank whose first forward skipped a module (a rank-dependent
         branch) saw another order, and the plan must be the same on every rank."""
-        e = self.engine
-        if e.world == 1:
+        if self.world == 1:
             return ordered
-        device = e.control.device
+        device = self.control.device
         count = torch.tensor([len(trainable)], dtype=torch.int64, device=device)
-        counts = torch.empty(e.world, dtype=torch.int64, device=device)
-        e.control.all_gather(counts, count, step=e.step_count).wait()
+        counts = torch.empty(self.world, dtype=torch.int64, device=device)
+        self.control.all_gather(counts, count, step=step).wait()
         if len(set(counts.tolist())) > 1:
             raise PlanMismatchError(
                 f"ranks have different numbers of trainable parameters ({counts.tolist()} by rank): the models or "
                 f"the optimizers' parameters differ between ranks",
-                rank=e.rank,
+                rank=self.rank,
                 op="plan check",
-                step=e.step_count,
+                step=step,
             )
         index = {id(p): i for i, p in enumerate(trainable)}
         order = torch.tensor([index[id(p)] for p in ordered], dtype=torch.int64, device=device)
-        e.control.broadcast(order, 0, step=e.step_count).wait()
+        self.control.broadcast(order, 0, step=step).wait()
         return [trainable[i] for i in order.tolist()]
 
     # ------------------------------------------------------ plans to measure
@@ -312,14 +341,14 @@ class Planner:
         """Whether rank 0's freshly shared profile changes the plan (the same answer on every rank: pure, from
         the same numbers).  Without priority the profile only decides ``dear``'s all-reduced buckets; when
         those stay as they are, re-planning would only cost (pending updates applied early, new buffers)."""
-        e = self.engine
-        if not e.profile.fresh:
+        profile = self.profile
+        if not profile.fresh:
             return False
-        e.profile.fresh = False
-        if e.options.priority or plan is None:
+        profile.fresh = False
+        if self.options.priority or plan is None:
             return True
-        result = e.profile.result
-        policy = e.options.policy
+        result = profile.result
+        policy = self.options.policy
         groups = policy.bucket_groups(
             plan.params,
             buffer_size=self.knobs.buffer_size,
@@ -346,15 +375,14 @@ class Planner:
         all-gather started at ``step()`` (where the link is the bottleneck a bucket that starts as soon as its
         gradients exist keeps it busier than buckets of one size); plans alike counted once.  Empty without a
         profile or where nothing is to choose (one rank, another schedule, a fixed fraction)."""
-        e = self.engine
-        measured = e.profile.result
+        measured = self.profile.result
         if (
-            e.options.allreduce != "auto"
-            or e.world == 1
+            self.options.allreduce != "auto"
+            or self.world == 1
             or plan is None
             or measured is None
             or reads_gradients
-            or not e.options.policy.mixes_allreduce
+            or not self.options.policy.mixes_allreduce
         ):
             return []
         ready, bandwidth, latency = measured.ready, measured.bandwidth, measured.latency
@@ -373,12 +401,24 @@ class Planner:
         return choices if len(choices) > 1 else []
 
 
-def _hook_name(engine) -> str:
-    """How gradients travel, as the plan's fingerprint names it: every rank must encode alike."""
-    if engine.sparse is not None:
-        s = engine.sparse.sparsify
+def trainable_of(optimizer: torch.optim.Optimizer) -> List[torch.nn.Parameter]:
+    """The parameters a plan covers (:meth:`Planner.trainable`)."""
+    seen, out = set(), []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen and (p.requires_grad or p.grad is not None):
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def hook_name(sparse, comm_hook) -> str:
+    """How gradients travel, as the plan's fingerprint names it: every rank must encode alike (``sparse``: a
+    sparsifier's exchange, or None; ``comm_hook``: the cast hook, or None)."""
+    if sparse is not None:
+        s = sparse.sparsify
         return f"sparsify-{s.selection}-{s.density!r}-{s.warmup_steps}-{s.momentum!r}"
-    return engine.comm_hook.name if engine.comm_hook is not None else "none"
+    return comm_hook.name if comm_hook is not None else "none"
 
 
 def _index(

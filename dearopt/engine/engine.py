@@ -45,17 +45,16 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from dearopt.backends.groups import local_tensor
-from dearopt.engine.bound_plan import BoundPlan, PlanKnobs, Planner
+from dearopt.engine.bound_plan import BoundPlan, PlanKnobs, Planner, hook_name, trainable_of
 from dearopt.engine.buckets import BucketState
 from dearopt.engine.checks import Checks
 from dearopt.backends.base import CollectiveBackend
 from dearopt.compression.hooks import CommHook, hooks_for
 from dearopt.errors import UsageError
-from dearopt.collectives import broadcast_buffers_as_bytes
-from dearopt.engine.hooks import EngineHook, EngineHooks, Round, TrainingState
+from dearopt.collectives import broadcast_buffers_as_bytes, second_backward_refusal
+from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle, Round, TrainingState
 from dearopt.engine.issuer import Issuer
 from dearopt.engine.options import Options
-from dearopt.planning.plan import Point
 from dearopt.planning.profile import LinkMonitor, ReadyProfile
 from dearopt.engine.sharding import ShardedUpdate
 from dearopt.engine.tensor_parallel import TensorParallel, refuse_dtensors
@@ -97,7 +96,8 @@ class Executor:
         self.optimizer = optimizer
         self.model = model
         self.backend = backend
-        self.options = options
+        self.life = LifeCycle(options.backward_passes_per_step)  # the life cycle: its state and transitions
+        self._options = options
         from dearopt.compression.sparsify import SparseExchange, Sparsify
 
         # a sparsifier owns its buckets' exchange (dearopt.compression.sparsify); a cast hook only encodes what travels
@@ -130,10 +130,24 @@ class Executor:
             every=options.link_check_every,
         )
         self.on_step_landed = on_step_landed
+        trainable = trainable_of(optimizer)
+        rows = options.embedding_rows
+        if rows and not options.embedding_rows_given and any(p.is_cuda for p in trainable):
+            # on a GPU the rows' count is read on the host (which then waits for the device) and NCCL's dense
+            # all-reduce is fast: rows only where asked for
+            rows = False
+        self.tied = TiedEmbeddings(model, {id(p) for p in trainable} if rows else set(), EngineHook)
         self.planner = Planner(
-            self,
+            model,
+            optimizer,
+            options,
+            self.profile,
+            self.tied,
+            self.checks,
+            self.control,
             PlanKnobs(buffer_size, partition_size, credit, options.allreduce),
-            LinkMonitor() if options.link_check_every else None,
+            sharded=self.sharding is not None,
+            link_monitor=LinkMonitor() if options.link_check_every else None,
         )
         self.bound: Optional[BoundPlan] = None  # the plan on the tensors (set by _build_plan)
         self.issuer: Optional[Issuer] = None
@@ -141,29 +155,53 @@ class Executor:
             from dearopt.schedules.deft.rounds import DelayedRounds as Rounds
         else:
             Rounds = ExactRounds
-        self.rounds = Rounds(self)  # the moments protocol: what a step's gradients do, from backward to update
-        self.gradients = self.rounds.Gradients(self)
-        # the life cycle
-        self.state = TrainingState.IDLE
-        self.round: Optional[Round] = None
-        self.step_count = 0
-        self.forwards = 0  # training forwards since the last step(), part of the step tag
-        self.skipped_steps = 0
-        self.pass_id = 0
-        self.accumulated = 0  # backward passes since the last communicating one
-        self.no_sync = False
-        trainable = self.planner.trainable()
-        rows = options.embedding_rows
-        if rows and not options.embedding_rows_given and any(p.is_cuda for p in trainable):
-            # on a GPU the rows' count is read on the host (which then waits for the device) and NCCL's dense
-            # all-reduce is fast: rows only where asked for
-            rows = False
         self._buffers = None  # the model's buffers, listed again with each plan
-        self.tied = TiedEmbeddings(model, {id(p) for p in trainable} if rows else set(), EngineHook)
-        self.hooks = EngineHooks(self, model, every_module=self.rounds.every_module)
+        self.hooks = EngineHooks(self, model, every_module=Rounds.every_module)
+        # the moments protocol: what a step's gradients do, from backward to update
+        if Rounds is ExactRounds:
+            self.rounds = ExactRounds(
+                self.life,
+                self.hooks,
+                self.profile,
+                self.timeline,
+                self.checks,
+                self.control,
+                self.updater,
+                options,
+                sharding=self.sharding,
+                on_step_landed=on_step_landed,
+            )
+        else:
+            self.rounds = Rounds(self)
+        # the averaged gradients between backward() and step(): the rounds part's kind, given what it reads
+        self.gradients = self.rounds.gradients_part(
+            self.life,
+            backend,
+            self.control,
+            self.checks,
+            optimizer,
+            (self.hooks.grad_guard, self.hooks.guard),
+            tensor_parallel=self.tensor_parallel,
+            sharding=self.sharding,
+            sparse=self.sparse,
+            schedule=options.schedule,
+        )
         if self.rounds.every_module:  # (DeFT) every gradient is seen from Python
             self.hooks.gradients.per_param(True)
         self.hook_new_params()
+
+    # ------------------------------------------------- the life cycle, read
+    step_count = property(lambda self: self.life.step_count, doc="Steps taken.")
+
+    @property
+    def options(self) -> Options:
+        """The engine's :class:`Options` (``DistOptim.set_backward_passes_per_step`` replaces them)."""
+        return self._options
+
+    @options.setter
+    def options(self, options: Options) -> None:
+        self._options = self.planner.options = self.checks.options = self.rounds.options = options
+        self.life.passes = options.backward_passes_per_step
 
     @property
     def buffers(self):
@@ -221,10 +259,10 @@ class Executor:
             self.synchronize()  # (an evaluation between backward and step() leaves the gradient guard armed)
             return
         self.hooks.grad_guard.disarm()
-        self.forwards += 1
+        self.life.forward_began()
         self.hook_new_params()
-        if self.options.broadcast_buffers and self.world > 1:
-            broadcast_buffers_as_bytes(self.buffers, self.control, self.step_count)
+        if self._options.broadcast_buffers and self.world > 1:
+            broadcast_buffers_as_bytes(self.buffers, self.control, self.life.step_count)
         self.profile.begin_forward()
         self.rounds.forward_started()
 
@@ -235,8 +273,7 @@ class Executor:
             module.training
             and torch.is_grad_enabled()
             and (self.bound is None or (self.bound.grad_params and not self.bound.swappable))
-            and not self.no_sync
-            and self.accumulated + 1 >= self.options.backward_passes_per_step
+            and self.life.communicates
         ):
             self.hooks.grad_guard.push()  # the fallback for tensors whose class cannot be swapped (DTensor)
 
@@ -284,10 +321,19 @@ class Executor:
             return issuer
 
         reuse = reuse if self.rounds.reuses_buckets else ()
-        self.bound, self.issuer, kept = planner.bind(trainable, reuse, make_issuer)
+        self.bound, self.issuer, kept = planner.bind(
+            trainable,
+            reuse,
+            make_issuer,
+            self.life.step_count,
+            hook_name(self.sparse, self.comm_hook),
+            self.hooks.sparse_ids,
+        )
+        self.life.planned = True
         self.hooks.bind(self.bound, planner.module_order)
         self._buffers = None
-        self.rounds.plan_bound()
+        self.bound = self.rounds.plan_bound(self.bound, self.issuer)  # (as the rounds part carries it out)
+        self.gradients.bind(self.bound, self.issuer)
         return kept
 
     def plan_choices(self):
@@ -306,7 +352,8 @@ class Executor:
         """Re-plan at an iteration boundary; gradients and pending updates are preserved exactly.  ``blocks``:
         form the buckets as Prophet's blocks from the profile (True) or by ``buffer_size`` (False)."""
         self.synchronize()
-        if self.state is TrainingState.REDUCING or (self.state is TrainingState.BACKWARD and not _inside_backward):
+        state = self.life.state
+        if state is TrainingState.REDUCING or (state is TrainingState.BACKWARD and not _inside_backward):
             raise UsageError("replan() must be called between step() and the next backward()")
         self.rounds.may_replan()
         self.planner.change(
@@ -345,7 +392,7 @@ class Executor:
                     continue
                 # gradients already counted in the backward pass now running (a re-plan inside backward);
                 # at a step boundary the stamps belong to the finished pass and nothing is ready yet
-                b.ready += self.state is TrainingState.BACKWARD and b.stamp[j] == self.pass_id
+                b.ready += self.life.state is TrainingState.BACKWARD and b.stamp[j] == self.life.pass_id
             b.mark_seen()
         # The old buckets are freed here by reference counting (a piece refers to its bucket weakly).  Left to
         # the cycle collector, which runs by object count, not bytes, a tuner's re-plans kept a model's worth of
@@ -385,24 +432,31 @@ class Executor:
         return True
 
     # ------------------------------------------------------------- backward
-    def locate(self, p):
-        """A gradient hook's first part: the plan made (first backward), the pass begun; ``p``'s bucket and
-        position, or None if ``p`` was not trainable when the plan was made."""
-        if self.bound is None:
-            self._build_plan()
-        if self.state is not TrainingState.BACKWARD:
-            self.rounds.begin_backward()
-        return self.bound.where.get(id(p))
-
     def _backward_begins(self) -> None:
-        """The first gradient of a backward pass: the plan made (first backward), the pass begun."""
+        """A gradient hook's first part: the plan made (first backward), the pass begun."""
         if self.bound is None:
             self._build_plan()
-        if self.state is not TrainingState.BACKWARD:
-            self.rounds.begin_backward()
+        if self.life.state is not TrainingState.BACKWARD:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        """A backward pass begins: the life cycle moves here, the rounds part does its work between the moves
+        and, where the trainable set or rank 0's profile changed, the engine re-plans (the same on every rank)."""
+        life, rounds = self.life, self.rounds
+        if life.state is TrainingState.REDUCING:  # names the DistOptim that communicated (several on one model)
+            refusal = rounds.second_backward_refusal()
+            raise refusal if refusal is not None else second_backward_refusal(self)
+        life.begin_pass()
+        rounds.begin_backward()
+        self.hook_new_params()
+        sending = life.in_backward()
+        if rounds.replans_in_backward and self.planner.replan_due(life.step_count, self.bound, self.gradients.reads):
+            self.replan(_inside_backward=True)
+        rounds.backward_begun(sending)
 
     def _param_ready(self, p) -> None:
         """A gradient accumulated (the per-parameter path: every gradient seen from Python)."""
+        self._backward_begins()
         self.rounds.grad_ready(p)
 
     def _bucket_ready(self, bucket: int) -> None:
@@ -412,10 +466,6 @@ class Executor:
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
         self.rounds.step(skip, scaler_checked)
-
-    def complete_due(self, point: Point) -> None:
-        """Start, wait for and complete the ops due at ``point`` (before the moment is marked as reached)."""
-        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.round, host=self.profile.recording)
 
     # ----------------------------------------------------------------- step
     def _gradients_requested(self, bucket: int) -> None:
@@ -431,18 +481,6 @@ class Executor:
         self.timeline.flush()
 
     # ----------------------------------------------------------- gradients
-    def require_gradients(self, what: str) -> None:
-        """A ``UsageError`` unless a communicating backward ran since the last ``step()``."""
-        if self.state is TrainingState.REDUCING:
-            return
-        bpps = self.options.backward_passes_per_step
-        if self.bound is None or self.accumulated == 0:
-            raise UsageError(f"cannot {what}: no backward() since the last step(); call loss.backward() first")
-        raise UsageError(
-            f"cannot {what}: only {self.accumulated} of backward_passes_per_step={bpps} backward "
-            f"passes were run (or they ran inside no_sync())"
-        )
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()`` (:meth:`dearopt.engine.gradients.AveragedGradients.zero`)."""
         with self.hooks.guard.suspended():

@@ -17,9 +17,16 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from dearopt.backends.base import CollectiveBackend
+from dearopt.engine.bound_plan import BoundPlan
 from dearopt.engine.buckets import BucketState
+from dearopt.engine.checks import Checks
+from dearopt.engine.guards import GradientGuard, PendingUpdateGuard
+from dearopt.engine.hooks import LifeCycle, TrainingState
+from dearopt.engine.issuer import Issuer
+from dearopt.engine.sharding import ShardedUpdate
+from dearopt.engine.tensor_parallel import TensorParallel
 from dearopt.errors import CollectiveTimeoutError, UsageError
-from dearopt.engine.hooks import TrainingState
 from dearopt.planning.plan import Point
 
 __all__ = ["AveragedGradients"]
@@ -28,11 +35,35 @@ __all__ = ["AveragedGradients"]
 class AveragedGradients:
     """The averaged gradients of one engine (see the module)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(
+        self,
+        life: LifeCycle,
+        backend: CollectiveBackend,
+        control: CollectiveBackend,
+        checks: Checks,
+        optimizer: torch.optim.Optimizer,
+        guards: Tuple[GradientGuard, PendingUpdateGuard],
+        *,
+        tensor_parallel: Optional[TensorParallel] = None,
+        sharding: Optional[ShardedUpdate] = None,
+        sparse=None,
+        schedule: str = "",
+    ):
+        self.life = life  # the engine's life cycle, read here (the round, the step): never moved from here
+        self.backend, self.control, self.checks, self.optimizer = backend, control, checks, optimizer
+        self.rank, self.world = backend.rank, backend.size
+        self.grad_guard, self.guard = guards  # the gradient guard (before step()), the pending-update guard
+        self.tensor_parallel, self.sharding, self.sparse = tensor_parallel, sharding, sparse
+        self.schedule = schedule  # its name, for errors
+        self.bound: Optional[BoundPlan] = None  # the plan in force and its issuer (bind)
+        self.issuer: Optional[Issuer] = None
         self.unscaled_at = -1  # the step whose gradients unscale_() divided
         self.gathered_steps = 0  # steps in a row whose p.grad user code read before step()
         self.reads = False  # re-planned for a loop that reads p.grad before every step()
+
+    def bind(self, bound: BoundPlan, issuer: Issuer) -> None:
+        """A plan was bound: its buckets and the issuer of its ops (until the next re-plan)."""
+        self.bound, self.issuer = bound, issuer
 
     # ------------------------------------------------------------ averaging
     def finish_averaging(self) -> List[Tuple[torch.Tensor, bool]]:
@@ -41,29 +72,29 @@ class AveragedGradients:
         Each region is ``(tensor, is_shard)``: this rank's shard of a bucket
         piece (summed over ranks it covers the piece), or the whole piece.
         """
-        e = self.engine
-        e.require_gradients("finish the gradient reduction")
-        bound = e.bound
-        e.issuer.force_and_complete(bound.early_ops, e.round)
+        self.life.require_gradients("finish the gradient reduction")
+        bound = self.bound
+        self.issuer.force_and_complete(bound.early_ops, self.life.round)
         self.combine()
-        if e.round is not None and e.round.gathered:  # p.grad holds the average: that is where it lives now
+        if (
+            self.life.round is not None and self.life.round.gathered
+        ):  # p.grad holds the average: that is where it lives now
             return bound.averaged_whole
         return bound.averaged
 
     @property
     def in_place_before_step(self) -> bool:
         """Whether every ``p.grad`` holds the averaged gradient once :meth:`finish_averaging` returns."""
-        bound = self.engine.bound
+        bound = self.bound
         return bound is not None and not any(is_shard for _, is_shard in bound.averaged)
 
     def combine(self, point: Optional[Point] = None) -> None:
         """Add the averaged gradient of each tied use (the twin) to its weight's, once per round, at ``point``
         (the moment the weight's rows are due) or, with None, now."""
-        e = self.engine
-        for owner, j, twin, k, due in e.bound.combines:
-            if (point is None or due == point) and id(owner.params[j]) not in e.round.combined:
-                e.round.combined.add(id(owner.params[j]))
-                with e.hooks.grad_guard.suspended():  # the engine's own write, not user code reading p.grad
+        for owner, j, twin, k, due in self.bound.combines:
+            if (point is None or due == point) and id(owner.params[j]) not in self.life.round.combined:
+                self.life.round.combined.add(id(owner.params[j]))
+                with self.grad_guard.suspended():  # the engine's own write, not user code reading p.grad
                     owner.views[j].add_(twin.views[k])
                     # the twin's part now lives in its weight's gradient, which user code zeroes
                     # (model.zero_grad() never sees the twin): the twin starts the next round from zero
@@ -75,19 +106,17 @@ class AveragedGradients:
         """Before a backward: each bucket takes in what user code did to ``p.grad`` (:meth:`BucketState.reconcile`);
         a tied weight cleared by the user clears its twins' bookkeeping too (their gradients were moved into the
         weight's when they were combined)."""
-        e = self.engine
-        for b in e.buckets:
+        for b in self.bound.buckets:
             b.reconcile()
-        for owner, j, twin, k, _ in e.bound.combines:
+        for owner, j, twin, k, _ in self.bound.combines:
             if owner.stale[j] and not twin.stale[k]:
                 twin.used[k] = twin.has_grad[k] = False
 
     def reduce(self) -> None:
         """Finish communication so that every ``p.grad`` holds the averaged gradient (under schedules that keep
         shards, they are gathered now: that step's gathers no longer overlap the next forward)."""
-        e = self.engine
-        e.require_gradients("finish the gradient reduction")
-        if e.bound.grad_params:
+        self.life.require_gradients("finish the gradient reduction")
+        if self.bound.grad_params:
             self.requested(-1)
         self.finish_averaging()
 
@@ -125,7 +154,7 @@ class AveragedGradients:
             raise ValueError(f"unscale_ needs a positive finite scale, got {scale}")
         self._check_not_unscaled()
         regions = self.finish_averaging()
-        self.unscaled_at = self.engine.step_count
+        self.unscaled_at = self.life.step_count
         for region, _ in regions:
             region.div_(scale)
         self.mark_written()
@@ -136,21 +165,20 @@ class AveragedGradients:
         The answer is the same on every rank (shards are combined over ranks),
         so every rank skips the same steps and adjusts its scale alike.
         """
-        e = self.engine
         self._check_not_unscaled()
         regions = self.finish_averaging()
-        self.unscaled_at = e.step_count
+        self.unscaled_at = self.life.step_count
         found = False
         for region, _ in regions:
             region.mul_(inv_scale.to(device=region.device, dtype=region.dtype))
             found = found or (region.numel() > 0 and not bool(torch.isfinite(region.sum())))
         self.mark_written()
-        if any(is_shard for _, is_shard in regions) and e.world > 1:
-            flag = torch.tensor([1.0 if found else 0.0], device=e.control.device)
-            e.control.all_reduce(flag, "max", step=e.step_count).wait()
+        if any(is_shard for _, is_shard in regions) and self.world > 1:
+            flag = torch.tensor([1.0 if found else 0.0], device=self.control.device)
+            self.control.all_reduce(flag, "max", step=self.life.step_count).wait()
             found = float(flag) > 0
-        if e.tensor_parallel is not None:  # every tensor-parallel rank skips the same step
-            found = e.tensor_parallel.any(found, e.step_count)
+        if self.tensor_parallel is not None:  # every tensor-parallel rank skips the same step
+            found = self.tensor_parallel.any(found, self.life.step_count)
         return found
 
     def scaler_found_inf(self, scaler, key: int, unscale: bool) -> bool:
@@ -158,7 +186,7 @@ class AveragedGradients:
         the scaler's state under ``key``, as its own ``unscale_`` would); return whether inf/NaN was found."""
         from torch.amp.grad_scaler import OptState
 
-        if self.engine.sparse is not None:
+        if self.sparse is not None:
             raise UsageError(
                 "GradScaler is not supported with comm_hook=dearopt.Sparsify(...): the residuals "
                 "(error feedback) would carry gradients scaled differently from step to step, and a "
@@ -177,25 +205,23 @@ class AveragedGradients:
         return sum(float(v) for v in state["found_inf_per_device"].values()) > 0
 
     def _check_not_unscaled(self) -> None:
-        if self.unscaled_at == self.engine.step_count:
+        if self.unscaled_at == self.life.step_count:
             raise UsageError(
                 "unscale_() was already called since the last step(); the gradients would be divided twice"
             )
 
     def mark_written(self) -> None:
         """Clipping or unscaling wrote to the averaged gradients after their averaging pass."""
-        e = self.engine
-        for b in e.buckets:
+        for b in self.bound.buckets:
             b.mark_seen()
-        if e.round is not None:  # the averaging pass's inf/NaN flags no longer describe the gradients
-            e.round.written = True
+        if self.life.round is not None:  # the averaging pass's inf/NaN flags no longer describe the gradients
+            self.life.round.written = True
 
     def _global_norm(self, regions, norm_type: float) -> torch.Tensor:
         """The norm over whole pieces and shards; shards are combined over ranks on the control channel."""
-        e = self.engine
-        if e.tensor_parallel is not None:
+        if self.tensor_parallel is not None:
             return self._tensor_parallel_norm(regions, norm_type)
-        device = e.control.device
+        device = self.control.device
         shards = [r for r, is_shard in regions if is_shard]
         whole = [r for r, is_shard in regions if not is_shard]
         if norm_type == math.inf:
@@ -204,24 +230,23 @@ class AveragedGradients:
                 return max((float(r.abs().max()) for r in rs if r.numel()), default=0.0)
 
             total = torch.tensor([local_max(shards)], dtype=torch.float64, device=device)
-            if shards and e.world > 1:
-                e.control.all_reduce(total, "max", step=e.step_count).wait()
+            if shards and self.world > 1:
+                self.control.all_reduce(total, "max", step=self.life.step_count).wait()
             return torch.tensor(max(float(total), local_max(whole)), dtype=torch.float32)
 
         def local_sum(rs):
             return float(sum(r.double().abs().pow(norm_type).sum() for r in rs)) if rs else 0.0
 
         total = torch.tensor([local_sum(shards)], dtype=torch.float64, device=device)
-        if shards and e.world > 1:
-            e.control.all_reduce(total, "sum", step=e.step_count).wait()
+        if shards and self.world > 1:
+            self.control.all_reduce(total, "sum", step=self.life.step_count).wait()
         return torch.tensor((float(total) + local_sum(whole)) ** (1.0 / norm_type), dtype=torch.float32)
 
     def _tensor_parallel_norm(self, regions, norm_type: float) -> torch.Tensor:
         """:meth:`_global_norm` with ``DTensor`` parameters: the elements of parameters sharded over the
         tensor-parallel ranks are combined over those ranks too; the others (every tp rank holds them alike) are
         counted once."""
-        e = self.engine
-        cut = e.tensor_parallel.split(regions, e.buckets)
+        cut = self.tensor_parallel.split(regions, self.bound.buckets)
         inf = norm_type == math.inf
 
         def local(parts) -> float:
@@ -231,14 +256,14 @@ class AveragedGradients:
 
         shard_tp = [r for inside, _, is_shard in cut if is_shard for r in inside]
         shard_rest = [r for _, outside, is_shard in cut if is_shard for r in outside]
-        values = torch.tensor([local(shard_tp), local(shard_rest)], dtype=torch.float64, device=e.control.device)
-        if any(is_shard for _, _, is_shard in cut) and e.world > 1:
-            e.control.all_reduce(values, "max" if inf else "sum", step=e.step_count).wait()
+        values = torch.tensor([local(shard_tp), local(shard_rest)], dtype=torch.float64, device=self.control.device)
+        if any(is_shard for _, _, is_shard in cut) and self.world > 1:
+            self.control.all_reduce(values, "max" if inf else "sum", step=self.life.step_count).wait()
         whole_tp = local([r for inside, _, is_shard in cut if not is_shard for r in inside])
         whole_rest = local([r for _, outside, is_shard in cut if not is_shard for r in outside])
         shard_tp, shard_rest = values.tolist()
         join = max if inf else (lambda a, b: a + b)
-        sharded = e.tensor_parallel.combine(join(shard_tp, whole_tp), norm_type, e.step_count)
+        sharded = self.tensor_parallel.combine(join(shard_tp, whole_tp), norm_type, self.life.step_count)
         total = join(sharded, join(shard_rest, whole_rest))
         return torch.tensor(total if inf else total ** (1.0 / norm_type), dtype=torch.float32)
 
@@ -249,17 +274,16 @@ class AveragedGradients:
         gather each bucket's average into ``p.grad``, so that the code sees and changes the averaged gradient, as
         under DDP.  Every rank runs the same code, so every rank issues the same collectives in the same order
         (a rank that alone reads ``p.grad`` here waits for the others' next forward)."""
-        e = self.engine
-        e.hooks.grad_guard.disarm()
-        r = e.round
+        self.grad_guard.disarm()
+        r = self.life.round
         if r is None or r.stepped or r.gathered or not r.backward_done:
             return
         try:
-            with e.guard.suspended():
+            with self.guard.suspended():
                 # the reductions first: a gather reads what completing its reduce-scatter wrote (the local sum)
-                e.issuer.force_and_complete(e.bound.early_ops, e.round)
-                if e.sharding is None:
-                    e.issuer.force_and_complete(e.issuer.ops, e.round)
+                self.issuer.force_and_complete(self.bound.early_ops, self.life.round)
+                if self.sharding is None:
+                    self.issuer.force_and_complete(self.issuer.ops, self.life.round)
                 else:  # the plan's all-gathers carry parameters after step(): the gradients' average needs its own
                     self._gather_shards()
                 self.combine()
@@ -268,54 +292,51 @@ class AveragedGradients:
                 f"{exc}. This rank read p.grad between backward() and step(), which gathers the averaged gradients "
                 f"(every rank must take part); if only this rank reads it (a log line under `if rank == 0`), the "
                 f"others wait in step() meanwhile: read p.grad on every rank, or after step()",
-                rank=e.rank,
+                rank=self.rank,
                 op="gather p.grad",
                 step=r.step,
             ) from exc
         r.gathered = r.written = True
-        for b in e.buckets:
+        for b in self.bound.buckets:
             b.mark_seen()
 
     def _gather_shards(self) -> None:
         """Sharded update: each piece's averaged shards all-gathered into the gradient views (flags and tags left
         as they are: the sharded step sums them itself)."""
-        e = self.engine
         scratch = None
-        for b in e.buckets:
+        for b in self.bound.buckets:
             for piece in b.pieces:
                 if scratch is None or scratch.numel() < piece.full.numel() or scratch.dtype != piece.full.dtype:
                     scratch = torch.empty(piece.full.numel(), dtype=piece.full.dtype, device=piece.full.device)
                 out = scratch[: piece.full.numel()]
-                e.backend.all_gather(out, piece.shard, bucket=b.index, step=e.round.step).wait()
+                self.backend.all_gather(out, piece.shard, bucket=b.index, step=self.life.round.step).wait()
                 piece.full_grad.copy_(out[: piece.full_grad.numel()])
 
     def take_user_gradients(self) -> None:
         """At step() after the averages were gathered into ``p.grad``: what the user's code left there (changed
         in place, or a new tensor) is the gradient; this rank's shards are taken from it again, so the checks and
         a sharded update see it."""
-        e = self.engine
-        for b in e.buckets:
+        for b in self.bound.buckets:
             for j, (p, view) in enumerate(zip(b.params, b.views)):
                 grad = p.grad
                 if grad is not None and grad is not view:
                     view.copy_(grad.to_dense() if grad.is_sparse else grad)
                     p.grad = view
-        for i in e.bound.own_gradient_buckets:
-            for piece in e.buckets[i].pieces:
+        for i in self.bound.own_gradient_buckets:
+            for piece in self.bound.buckets[i].pieces:
                 piece.shard_grad.copy_(piece.own_in_full)
-        for b in e.buckets:
+        for b in self.bound.buckets:
             b.mark_seen()
 
     def check_writes(self) -> None:
         """Gradients changed between backward() and step() must not be changed behind the engine's back."""
-        e = self.engine
-        for b in e.buckets:
-            if b.index in e.bound.final_after_backward or b.spec.twin_of is not None:
+        for b in self.bound.buckets:
+            if b.index in self.bound.final_after_backward or b.spec.twin_of is not None:
                 continue  # p.grad held the averaged gradient when backward returned: any change is the user's own
             replaced = b.replaced_gradients()
             if not replaced and not b.written_by_others():
                 continue
-            if e.world == 1:  # with one rank the "reduction" was a copy: take the changed gradients again
+            if self.world == 1:  # with one rank the "reduction" was a copy: take the changed gradients again
                 self._retake_local(b)
                 continue
             what = (
@@ -325,13 +346,13 @@ class AveragedGradients:
                 f"was changed in place"
             )
             raise UsageError(
-                f"{what} between backward() and step(), but under schedule={e.options.schedule!r} p.grad holds "
+                f"{what} between backward() and step(), but under schedule={self.schedule!r} p.grad holds "
                 f"this rank's own gradient while the average travels or is kept as shards, so the change would "
                 f"be lost or mixed in. Change p.grad only after backward() has returned (the first read of a p.grad "
                 f"then gathers the average into every p.grad, as torch's clip_grad_norm_ and GradScaler.unscale_ "
                 f"find it), or call optimizer.clip_grad_norm_(...), optimizer.clip_grad_value_(...) or "
-                f"optimizer.unscale_(scaler), which act on the averaged gradients [rank {e.rank}, step "
-                f"{e.step_count}]"
+                f"optimizer.unscale_(scaler), which act on the averaged gradients [rank {self.rank}, step "
+                f"{self.life.step_count}]"
             )
 
     @staticmethod
@@ -354,8 +375,7 @@ class AveragedGradients:
         returns (``wfbp``, all-reduced buckets): such code may write through ``.data`` or a raw kernel, which no
         version counter sees, so those buckets are always summed.  The choice depends only on the plan and on
         calls every rank makes, so every rank judges alike."""
-        e = self.engine
-        r, bound = e.round, e.bound
+        r, bound = self.life.round, self.bound
         combined_into = {owner.index for owner, *_ in bound.combines}
         flags, summed = [], []
         for op in bound.checked_at_step:
@@ -369,7 +389,7 @@ class AveragedGradients:
                 flags.append(op.nonfinite)
             else:
                 summed.append(op.piece.region(op.spec.result))
-        count = e.checks.nonfinite_count(summed)
+        count = self.checks.nonfinite_count(summed)
         if flags:
             device = flags[0].device
             flagged = (torch.cat([f.to(device).reshape(-1) for f in flags]) > 0).sum()
@@ -385,24 +405,23 @@ class AveragedGradients:
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad()``: a bucket whose update is pending is zeroed right after it (its update still reads the
         reduced gradient); a parameter outside the plan as torch would."""
-        e = self.engine
-        if e.bound is None:
-            e.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.bound is None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
             return
-        if e.state is TrainingState.REDUCING:
+        if self.life.state is TrainingState.REDUCING:
             raise UsageError(
                 "zero_grad() was called after backward() and before step(): the gradients being "
                 "communicated would be lost; call it before backward() or after step()"
             )
-        for bucket in e.buckets:
+        for bucket in self.bound.buckets:
             if bucket.pending:
                 # zeroed right after its update, which still reads the reduced gradient; its parameters are
                 # guarded until then, so code that reads a p.grad first lands the update and finds it None
                 bucket.zero_after_update = bool(set_to_none)
             else:
                 bucket.zero(bool(set_to_none))
-        planned = e.bound.where
-        for group in e.optimizer.param_groups:
+        planned = self.bound.where
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in planned and p.grad is not None:
                     if set_to_none:

@@ -15,7 +15,8 @@ model and holds the two guards that watch user code (:mod:`dearopt.engine.guards
 * while the first forward runs, the recorder's hooks (the forward order the plan is made from).
 
 The callbacks are the engine's own methods, reached through :class:`EngineHook` (a weak reference).
-:class:`TrainingState` and :class:`Round` are the life cycle the engine keeps.
+:class:`TrainingState`, :class:`Round` and :class:`LifeCycle` (their transitions, written once) are the life cycle
+the engine keeps.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ import dataclasses
 import enum
 import math
 import weakref
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from dearopt.errors import UsageError
 from dearopt.planning.order import ForwardOrderRecorder
 from dearopt.engine.guards import GradientGuard, PendingUpdateGuard
 
-__all__ = ["EngineHook", "EngineHooks", "TrainingState", "Round"]
+__all__ = ["EngineHook", "EngineHooks", "LifeCycle", "TrainingState", "Round"]
 
 
 class EngineHook:
@@ -114,6 +116,108 @@ class Round:
     gathered: bool = False  # user code read p.grad before step(): every reduction finished, the average in p.grad
     shards_updated: int = 0  # sharded update: buckets < this one hold their updated shard (may be gathered)
     combined: set = dataclasses.field(default_factory=set)  # tied weights whose twin gradient was added
+
+
+class LifeCycle:
+    """The engine's life cycle, written once: where the loop is (:class:`TrainingState`), the step and pass
+    counters and, while a step's gradients are on their way, their :class:`Round`.
+
+    The :class:`~dearopt.engine.engine.Executor` owns one; its parts read it and move it only through these
+    transitions (no part sets its fields), so every rounds part goes through the same life cycle.  It calls
+    nobody: a leaf that holds numbers.
+    """
+
+    __slots__ = (
+        "state",
+        "round",
+        "step_count",
+        "forwards",
+        "skipped_steps",
+        "pass_id",
+        "accumulated",
+        "no_sync",
+        "passes",
+        "planned",
+        "sending",
+    )
+
+    def __init__(self, backward_passes_per_step: int = 1):
+        self.state = TrainingState.IDLE
+        self.round: Optional[Round] = None
+        self.step_count = 0
+        self.forwards = 0  # training forwards since the last step(), part of the step tag
+        self.skipped_steps = 0
+        self.pass_id = 0
+        self.accumulated = 0  # backward passes since the last communicating one
+        self.no_sync = False
+        self.passes = backward_passes_per_step  # the options' backward_passes_per_step (set again when it changes)
+        self.planned = False  # a plan was made (the first backward ran)
+        self.sending = False  # the backward pass under way sends its gradients
+
+    # ------------------------------------------------------------ transitions
+    def forward_began(self) -> None:
+        """A training forward began."""
+        self.forwards += 1
+
+    def begin_pass(self) -> None:
+        """A backward pass begins (its gradients carry this pass's id)."""
+        self.pass_id += 1
+
+    def in_backward(self) -> bool:
+        """The backward pass is under way (a re-plan from here on is one inside backward); returns whether it
+        sends its gradients (:attr:`communicates`)."""
+        self.state = TrainingState.BACKWARD
+        self.sending = not self.no_sync and self.accumulated + 1 >= self.passes
+        return self.sending
+
+    @property
+    def communicates(self) -> bool:
+        """Whether a backward pass beginning now would send its gradients (not inside ``no_sync()``, the last of
+        ``backward_passes_per_step``)."""
+        return not self.no_sync and self.accumulated + 1 >= self.passes
+
+    def open_round(self) -> Round:
+        """A communicating backward began: its gradients' round."""
+        self.round = Round(self.step_count, self.forwards)
+        return self.round
+
+    def backward_ended(self) -> bool:
+        """The backward pass ended: its gradients are in flight or accumulated locally; returns whether they are
+        in flight (``step()`` comes next)."""
+        if not self.sending:
+            self.state = TrainingState.ACCUMULATED
+            self.accumulated += 1
+            return False
+        self.accumulated = 0
+        self.state = TrainingState.REDUCING
+        return True
+
+    def stepped(self, skipped: bool) -> None:
+        """``step()`` took the round's gradients (``skipped``: a non-finite step applies nothing)."""
+        self.forwards = 0
+        self.step_count += 1
+        self.state = TrainingState.IDLE
+        self.skipped_steps += bool(skipped)
+
+    def close_round(self) -> None:
+        """The round's last update landed (or a skipped step finished what it had started)."""
+        self.round = None
+
+    def restore(self, step_count: int) -> None:
+        """A checkpoint's step count (a resumed delayed schedule continues its period where it stopped)."""
+        self.step_count = step_count
+
+    # ---------------------------------------------------------------- checks
+    def require_gradients(self, what: str) -> None:
+        """A ``UsageError`` unless a communicating backward ran since the last ``step()``."""
+        if self.state is TrainingState.REDUCING:
+            return
+        if not self.planned or self.accumulated == 0:
+            raise UsageError(f"cannot {what}: no backward() since the last step(); call loss.backward() first")
+        raise UsageError(
+            f"cannot {what}: only {self.accumulated} of backward_passes_per_step={self.passes} backward "
+            f"passes were run (or they ran inside no_sync())"
+        )
 
 
 try:  # the C++ hooks (csrc/ready.cpp), built by setup.py where torch's C++ extension tools work

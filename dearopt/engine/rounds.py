@@ -17,15 +17,23 @@ iterations through the same protocol, issuer and buckets.
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from dearopt.backends.base import CollectiveBackend
+from dearopt.engine.bound_plan import BoundPlan
 from dearopt.engine.buckets import BucketState
-from dearopt.errors import UsageError
+from dearopt.engine.checks import Checks
 from dearopt.engine.gradients import AveragedGradients
-from dearopt.engine.hooks import EngineHook, Round, TrainingState
-from dearopt.planning.plan import BACKWARD_END, STEP, forward_of
+from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle
+from dearopt.engine.issuer import CreditWindow, Issuer
+from dearopt.engine.sharding import ShardedUpdate
+from dearopt.engine.timeline import Timeline
+from dearopt.engine.updates import BucketUpdater
+from dearopt.errors import UsageError
+from dearopt.planning.plan import BACKWARD_END, STEP, Point, forward_of
+from dearopt.planning.profile import ReadyProfile
 
 __all__ = ["ExactRounds"]
 
@@ -33,67 +41,94 @@ __all__ = ["ExactRounds"]
 class ExactRounds:
     """Carries each step's gradients through the plan's moments (see the module)."""
 
-    Gradients = AveragedGradients
-    """The part that holds the averaged gradients between ``backward()`` and ``step()``."""
     reuses_buckets = True
     """A re-plan keeps the buckets the new plan lays out alike, with their gradients."""
     every_module = False
     """The forward gates reach each bucket's moment; no Python hook runs before every module."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    replans_in_backward = True
+    """A backward that finds the trainable set or the profile changed re-plans (the engine does, as it begins)."""
+
+    def __init__(
+        self,
+        life: LifeCycle,
+        hooks: EngineHooks,
+        profile: ReadyProfile,
+        timeline: Timeline,
+        checks: Checks,
+        control: CollectiveBackend,
+        updater: BucketUpdater,
+        options,
+        *,
+        sharding: Optional[ShardedUpdate] = None,
+        on_step_landed: Optional[Callable[[], None]] = None,
+    ):
+        self.life = life  # the engine's life cycle: read, and moved through its transitions only
+        self.hooks = hooks  # the gradient hooks, the guards and the forward gates it arms and disarms
+        self.profile, self.timeline, self.checks, self.control = profile, timeline, checks, control
+        self.updater, self.sharding = updater, sharding
+        self.options = options  # the engine's Options (set again where DistOptim replaces them)
+        self.window: Optional[CreditWindow] = None  # the plan's credit window (an op held back for credit may start
+        # at any gradient hook)
+        self.rank, self.world = control.rank, control.size
+        self.on_step_landed = on_step_landed  # the face's step post hooks, once a round's last update landed
+        self.gradients: Optional[AveragedGradients] = None  # the gradients part it makes (gradients_part)
+        self.bound: Optional[BoundPlan] = None  # the plan in force and its issuer (plan_bound)
+        self.issuer: Optional[Issuer] = None
+        self.buckets: Tuple[BucketState, ...] = ()
         self.stale: set = set()  # buckets whose update was still pending as this backward began
         self.backward_start = 0.0  # the timeline's clock as this backward began
 
-    # -------------------------------------------------------------- backward
-    def begin_backward(self) -> None:
-        e = self.engine
-        if e.state is TrainingState.REDUCING:  # names the DistOptim that communicated (several on one model)
-            from dearopt.collectives import second_backward_refusal
+    def gradients_part(self, *parts, **named) -> AveragedGradients:
+        """Make the part that holds the averaged gradients between ``backward()`` and ``step()``, given what it
+        reads (:class:`AveragedGradients`' arguments)."""
+        self.gradients = AveragedGradients(*parts, **named)
+        return self.gradients
 
-            raise second_backward_refusal(e)
-        e.pass_id += 1
-        # Buckets still waiting for their update were not reached by this
-        # forward: apply them now (their parameters cannot have gradients
-        # unless they were read before their own module ran).
-        self.stale = {b.index for b in e.buckets if b.pending}
+    # -------------------------------------------------------------- backward
+    def second_backward_refusal(self) -> Optional[UsageError]:
+        """The error for a backward after this step's gradients were sent, or None for the engine's own (which
+        names the ``DistOptim`` that communicated)."""
+        return None
+
+    def begin_backward(self) -> None:
+        """A backward pass begins (the engine moved the life cycle to a new pass): buckets still waiting for
+        their update were not reached by this forward: applied now (their parameters cannot have gradients unless
+        they were read before their own module ran); what user code did to ``p.grad`` taken in; the backward's
+        end queued."""
+        self.stale = {b.index for b in self.buckets if b.pending}
         if self.stale:
-            e.synchronize()
-        e.gradients.reconcile()
-        self.backward_start = e.timeline.now()
+            self.synchronize()
+            self.timeline.flush()
+        self.gradients.reconcile()
+        self.backward_start = self.timeline.now()
         torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
-        e.hook_new_params()
-        e.state = TrainingState.BACKWARD
-        e.planner.watch_link(e.step_count)
-        if e.planner.groups_key() != e.bound.inputs.groups:
-            # a parameter was unfrozen or frozen, or a group added: re-plan, and forget what was derived from the
-            # old set (the profile, Prophet's blocks, the measured choice); the same on every rank
-            e.planner.forget_derived(e.step_count, keep_rule=e.gradients.reads)
-            e.replan(_inside_backward=True)
-        elif e.planner.profile_changes_plan(e.plan):  # rank 0's profile changes it (the same on every rank)
-            e.replan(_inside_backward=True)
-        communicates = (not e.no_sync) and (e.accumulated + 1 >= e.options.backward_passes_per_step)
-        if communicates:
-            e.round = Round(e.step_count, e.forwards)
-            for b in e.buckets:
+
+    def backward_begun(self, sending: bool) -> None:
+        """The backward pass is under way with the plan now in force; ``sending``: its gradients are sent (a
+        round opens)."""
+        life, profile = self.life, self.profile
+        if sending:
+            life.open_round()
+            for b in self.buckets:
                 b.start_round()
-            e.issuer.start_round(e.step_count, e.forwards)
-            e.profile.begin_backward(e.step_count, len(e.plan.params))
+            self.issuer.start_round(life.step_count, life.forwards)
+            profile.begin_backward(life.step_count, len(self.bound.plan.params))
         # C++ counts each bucket's gradients and Python runs once per bucket; the steps that time each gradient for
         # the profile have C++ note the arrival times too (or, without the extension, see every gradient in Python)
-        recording = e.profile.recording
-        e.hooks.gradients.per_param(recording and not e.hooks.gradients.timed(recording))
+        recording = profile.recording
+        gradients = self.hooks.gradients
+        gradients.per_param(recording and not gradients.timed(recording))
 
     def show_predicted_sends(self) -> None:
         """Under a schedule whose buckets come from the profile (Prophet's blocks), each bucket's reduction as the
         link model predicted it, placed in the timeline from this backward's start (the measured ones are on
         the communication lane)."""
-        e = self.engine
-        policy = e.options.policy
-        measured = e.profile.result
-        times = policy.predicted_sends(e.plan, measured) if measured is not None and e.plan else None
-        for bucket, (start, end) in zip(e.plan.buckets if times else (), times or ()):
-            e.timeline.span_at(
+        policy = self.options.policy
+        measured = self.profile.result
+        times = policy.predicted_sends(self.bound.plan, measured) if measured is not None and self.bound.plan else None
+        for bucket, (start, end) in zip(self.bound.plan.buckets if times else (), times or ()):
+            self.timeline.span_at(
                 f"predicted {policy.reduction}",
                 "predicted",
                 self.backward_start + start * 1e6,
@@ -102,40 +137,38 @@ class ExactRounds:
             )
 
     def grad_ready(self, p) -> None:
-        e = self.engine
-        located = e.locate(p)
+        located = self.bound.where.get(id(p))
         if located is None:
             return
         bucket, j = located
         if bucket.index in self.stale:
             self._refuse_stale(bucket, j)
         bucket.take_gradient(p, j)
-        if e.round is None or bucket.stamp[j] == e.pass_id:
+        if self.life.round is None or bucket.stamp[j] == self.life.pass_id:
             return
-        bucket.stamp[j] = e.pass_id
+        bucket.stamp[j] = self.life.pass_id
         bucket.ready += 1
-        if e.profile.recording:
-            e.profile.grad_ready(bucket.spec.params[j])
-            e.issuer.observe()
-        if bucket.complete or e.window.credit is not None:
+        if self.profile.recording:
+            self.profile.grad_ready(bucket.spec.params[j])
+            self.issuer.observe()
+        if bucket.complete or self.window.credit is not None:
             # with a credit window, an op held back for credit may start at any gradient hook once
             # earlier ops have finished, not only when the next bucket completes
-            e.issuer.start_ready(e.round)
+            self.issuer.start_ready(self.life.round)
 
     def bucket_ready(self, b: int) -> None:
         """Every gradient of bucket ``b`` accumulated in this pass (counted in C++; each one moved into its view)."""
-        e = self.engine
-        bucket = e.buckets[b]
+        bucket = self.buckets[b]
         if b in self.stale:
             self._refuse_stale(bucket, 0)
         bucket.take_counted()
-        if e.round is None:
+        if self.life.round is None:
             return
         bucket.ready = len(bucket.params)
-        if e.profile.recording:
-            e.issuer.observe()
-        e.issuer.start_ready(e.round)
-        e.issuer.reap()  # finished ones give their buffers back for the next
+        if self.profile.recording:
+            self.issuer.observe()
+        self.issuer.start_ready(self.life.round)
+        self.issuer.reap()  # finished ones give their buffers back for the next
 
     @staticmethod
     def _refuse_stale(bucket: BucketState, j: int) -> None:
@@ -146,37 +179,32 @@ class ExactRounds:
         )
 
     def end_backward(self) -> None:
-        e = self.engine
-        e.hooks.gradients.expect_backward()
-        if e.hooks.gradients.counting:  # the buckets that did not complete: the gradients C++ counted in them
-            for bucket in e.buckets:
+        self.hooks.gradients.expect_backward()
+        if self.hooks.gradients.counting:  # the buckets that did not complete: the gradients C++ counted in them
+            for bucket in self.buckets:
                 if bucket.ready < len(bucket.params):
-                    counted = e.hooks.gradients.counted(bucket.index)
+                    counted = self.hooks.gradients.counted(bucket.index)
                     if bucket.index in self.stale and any(counted):
                         self._refuse_stale(bucket, counted.index(1))
                     bucket.take_counted(counted)
-        e.timeline.span("backward", "compute", self.backward_start)
-        if e.timeline.enabled:
+        self.timeline.span("backward", "compute", self.backward_start)
+        if self.timeline.enabled:
             self.show_predicted_sends()
-        if e.round is None:
-            e.state = TrainingState.ACCUMULATED
-            e.accumulated += 1
+        if not self.life.backward_ended():
             return
-        e.accumulated = 0
-        e.state = TrainingState.REDUCING
-        for b in e.buckets:  # unused since zero_grad(): a zero gradient (or the bucket would send a stale one)
+        for b in self.buckets:  # unused since zero_grad(): a zero gradient (or the bucket would send a stale one)
             b.clear_stale()
-        if e.profile.recording:
-            if e.hooks.gradients.counting:  # the arrival times C++ noted
-                e.profile.arrived(e.hooks.gradients.arrivals())
-            e.profile.end_backward()
-            e.issuer.observe()
-        e.complete_due(BACKWARD_END)
-        e.gradients.combine(BACKWARD_END)
-        e.round.backward_done = True
-        e.issuer.start_ready(e.round)
-        if e.bound.grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
-            e.hooks.grad_guard.arm(e.bound.grad_views, e.bound.grad_params)
+        if self.profile.recording:
+            if self.hooks.gradients.counting:  # the arrival times C++ noted
+                self.profile.arrived(self.hooks.gradients.arrivals())
+            self.profile.end_backward()
+            self.issuer.observe()
+        self.complete_due(BACKWARD_END)
+        self.gradients.combine(BACKWARD_END)
+        self.life.round.backward_done = True
+        self.issuer.start_ready(self.life.round)
+        if self.bound.grad_params:  # p.grad does not hold the average yet: reading it must finish the reductions
+            self.hooks.grad_guard.arm(self.bound.grad_views, self.bound.grad_params)
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates.
@@ -185,65 +213,68 @@ class ExactRounds:
         rank); ``scaler_checked``: a GradScaler checked the gradients, so the
         ``nonfinite`` policy does not apply to this step.
         """
-        e = self.engine
-        e.hooks.grad_guard.disarm()
-        if e.options.debug and e.bound is not None:
-            e.checks.parameters(e.buckets, e.step_count)
-        e.require_gradients("step")
-        r, g, bound = e.round, e.gradients, e.bound
+        self.hooks.grad_guard.disarm()
+        if self.options.debug and self.bound is not None:
+            self.checks.parameters(self.buckets, self.life.step_count)
+        self.life.require_gradients("step")
+        r, g, bound = self.life.round, self.gradients, self.bound
         if r.gathered:  # p.grad held the average since user code read it: what it holds now is the gradient
             g.take_user_gradients()
         else:
             g.check_writes()
         g.gathered_steps = g.gathered_steps + 1 if r.gathered else 0
         r.scaler_checked = scaler_checked
-        t0 = e.timeline.now()
-        e.complete_due(STEP)
+        t0 = self.timeline.now()
+        self.complete_due(STEP)
         g.combine(STEP)
         r.stepped = True
         regions = [op.piece.region(op.spec.result) for op in bound.checked_at_step]
-        judge = not scaler_checked and e.options.nonfinite != "ignore"
-        agreed = self.share_meta(r.step, judge and g.local_nonfinite()) if e.sharding is not None else None
+        judge = not scaler_checked and self.options.nonfinite != "ignore"
+        agreed = self.share_meta(r.step, judge and g.local_nonfinite()) if self.sharding is not None else None
         # the step tags and this rank's non-finite count in one read from the device
         count = g.nonfinite_count() if judge and agreed is None else None
-        tagged = range(len(e.buckets)) if e.sharding is not None else bound.updates_at.get(STEP, ())
-        count = e.checks.check_tags_of([e.buckets[b] for b in tagged], r.step, extra=count)
+        tagged = range(len(self.buckets)) if self.sharding is not None else bound.updates_at.get(STEP, ())
+        count = self.checks.check_tags_of([self.buckets[b] for b in tagged], r.step, extra=count)
         if judge:
             sharded = any(op.spec.result == "shard" for op in bound.checked_at_step)
-            skip = e.checks.nonfinite(
+            skip = self.checks.nonfinite(
                 regions,
                 sharded,
-                e.buckets,
+                self.buckets,
                 r.step,
                 own=bound.own_gradient_buckets,
                 agreed=agreed,
                 local=None if agreed is not None else bool(count),
             )
-        if e.profile.recording:
-            e.profile.share(e.control, e.issuer.reduction_services(), r.step)
-        e.forwards = 0
-        e.step_count += 1
-        e.state = TrainingState.IDLE
+        if self.profile.recording:
+            self.profile.share(self.control, self.issuer.reduction_services(), r.step)
+        self.life.stepped(skip)
         if skip:  # the same decision on every rank: finish what was started, apply nothing
-            e.issuer.complete_started()
-            e.skipped_steps += 1
+            self.issuer.complete_started()
             self.finish_round()
             return
-        for b in e.buckets:
+        for b in self.buckets:
             b.pending = True
-        r.updates_left = len(e.buckets)
-        e.updater.begin_step(sum(1 for b in e.buckets if b.has_members))
-        if e.sharding is not None:
+        r.updates_left = len(self.buckets)
+        self.updater.begin_step(sum(1 for b in self.buckets if b.has_members))
+        if self.sharding is not None:
             self.update_shards()
-        self.update([e.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
-        if e.round is not None:
-            e.issuer.start_ready(e.round)  # the ops that start at step()
-            e.hooks.guard.arm((p, b.index) for b in e.buckets if b.pending for p in b.params)
-            e.hooks.gates.arm(e.round.forward_reached)  # the next forward reaches each bucket's moment
-        e.timeline.span("step", "update", t0)
+        self.update([self.buckets[b] for b in bound.updates_at.get(STEP, ())], tags_checked=True)
+        if self.life.round is not None:
+            self.issuer.start_ready(self.life.round)  # the ops that start at step()
+            self.hooks.guard.arm((p, b.index) for b in self.buckets if b.pending for p in b.params)
+            self.hooks.gates.arm(self.life.round.forward_reached)  # the next forward reaches each bucket's moment
+        self.timeline.span("step", "update", t0)
 
-    def plan_bound(self) -> None:
-        """A new bound plan is in force (nothing of the exact rounds depends on the old one)."""
+    def plan_bound(self, bound: BoundPlan, issuer: Issuer) -> BoundPlan:
+        """A new bound plan is in force, with the issuer of its ops (nothing of the exact rounds depends on the
+        old one); returns it as these rounds carry it out (as it is)."""
+        self.bound, self.issuer, self.buckets, self.window = bound, issuer, bound.buckets, issuer.window
+        return bound
+
+    def complete_due(self, point: Point) -> None:
+        """Start, wait for and complete the ops due at ``point`` (before the moment is marked as reached)."""
+        self.issuer.force_and_complete(self.bound.due.get(point, ()), self.life.round, host=self.profile.recording)
 
     # ------------------------------------------------ the moments protocol
     def forward_started(self) -> None:
@@ -251,21 +282,21 @@ class ExactRounds:
 
     def reach_bucket(self, bucket: int) -> None:
         """The forward gate: a module of ``bucket`` is about to run: the moments of the buckets up to it."""
-        r = self.engine.round
+        r = self.life.round
         if r is not None and r.stepped and bucket > r.forward_reached:
             self.reach_forward(bucket)
 
     def touched(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after ``step()``: its pending updates first."""
-        r = self.engine.round
+        r = self.life.round
         if r is not None and r.stepped:
             self.reach_forward(bucket)
 
     def synchronize(self) -> None:
         """Apply every pending update now."""
-        r = self.engine.round
+        r = self.life.round
         if r is not None and r.stepped:
-            self.reach_forward(len(self.engine.buckets) - 1)
+            self.reach_forward(len(self.buckets) - 1)
 
     def may_replan(self) -> None:
         """A re-plan is about to happen (every update of an exact round lands by the next forward: allowed)."""
@@ -277,19 +308,18 @@ class ExactRounds:
 
     def reach_forward(self, target: int) -> None:
         """The forward reached bucket ``target``: carry out every bucket's forward moment up to it, in order."""
-        e = self.engine
-        while e.round is not None and e.round.forward_reached < target:
-            k = e.round.forward_reached + 1
+        while self.life.round is not None and self.life.round.forward_reached < target:
+            k = self.life.round.forward_reached + 1
             point = forward_of(k)
             t0 = time.perf_counter()
-            e.complete_due(point)
-            e.profile.forward_waited(time.perf_counter() - t0)
-            e.round.forward_reached = k
-            e.hooks.gates.reached = k
-            e.issuer.start_ready(e.round)  # e.g. prefetch the next bucket's all-gather
-            due = e.bound.updates_at.get(point, ())
+            self.complete_due(point)
+            self.profile.forward_waited(time.perf_counter() - t0)
+            self.life.round.forward_reached = k
+            self.hooks.gates.reached = k
+            self.issuer.start_ready(self.life.round)  # e.g. prefetch the next bucket's all-gather
+            due = self.bound.updates_at.get(point, ())
             if due:
-                self.update([e.buckets[b] for b in due], tags_checked=False)
+                self.update([self.buckets[b] for b in due], tags_checked=False)
 
     def share_meta(self, step: int, nonfinite: bool) -> bool:
         """Sharded update: every bucket's used flags and step tags summed over ranks on the control channel, with
@@ -300,23 +330,22 @@ class ExactRounds:
         wrote into its buffers' tails before the reduce-scatter (its used flags and its step tag, known on the
         host): the reduce-scatter wrote its sums into the same buffers since (the shard is the buffer's own
         region)."""
-        e = self.engine
-        if e.world == 1:
+        if self.world == 1:
             return nonfinite
         values = [1.0 if nonfinite else 0.0]
-        for b in e.buckets:
+        for b in self.buckets:
             values += [1.0 if u else 0.0 for u in b.used]
-            values += [float(b.meta_tag) if r == e.rank else 0.0 for r in range(e.world)]
-        meta = torch.tensor(values, dtype=torch.float64, device=e.control.device)
-        e.control.all_reduce(meta, "sum", step=step).wait()
-        meta = meta.to(e.buckets[0].buffer.device)
+            values += [float(b.meta_tag) if r == self.rank else 0.0 for r in range(self.world)]
+        meta = torch.tensor(values, dtype=torch.float64, device=self.control.device)
+        self.control.all_reduce(meta, "sum", step=step).wait()
+        meta = meta.to(self.buckets[0].buffer.device)
         found = float(meta[0]) > 0
         offset = 1
-        for b in e.buckets:
+        for b in self.buckets:
             n = len(b.params)
             b.flags.copy_(meta[offset : offset + n])
-            b.tags.copy_(meta[offset + n : offset + n + e.world])
-            offset += n + e.world
+            b.tags.copy_(meta[offset + n : offset + n + self.world])
+            offset += n + self.world
             b.mark_seen()
         return found
 
@@ -324,11 +353,10 @@ class ExactRounds:
         """Which parameters of the bucket the update includes: those some rank produced a gradient for, and
         those unused on every rank that keep the gradient they had (none after ``zero_grad(set_to_none=True)``,
         so the optimizer skips them, else their last one)."""
-        e = self.engine
-        used = e.checks.used(bucket)
-        for owner, j, twin, k, _ in e.bound.combines:  # a tied weight is used where its twin was
+        used = self.checks.used(bucket)
+        for owner, j, twin, k, _ in self.bound.combines:  # a tied weight is used where its twin was
             if owner is bucket:
-                used[j] = used[j] or e.checks.used(twin)[k]
+                used[j] = used[j] or self.checks.used(twin)[k]
         include = [u or had for u, had in zip(used, bucket.has_grad)]
         bucket.has_grad = include
         return include
@@ -337,56 +365,52 @@ class ExactRounds:
         """Sharded update, at ``step()``: each bucket's optimizer update on this rank's shard, in bucket order; the
         all-gathers that start from here on carry the updated parameters.  The whole averaged gradient exists on
         no rank, so every ``p.grad`` becomes None (as after ``zero_grad(set_to_none=True)``)."""
-        e = self.engine
-        e.sharding.prepare(e.buckets, e.plan.fingerprint())
-        for bucket in e.buckets:
-            t0 = e.timeline.now()
+        self.sharding.prepare(self.buckets, self.bound.plan.fingerprint())
+        for bucket in self.buckets:
+            t0 = self.timeline.now()
             include = self.included(bucket)
             if bucket.has_members:
-                e.sharding.apply(bucket, include, e.updater)
+                self.sharding.apply(bucket, include, self.updater)
             bucket.zero(set_to_none=True)
-            e.round.shards_updated = bucket.index + 1
-            e.timeline.span("update shard", "update", t0, bucket=bucket.index)
-            e.issuer.start_ready(e.round)  # its gather (due first in forward) overlaps the next updates
+            self.life.round.shards_updated = bucket.index + 1
+            self.timeline.span("update shard", "update", t0, bucket=bucket.index)
+            self.issuer.start_ready(self.life.round)  # its gather (due first in forward) overlaps the next updates
 
     def update(self, buckets: List[BucketState], tags_checked: bool) -> None:
         """The optimizer's update of ``buckets``, due at the same moment: each checked, then one call of the
         wrapped optimizer over all of them (:meth:`BucketUpdater.apply_buckets`), then each landed."""
-        e = self.engine
-        t0 = e.timeline.now()
-        e.hooks.guard.release(p for b in buckets for p in b.params)  # current from here on
-        if e.sharding is None:  # sharded: updated at step(); the all-gather just completed brought them
-            step, chosen = e.round.step, []
+        t0 = self.timeline.now()
+        self.hooks.guard.release(p for b in buckets for p in b.params)  # current from here on
+        if self.sharding is None:  # sharded: updated at step(); the all-gather just completed brought them
+            step, chosen = self.life.round.step, []
             for bucket in buckets:
                 if not tags_checked:
-                    e.checks.check_tags(bucket, step)
-                if bucket.index in e.bound.late_checked and not e.round.scaler_checked:
-                    e.checks.nonfinite_bucket(bucket, e.buckets, step)
+                    self.checks.check_tags(bucket, step)
+                if bucket.index in self.bound.late_checked and not self.life.round.scaler_checked:
+                    self.checks.nonfinite_bucket(bucket, self.buckets, step)
                 include = self.included(bucket)
                 if bucket.has_members:
                     bucket.restore_views()  # zero_grad(set_to_none=True) may have come first and set p.grad to None
                     chosen.append((bucket, include))
             if chosen:
-                e.updater.apply_buckets(chosen)
+                self.updater.apply_buckets(chosen)
         for bucket in buckets:
             self.updated(bucket, t0)
 
     def updated(self, bucket: BucketState, t0: float) -> None:
         """The bucket's update is in its parameters: no longer pending; the round ends with the last one."""
-        e = self.engine
         bucket.pending = False
         if bucket.zero_after_update is not None:
             bucket.zero(bucket.zero_after_update)
             bucket.zero_after_update = None
-        e.timeline.span("update", "update", t0, bucket=bucket.index)
-        e.round.updates_left -= 1
-        if e.round.updates_left == 0:
+        self.timeline.span("update", "update", t0, bucket=bucket.index)
+        self.life.round.updates_left -= 1
+        if self.life.round.updates_left == 0:
             self.finish_round()
 
     def finish_round(self) -> None:
-        e = self.engine
-        e.round = None
-        e.hooks.guard.disarm()
-        e.hooks.gates.disarm()
-        if e.on_step_landed is not None:
-            e.on_step_landed()
+        self.life.close_round()
+        self.hooks.guard.disarm()
+        self.hooks.gates.disarm()
+        if self.on_step_landed is not None:
+            self.on_step_landed()

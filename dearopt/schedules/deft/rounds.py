@@ -88,7 +88,7 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -217,11 +217,14 @@ class DelayedGradients(AveragedGradients):
     backward made them, so ``p.grad`` may not change; clipping acts on the group the step applies; unscaling and
     reducing now are refused by name."""
 
+    def __init__(self, *parts, applied: Callable[[], tuple], **named):
+        super().__init__(*parts, **named)
+        self.applied = applied  # the group this step applies and the factor that makes its sums the average
+
     def check_writes(self) -> None:
         """The step's gradients were copied into the group (or the held sum) as backward made them: a change of
         ``p.grad`` after that would be lost, on any number of ranks."""
-        e = self.engine
-        for b in e.buckets:
+        for b in self.bound.buckets:
             replaced = b.replaced_gradients()
             if replaced or b.written_by_others():
                 what = replaced[:3] or b.names[:3]
@@ -230,31 +233,17 @@ class DelayedGradients(AveragedGradients):
                     f"schedule='deft' they were already taken into a delayed group, so the change "
                     f"would be lost (to clip, call optimizer.clip_grad_norm_(...) or "
                     f"clip_grad_value_(...): they clip the group the step applies) "
-                    f"[rank {e.rank}, step {e.step_count}]"
+                    f"[rank {self.rank}, step {self.life.step_count}]"
                 )
 
     def _applied_now(self) -> tuple:
         """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
-        its sums the average, or ``(None, 0.0)`` at a step that applies none."""
-        e = self.engine
-        e.require_gradients("clip the gradients")
-        if e.rounds.apply_mode == "bucket" and e.step_count >= e.rounds.offset:
-            raise UsageError(
-                "under DeFT(apply='bucket') a group's buckets are applied at different steps, so no "
-                "step applies one whole average to clip: pass schedule=dearopt.DeFT(apply='group') (now "
-                "dearopt.DeFT(apply='group')) to clip with "
-                "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)"
-            )
-        it = e.rounds.iteration
-        group = e.rounds.new_group if it.applies == 0 else e.rounds.group if it.applies is not None else None
-        if group is None:
-            return None, 0.0
-        e.rounds.wait_group(group)
-        return group, 1.0 / (e.world * group.covers)
+        its sums the average, or ``(None, 0.0)`` at a step that applies none (:meth:`DelayedRounds.applied_now`)."""
+        self.life.require_gradients("clip the gradients")
+        return self.applied()
 
     def _sum_regions(self, group: _Group) -> List[torch.Tensor]:
-        e = self.engine
-        return [group.storage[b.index][: b.spec.grad_numel] for b in e.buckets]
+        return [group.storage[b.index][: b.spec.grad_numel] for b in self.bound.buckets]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the average this step applies (the group's, over every step it covers) by its global norm, as
@@ -326,7 +315,7 @@ class DeftMeasurement:
     def measuring(self, step: int) -> bool:
         """Whether this is measuring step ``step`` (1: compute times, 2: each all-reduce alone)."""
         e = self.engine
-        return e.rounds.offset > 0 and e.step_count == self.measure_from + step and e.plan is not None
+        return e.rounds.offset > 0 and e.life.step_count == self.measure_from + step and e.plan is not None
 
     def measured_times(self) -> tuple:
         """Per unit: forward and backward seconds from step 1's marks (per bucket), all-reduce seconds from
@@ -405,7 +394,7 @@ class DeftMeasurement:
                     )
                 finally:
                     e.rounds.replanning = False
-                self.measure_from, e.rounds.offset = e.step_count, e.step_count + MEASURED_STEPS
+                self.measure_from, e.rounds.offset = e.life.step_count, e.life.step_count + MEASURED_STEPS
                 self.marks, self.comm, self.comm_second, self.losses, self.dots = {}, {}, {}, {}, {}
                 self.comm_rsag = {}
                 return
@@ -427,7 +416,7 @@ class DeftMeasurement:
         steps = sorted(self.dots)
         rows = [[self.dots[s], self.dots[s] ** 2, self.losses.get(s, math.nan)] for s in steps]
         total = torch.tensor(rows, dtype=torch.float64, device=e.control.device)
-        e.control.all_reduce(total, "sum", step=e.step_count).wait()
+        e.control.all_reduce(total, "sum", step=e.life.step_count).wait()
         total = total.cpu()
         n = e.world
         dot = total[:, 0] / n  # the averaged gradient . the update, per step
@@ -438,7 +427,7 @@ class DeftMeasurement:
                 f"schedule='deft' checks its solved schedule's convergence (the Preserver) from the "
                 f"training loss of its first {len(steps)} steps, and not every rank reported one: "
                 f"pass it as optimizer.step(loss=loss) on every rank, or preserver=None to use the "
-                f"solver's schedule unchecked [rank {e.rank}, step {e.step_count}]"
+                f"solver's schedule unchecked [rank {e.rank}, step {e.life.step_count}]"
             )
         return loss, -float(dot.mean()), math.sqrt(float(var.mean()) / n)
 
@@ -465,14 +454,19 @@ class DeftMeasurement:
                 f"{len(e.rounds.units)} pieces, numbered from the input side): {exc}. A smaller "
                 f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
                 f"the fixed cost per collective does, this model computes too little per step for "
-                f"DeFT [rank {e.rank}, step {e.step_count}]"
+                f"DeFT [rank {e.rank}, step {e.life.step_count}]"
             ) from None
 
     def record_loss(self, loss) -> None:
         """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
         e = self.engine
-        if self.preserver is not None and e.rounds.deft is None and e.step_count < e.rounds.offset:
-            self.losses[e.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
+        if self.preserver is not None and e.rounds.deft is None and e.life.step_count < e.rounds.offset:
+            self.losses[e.life.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
+
+
+_SECOND_BACKWARD = (
+    "backward() was called again before step(): under schedule='deft' every backward is one step of the schedule"
+)
 
 
 class DelayedRounds:
@@ -538,14 +532,39 @@ class DelayedRounds:
         self._new_cursor = 0
         self._forward_sent_at = -1
         self.loaded: Optional[dict] = None  # a checkpoint's group sums, until the plan exists to check them
+        self.gradients: Optional[DelayedGradients] = None  # the gradients part it makes (gradients_part)
+
+    def gradients_part(self, *parts, **named) -> DelayedGradients:
+        """Make the part that holds a step's gradients between ``backward()`` and ``step()`` (clipping acts on the
+        group the step applies: :meth:`applied_now`)."""
+        self.gradients = DelayedGradients(*parts, applied=self.applied_now, **named)
+        return self.gradients
+
+    def applied_now(self) -> tuple:
+        """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
+        its sums the average, or ``(None, 0.0)`` at a step that applies none."""
+        e = self.engine
+        if self.apply_mode == "bucket" and e.life.step_count >= self.offset:
+            raise UsageError(
+                "under DeFT(apply='bucket') a group's buckets are applied at different steps, so no "
+                "step applies one whole average to clip: pass schedule=dearopt.DeFT(apply='group') (now "
+                "dearopt.DeFT(apply='group')) to clip with "
+                "optimizer.clip_grad_norm_/clip_grad_value_ (each step then clips the group it applies)"
+            )
+        it = self.iteration
+        group = self.new_group if it.applies == 0 else self.group if it.applies is not None else None
+        if group is None:
+            return None, 0.0
+        self.wait_group(group)
+        return group, 1.0 / (e.world * group.covers)
 
     # --------------------------------------------------------------- plan
-    def plan_bound(self) -> None:
+    def plan_bound(self, bound, issuer):
         """The plan's buckets are new (never reused: the schedule's state is per bucket): its units, and a solved
-        or restored schedule checked against them."""
+        or restored schedule checked against them; returns the bound plan as these rounds carry it out (``p.grad``
+        holds this rank's own gradient after backward: changes to it are refused)."""
         e = self.engine
-        # p.grad holds this rank's own gradient: changes must be refused
-        e.bound = dataclasses.replace(e.bound, final_after_backward=frozenset())
+        bound = dataclasses.replace(bound, final_after_backward=frozenset())
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
         self.units = plan_units(e.plan)
         self.units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in e.buckets]
@@ -561,6 +580,7 @@ class DelayedRounds:
             )
         if self.loaded is not None:
             _restore(self, self.loaded)
+        return bound
 
     measured = property(lambda self: self.measurement.measured, doc="The times the schedule was solved from.")
     preserved = property(lambda self: self.measurement.preserved, doc="The Preserver's outcome, once solved.")
@@ -569,12 +589,12 @@ class DelayedRounds:
     @property
     def iteration(self) -> DeftIteration:
         e = self.engine
-        if e.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
+        if e.life.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
             n = len(self.units)
-            alone = e.step_count == self.offset - 1 and self.measurement.times_alone  # timed in end_backward
+            alone = e.life.step_count == self.offset - 1 and self.measurement.times_alone  # timed in end_backward
             send = () if alone else tuple(range(n - 1, -1, -1))
             return DeftIteration(4, (), (), send, False, 0, 1)
-        return self.deft.iteration(e.step_count - self.offset)
+        return self.deft.iteration(e.life.step_count - self.offset)
 
     def unit_nbytes(self, u: int) -> int:
         e = self.engine
@@ -593,7 +613,7 @@ class DelayedRounds:
         the link the schedule gives it (measuring steps: the first)."""
         e = self.engine
         group.sent.add(u)
-        scheduled = e.step_count >= self.offset
+        scheduled = e.life.step_count >= self.offset
         on_second = self.second is not None and scheduled and self.iteration.link(u, new)
         b, k = self.units[u]
         rsag = self.reduction == RSAG and scheduled and not on_second
@@ -602,7 +622,7 @@ class DelayedRounds:
             self._unit_tensor(group, u),
             bucket=b,
             piece=k,
-            step=e.step_count,
+            step=e.life.step_count,
             link=self.second if on_second else self.rsag if rsag else None,
             shard=self._shard(u, group.serial % 2) if rsag else None,
             label=f"{kind} unit {u}",
@@ -626,36 +646,39 @@ class DelayedRounds:
         """Case 1: the old group's buckets the schedule sends while the forward computes, once per step (at the
         forward's start; or at backward's start where the plan was made only then, after a resume)."""
         e = self.engine
-        if self._forward_sent_at != e.step_count and self.iteration.forward:
-            self._forward_sent_at = e.step_count
+        if self._forward_sent_at != e.life.step_count and self.iteration.forward:
+            self._forward_sent_at = e.life.step_count
             for u in self.iteration.forward:
                 self._all_reduce(self.group, u)
 
     # ----------------------------------------------------------- backward
+    replans_in_backward = False  # its groups span iterations: a changed input is refused, not re-planned
+
+    second_backward_refusal = staticmethod(
+        lambda: UsageError(_SECOND_BACKWARD)
+    )  # the error for a backward before step()
+
     def begin_backward(self) -> None:
+        """A backward pass begins (the engine moved the life cycle to a new pass)."""
         e = self.engine
-        if e.state is TrainingState.REDUCING:
-            raise UsageError(
-                "backward() was called again before step(): under schedule='deft' every backward "
-                "is one step of the schedule"
-            )
-        e.pass_id += 1
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
         self.stale = set(self.updates.due_buckets)
         self.updates.apply_due()
         for b in e.buckets:  # what user code did to p.grad since (model.zero_grad(), p.grad = None, ...)
             b.reconcile()
-        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
-        e.hook_new_params()
         if any(id(p) not in e.bound.where for p in e.planner.trainable()):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
-        e.state = TrainingState.BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
+
+    def backward_begun(self, sending: bool) -> None:
+        """The backward pass is under way; ``sending``: this step of the schedule communicates."""
+        e = self.engine
         self.backward_start = e.timeline.now()
         # inside no_sync(), or before the last of backward_passes_per_step: the gradients accumulate in p.grad
         # and this step of the schedule begins with the backward that communicates (its forward stage's sends
         # started with the step's first forward and run on meanwhile)
-        self._accumulating = e.no_sync or e.accumulated + 1 < e.options.backward_passes_per_step
+        self._accumulating = not sending
         if self._accumulating:
             return
         if self.measurement.measuring(1):
@@ -668,7 +691,7 @@ class DelayedRounds:
             self.wait_group(self.group)
             if not it.held and it.applies is None:  # a given schedule may say so; nothing is in flight yet
                 raise UsageError(
-                    f"the DeFT schedule forms a new group at step {e.step_count} while the group "
+                    f"the DeFT schedule forms a new group at step {e.life.step_count} while the group "
                     f"in flight is not applied at that step: its gradients would be lost (a given "
                     f"DeFT(given=...) must apply each group before the next forms) [rank {e.rank}]"
                 )
@@ -682,7 +705,7 @@ class DelayedRounds:
 
     def grad_ready(self, p) -> None:
         e = self.engine
-        located = e.locate(p)
+        located = e.bound.where.get(id(p))  # (the engine made the plan and began the pass)
         e.issuer.poll_sends()
         if located is None:
             return
@@ -696,8 +719,8 @@ class DelayedRounds:
         bucket.take_gradient(p, j)
         if self._accumulating:
             return
-        if bucket.stamp[j] != e.pass_id:
-            bucket.stamp[j] = e.pass_id
+        if bucket.stamp[j] != e.life.pass_id:
+            bucket.stamp[j] = e.life.pass_id
             bucket.ready += 1
         if bucket.complete:
             if self.measurement.measuring(1):
@@ -743,12 +766,8 @@ class DelayedRounds:
         e = self.engine
         e.hooks.gradients.expect_backward()
         e.timeline.span("backward", "compute", self.backward_start)
-        if self._accumulating:
-            e.state = TrainingState.ACCUMULATED
-            e.accumulated += 1
+        if not e.life.backward_ended():
             return
-        e.accumulated = 0
-        e.state = TrainingState.REDUCING
         for b in e.buckets:  # unused since zero_grad(): a zero gradient
             b.clear_stale()
         if self.new_group is None:  # Case 2: this step's gradients are held, summed with what was held before
@@ -770,12 +789,12 @@ class DelayedRounds:
                 if self.second is not None:  # the same bytes on the second link (a scratch copy), alone
                     scratch = self._unit_tensor(self.new_group, u).clone()
                     t0 = time.perf_counter()
-                    self.second.all_reduce(scratch, "sum", bucket=b, step=e.step_count).wait()
+                    self.second.all_reduce(scratch, "sum", bucket=b, step=e.life.step_count).wait()
                     self.measurement.comm_second[u] = time.perf_counter() - t0
                 if self.rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
                     scratch = self._unit_tensor(self.new_group, u).clone()
                     t0 = time.perf_counter()
-                    self.rsag.start(scratch, self._shard(u), bucket=b, step=e.step_count).wait()
+                    self.rsag.start(scratch, self._shard(u), bucket=b, step=e.life.step_count).wait()
                     self.measurement.comm_rsag[u] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._all_reduce(self.new_group, u)
@@ -807,8 +826,8 @@ class DelayedRounds:
                 "GradScaler is not supported under schedule='deft' yet: a group applied later covers "
                 "steps scaled differently"
             )
-        e.require_gradients("step")
-        e.gradients.check_writes()
+        e.life.require_gradients("step")
+        self.gradients.check_writes()
         t0 = e.timeline.now()
         it = self.iteration
         # only the group applied now is waited for: the sends of the group this backward formed run on into the
@@ -825,10 +844,8 @@ class DelayedRounds:
             self.group = None
         if self.new_group is not None:  # (a group in flight and not applied was refused when this backward began)
             self.group, self.new_group = self.new_group, None
-        e.forwards = 0
-        e.step_count += 1
-        e.state = TrainingState.IDLE
-        if self.deft is None and e.step_count == self.offset:
+        e.life.stepped(False)
+        if self.deft is None and e.life.step_count == self.offset:
             self.measurement.solve_measured()
         e.timeline.span("step", "update", t0)
         if self.updates.due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
@@ -853,7 +870,9 @@ class DelayedRounds:
         e = self.engine
         if e.plan is None:
             return
-        if self.measurement.measuring(1) and e.forwards == 1:  # the step's first forward (more where it accumulates)
+        if (
+            self.measurement.measuring(1) and e.life.forwards == 1
+        ):  # the step's first forward (more where it accumulates)
             self.measurement.marks = {"start": time.perf_counter()}
         self._send_forward_stage()
 
@@ -880,7 +899,7 @@ class DelayedRounds:
         """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
         nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
         e = self.engine
-        if e.state is TrainingState.IDLE:
+        if e.life.state is TrainingState.IDLE:
             self.updates.apply_due()
             self.wait_group(self.group)
 
@@ -935,7 +954,7 @@ class GroupUpdates:
                     "the DeFT schedule applies a group not every bucket of which was sent: the "
                     "solver and the executor disagree"
                 )
-            self.applied_steps.append(e.step_count)
+            self.applied_steps.append(e.life.step_count)
             r.group = None
         if fresh:
             e.updater.begin_step(fresh)
@@ -1006,12 +1025,12 @@ class GroupUpdates:
             for p, grad in saved.values():
                 p.grad = grad
         if measure:  # p.grad is this rank's own gradient again
-            r.measurement.dots[e.step_count] = sum(
+            r.measurement.dots[e.life.step_count] = sum(
                 float(torch.sum(p.grad.double() * (p.detach() - old).double()))
                 for p, old in before
                 if p.grad is not None
             )
-        self.applied_steps.append(e.step_count)
+        self.applied_steps.append(e.life.step_count)
 
     def take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
         """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
@@ -1032,7 +1051,7 @@ class GroupUpdates:
                 rank=e.rank,
                 op="update",
                 bucket=bucket.index,
-                step=e.step_count,
+                step=e.life.step_count,
             )
         for gi, params in enumerate(bucket.group_members):
             for p in params:
@@ -1047,7 +1066,7 @@ class GroupUpdates:
 def save_groups(rounds) -> dict:
     """``deft``'s checkpoint: the schedule, the step within it and this rank's group sums."""
     e = rounds.engine
-    if e.state is not TrainingState.IDLE:
+    if e.life.state is not TrainingState.IDLE:
         raise UsageError("save the optimizer's state between step() and the next backward()")
     if rounds.deft is None and rounds.offset and e.plan is not None:
         raise UsageError(
@@ -1071,7 +1090,7 @@ def save_groups(rounds) -> dict:
     rounds.updates.apply_due()  # the parameters saved are current
     rounds.wait_group(rounds.group)  # its sends may still be in flight (step() waits only for a group it applies)
     return {
-        "step": e.step_count,
+        "step": e.life.step_count,
         "apply": rounds.apply_mode,
         "schedule": rounds.deft,
         "offset": rounds.offset,
@@ -1088,7 +1107,7 @@ def save_groups(rounds) -> dict:
 def load_groups(rounds, saved: dict) -> None:
     """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
     e = rounds.engine
-    if e.state is not TrainingState.IDLE:
+    if e.life.state is not TrainingState.IDLE:
         raise UsageError("load the optimizer's state between step() and the next backward()")
     if saved.get("apply", "group") == "bucket" and rounds.apply_mode == "group":
         raise UsageError(
@@ -1102,7 +1121,7 @@ def load_groups(rounds, saved: dict) -> None:
     rounds.updates.due_buckets.clear()  # the replaced run's pending updates: the checkpoint supersedes them
     rounds.updates.due_landing = False
     e.guard.disarm()
-    e.step_count = int(saved["step"])
+    e.life.restore(int(saved["step"]))
     rounds.deft = saved["schedule"]
     rounds.offset, rounds.measurement.measured = saved.get("offset", 0), saved.get("measured")
     rounds.measurement.preserved = saved.get("preserved")
