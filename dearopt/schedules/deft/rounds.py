@@ -88,16 +88,12 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dearopt.errors import NonFiniteGradientError, UsageError
-from dearopt.backends.base import CollectiveBackend
-from dearopt.engine.bound_plan import Planner
 from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle, TrainingState
-from dearopt.engine.timeline import Timeline
-from dearopt.engine.updates import BucketUpdater
 from dearopt.engine.gradients import AveragedGradients
 from dearopt.planning.profile import fit_link
 from dearopt.schedules.deft.schedule import (
@@ -108,6 +104,12 @@ from dearopt.schedules.deft.schedule import (
     check_partition,
     deft_schedule,
 )
+
+if TYPE_CHECKING:  # (annotations only: DeftParts is given these parts, never imports their modules to run)
+    from dearopt.backends.base import CollectiveBackend
+    from dearopt.engine.bound_plan import Planner
+    from dearopt.engine.timeline import Timeline
+    from dearopt.engine.updates import BucketUpdater
 
 __all__ = ["DelayedRounds", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE", "RSAG"]
 
