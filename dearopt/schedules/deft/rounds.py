@@ -887,10 +887,13 @@ class DelayedRounds:
         # next forward (the link stays busy; the next backward waits for them with the forward stage's sends)
         if it.applies == 0:  # a measuring step: exact, applied at once
             self.wait_group(self.new_group)
-            self.updates.apply(self.new_group, measure=self.measurement.preserver is not None)
+            dot = self.updates.apply(self.new_group, measure=self.measurement.preserver is not None)
+            if dot is not None:  # the Preserver's input
+                self.measurement.dots[e.life.step_count] = dot
             self.new_group = None
         elif self.apply_mode == "bucket":
             self.updates.hand_over(it)
+            self.group = None if it.applies is not None else self.group  # (applied: every bucket of it handed over)
         elif it.applies is not None:
             self.wait_group(self.group)
             self.updates.apply(self.group)
@@ -989,7 +992,7 @@ class GroupUpdates:
     def hand_over(self, it: DeftIteration) -> None:
         """``DeFT(apply="bucket")``: every bucket of the groups in flight all of whose pieces are sent by the end
         of this iteration becomes due, to be applied (with this step's hyperparameters) before its parameters are
-        next used; a group the schedule applies now must have none left."""
+        next used; a group the schedule applies now must have none left (its rounds then let it go)."""
         r = self.rounds
         e = self.parts
         fresh = 0
@@ -1008,7 +1011,6 @@ class GroupUpdates:
                     "solver and the executor disagree"
                 )
             self.applied_steps.append(e.life.step_count)
-            r.group = None
         if fresh:
             e.updater.begin_step(fresh)
 
@@ -1055,9 +1057,9 @@ class GroupUpdates:
             if e.on_step_landed is not None:
                 e.on_step_landed()
 
-    def apply(self, group: _Group, measure: bool = False) -> None:
+    def apply(self, group: _Group, measure: bool = False) -> Optional[float]:
         """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
-        ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
+        ``measure``, returns this rank's own gradient dotted with the update it made (the Preserver's input)."""
         r = self.rounds
         e = self.parts
         if group is None or len(group.sent) != len(r.units):
@@ -1077,13 +1079,14 @@ class GroupUpdates:
         finally:
             for p, grad in saved.values():
                 p.grad = grad
+        self.applied_steps.append(e.life.step_count)
         if measure:  # p.grad is this rank's own gradient again
-            r.measurement.dots[e.life.step_count] = sum(
+            return sum(
                 float(torch.sum(p.grad.double() * (p.detach() - old).double()))
                 for p, old in before
                 if p.grad is not None
             )
-        self.applied_steps.append(e.life.step_count)
+        return None
 
     def take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
         """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
