@@ -327,14 +327,14 @@ def test_the_measured_reduction_is_the_pair_only_where_faster_by_the_margin():
 
     from dearopt.schedules.deft.rounds import ALL_REDUCE, RSAG_MARGIN, DeftMeasurement
 
-    m = DeftMeasurement(SimpleNamespace(rounds=SimpleNamespace(rsag=object())), None, None)
+    m = DeftMeasurement(SimpleNamespace(rsag=object()), None, None)
     m.comm = {0: 1.0, 1: 3.0}  # all-reduce of each unit alone: 4 s in all
     for saved, want in ((0.0, ALL_REDUCE), (RSAG_MARGIN / 2, ALL_REDUCE), (2 * RSAG_MARGIN, RSAG)):
         m.comm_rsag = {0: 1.0 * (1 - saved), 1: 3.0 * (1 - saved)}
         assert m.measured_reduction() == want, saved
     m.comm_rsag = {0: 0.1}  # not every unit measured as a pair: all-reduce
     assert m.measured_reduction() == ALL_REDUCE
-    m.engine.rounds.rsag = None  # no pair to choose (one link, no helper)
+    m.rounds.rsag = None  # no pair to choose (one link, no helper)
     m.comm_rsag = {0: 0.1, 1: 0.1}
     assert m.measured_reduction() == ALL_REDUCE
 

@@ -78,6 +78,12 @@ GATHERED_STEPS_TO_ADAPT = 2
 step (torch's clip, ``GradScaler.unscale_``), so the gathers cannot overlap the next forward anyway."""
 
 
+def _delayed_rounds():
+    from dearopt.schedules.deft.rounds import DelayedRounds
+
+    return DelayedRounds
+
+
 class Executor:
     """Carries out a :class:`~dearopt.planning.plan.Plan` for one model and optimizer (see the module)."""
 
@@ -151,28 +157,17 @@ class Executor:
         )
         self.bound: Optional[BoundPlan] = None  # the plan on the tensors (set by _build_plan)
         self.issuer: Optional[Issuer] = None
-        if options.policy.delays_updates:  # a step's gradients may be applied at a later step (deft)
-            from dearopt.schedules.deft.rounds import DelayedRounds as Rounds
-        else:
-            Rounds = ExactRounds
+        Rounds = _delayed_rounds() if options.policy.delays_updates else ExactRounds  # (deft: may be applied later)
         self._buffers = None  # the model's buffers, listed again with each plan
         self.hooks = EngineHooks(self, model, every_module=Rounds.every_module)
-        # the moments protocol: what a step's gradients do, from backward to update
+        # the moments protocol: what a step's gradients do, from backward to update, given the parts it reads
+        parts = (self.life, self.hooks, self.profile, self.timeline, self.checks, self.control, self.updater)
         if Rounds is ExactRounds:
-            self.rounds = ExactRounds(
-                self.life,
-                self.hooks,
-                self.profile,
-                self.timeline,
-                self.checks,
-                self.control,
-                self.updater,
-                options,
-                sharding=self.sharding,
-                on_step_landed=on_step_landed,
-            )
+            self.rounds = ExactRounds(*parts, options, sharding=self.sharding, on_step_landed=on_step_landed)
         else:
-            self.rounds = Rounds(self)
+            self.rounds, self.comm_hook = Rounds.of(
+                parts, backend, optimizer, self.planner, options, self.comm_hook, on_step_landed
+            )
         # the averaged gradients between backward() and step(): the rounds part's kind, given what it reads
         self.gradients = self.rounds.gradients_part(
             self.life,
@@ -465,7 +460,9 @@ class Executor:
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""
-        self.rounds.step(skip, scaler_checked)
+        replan = self.rounds.step(skip, scaler_checked)  # (deft's measuring steps may ask for smaller buckets)
+        if replan is not None:
+            self.replan(**replan)
 
     # ----------------------------------------------------------------- step
     def _gradients_requested(self, bucket: int) -> None:

@@ -88,12 +88,12 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dearopt.errors import NonFiniteGradientError, UsageError
-from dearopt.engine.hooks import EngineHook, TrainingState
+from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle, TrainingState
 from dearopt.engine.gradients import AveragedGradients
 from dearopt.planning.profile import fit_link
 from dearopt.schedules.deft.schedule import (
@@ -104,6 +104,12 @@ from dearopt.schedules.deft.schedule import (
     check_partition,
     deft_schedule,
 )
+
+if TYPE_CHECKING:  # (annotations only: DeftParts is given these parts, never imports their modules to run)
+    from dearopt.backends.base import CollectiveBackend
+    from dearopt.engine.bound_plan import Planner
+    from dearopt.engine.timeline import Timeline
+    from dearopt.engine.updates import BucketUpdater
 
 __all__ = ["DelayedRounds", "deft_times", "plan_units", "profile_reduction", "MEASURED_STEPS", "ALL_REDUCE", "RSAG"]
 
@@ -290,8 +296,8 @@ class DeftMeasurement:
     drift and noise for the Preserver); rank 0's numbers are shared, every rank solves the same schedule, and a
     piece that outlasts a stage re-partitions the buckets (at most :data:`REPARTITIONS` times)."""
 
-    def __init__(self, engine, preserver: Optional[Preserver], profile):
-        self.engine = engine
+    def __init__(self, rounds, preserver: Optional[Preserver], profile):
+        self.rounds = rounds  # the DelayedRounds it measures for (its units, links and schedule)
         self.preserver = preserver
         self.preserved: Optional[Preserved] = None  # the Preserver's outcome, once solved
         self.profile = profile  # a dearopt.sim.Profile the times come from (no measuring of them)
@@ -309,19 +315,20 @@ class DeftMeasurement:
     def times_alone(self) -> bool:
         """Whether the last measuring step times each bucket's all-reduce alone: for the times (no profile), or
         for the second link's ratio ``mu``."""
-        e = self.engine
-        return self.profile is None or e.rounds.second is not None
+        r = self.rounds
+        return self.profile is None or r.second is not None
 
     def measuring(self, step: int) -> bool:
         """Whether this is measuring step ``step`` (1: compute times, 2: each all-reduce alone)."""
-        e = self.engine
-        return e.rounds.offset > 0 and e.life.step_count == self.measure_from + step and e.plan is not None
+        r = self.rounds
+        e = r.parts
+        return r.offset > 0 and e.life.step_count == self.measure_from + step and r.plan is not None
 
     def measured_times(self) -> tuple:
         """Per unit: forward and backward seconds from step 1's marks (per bucket), all-reduce seconds from
         step 2."""
-        e = self.engine
-        n, marks = len(e.buckets), self.marks
+        r = self.rounds
+        n, marks = len(r.buckets), self.marks
         forward = [0.0] * n
         reached = sorted((marks[("forward", b)], b) for b in range(n) if ("forward", b) in marks)
         for k, (at, b) in enumerate(reached):
@@ -330,21 +337,21 @@ class DeftMeasurement:
         if reached:
             forward[reached[0][1]] += max(reached[0][0] - marks["start"], 0.0)
         ready = [marks.get(("ready", b), marks["end"]) - marks["backward"] for b in range(n)]
-        forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], e.rounds.units)
+        forward, backward = unit_times(forward, ready, marks["end"] - marks["backward"], r.units)
         measured = self.comm_rsag if self.measured_reduction() == RSAG else self.comm
         # one sample per unit, on a machine that computes and communicates at once: the solver takes the line
         # fitted through them (Theil-Sen, robust to the one slow sample that would otherwise break the
         # partition constraint), not each sample
-        nbytes = [e.rounds.unit_nbytes(u) for u in range(len(e.rounds.units))]
-        bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(e.rounds.units))])
+        nbytes = [r.unit_nbytes(u) for u in range(len(r.units))]
+        bandwidth, latency = fit_link([(nbytes[u], measured[u]) for u in range(len(r.units))])
         return forward, backward, [latency + n / bandwidth for n in nbytes]
 
     def measured_reduction(self) -> str:
         """The faster way to sum the units, from the measuring step's times of each alone (rank 0's decides):
         reduce-scatter + all-gather only where faster by :data:`RSAG_MARGIN`."""
-        e = self.engine
+        r = self.rounds
         if (
-            e.rounds.rsag is not None
+            r.rsag is not None
             and len(self.comm_rsag) == len(self.comm)
             and sum(self.comm_rsag.values()) < (1.0 - RSAG_MARGIN) * sum(self.comm.values())
         ):
@@ -352,24 +359,26 @@ class DeftMeasurement:
         return ALL_REDUCE
 
     def choose_profiled_reduction(self) -> None:
-        e = self.engine
-        if e.rounds.rsag is not None:
-            e.rounds.reduction = profile_reduction(self.profile, e.plan)
+        r = self.rounds
+        if r.rsag is not None:
+            r.reduction = profile_reduction(self.profile, r.plan)
 
-    def solve_measured(self) -> None:
-        """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank."""
-        e = self.engine
+    def solve_measured(self) -> Optional[dict]:
+        """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank; or,
+        where a piece outlasts a stage, the smaller sizes to re-plan with (the knobs of ``Executor.replan``)."""
+        r = self.rounds
+        e = r.parts
         from dearopt.collectives import broadcast_object
 
         if self.times_alone:  # rank 0's numbers for everyone
-            measured, e.rounds.mu, e.rounds.reduction = broadcast_object(
+            measured, r.mu, r.reduction = broadcast_object(
                 (self.measured_times(), self.measured_mu(), self.measured_reduction()) if e.rank == 0 else None,
                 0,
                 backend=e.control,
             )
         if self.profile is not None:
             self.choose_profiled_reduction()
-            measured = deft_times(self.profile, e.plan, e.rounds.reduction)
+            measured = deft_times(self.profile, r.plan, r.reduction)
         self.measured = measured
         forward, backward, comm = self.measured
         too_long = check_partition(forward, backward, comm)
@@ -380,30 +389,49 @@ class DeftMeasurement:
             # cost per collective (a tiny model was cut into ~700 pieces of mostly fixed cost); and only where it
             # shrinks a unit that is too long
             shortest = min(sum(forward), sum(backward))
-            nbytes = [e.rounds.unit_nbytes(u) for u in range(len(e.rounds.units))]
+            nbytes = [r.unit_nbytes(u) for u in range(len(r.units))]
             bandwidth, latency = fit_link(list(zip(nbytes, comm)))
             size = max(int((0.8 * shortest - latency) * bandwidth), -(-sum(nbytes) // (GROWTH * len(nbytes))))
             if size < max(nbytes[u] for u in too_long) and self.profile is None:
                 self.repartitions.append(size)
-                # nothing in flight: every measuring step was applied
+                # nothing in flight: every measuring step was applied; the executor re-plans after this step
                 knobs = e.planner.knobs
-                e.rounds.replanning = True
-                try:
-                    e.replan(
-                        buffer_size=min(knobs.buffer_size, size), partition_size=min(knobs.partition_size or size, size)
-                    )
-                finally:
-                    e.rounds.replanning = False
-                self.measure_from, e.rounds.offset = e.life.step_count, e.life.step_count + MEASURED_STEPS
+                self.measure_from, r.offset = e.life.step_count, e.life.step_count + MEASURED_STEPS
                 self.marks, self.comm, self.comm_second, self.losses, self.dots = {}, {}, {}, {}, {}
                 self.comm_rsag = {}
-                return
+                return dict(
+                    buffer_size=min(knobs.buffer_size, size), partition_size=min(knobs.partition_size or size, size)
+                )
         self.solve(self.measured)
+
+    def time_alone(self, group) -> None:
+        """The last measuring step: each unit of ``group`` (this backward's) reduced alone, in turn (as an
+        all-reduce; on the second link and as reduce-scatter + all-gather too, a scratch copy, where there are)."""
+        r = self.rounds
+        e = r.parts
+        for u in range(len(r.units) - 1, -1, -1):
+            b = r.units[u][0]
+            if b not in group.storage:
+                group.storage[b] = r.take(b)
+            if r.second is not None:  # the same bytes on the second link (a scratch copy), alone
+                scratch = r.unit_tensor(group, u).clone()
+                t0 = time.perf_counter()
+                r.second.all_reduce(scratch, "sum", bucket=b, step=e.life.step_count).wait()
+                self.comm_second[u] = time.perf_counter() - t0
+            if r.rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
+                scratch = r.unit_tensor(group, u).clone()
+                t0 = time.perf_counter()
+                r.rsag.start(scratch, r.shard(u), bucket=b, step=e.life.step_count).wait()
+                self.comm_rsag[u] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            r.send_unit(group, u)
+            group.handles[-1].wait()
+            self.comm[u] = time.perf_counter() - t0
 
     def measured_mu(self) -> Optional[float]:
         """The second link's all-reduce time over the first's, over all buckets measured alone (None: one link)."""
-        e = self.engine
-        if e.rounds.second is None:
+        r = self.rounds
+        if r.second is None:
             return None
         first = sum(self.comm.values())
         return sum(self.comm_second.values()) / first if first > 0 else 1.0
@@ -412,7 +440,8 @@ class DeftMeasurement:
         """The Preserver's inputs from the measuring steps, the same on every rank: the mean loss, and per step
         the drift (minus the averaged gradient . the update) and the noise (the spread of the ranks' own
         gradients . the update, over sqrt(ranks)), averaged over the measuring steps."""
-        e = self.engine
+        r = self.rounds
+        e = r.parts
         steps = sorted(self.dots)
         rows = [[self.dots[s], self.dots[s] ** 2, self.losses.get(s, math.nan)] for s in steps]
         total = torch.tensor(rows, dtype=torch.float64, device=e.control.device)
@@ -432,26 +461,27 @@ class DeftMeasurement:
         return loss, -float(dot.mean()), math.sqrt(float(var.mean()) / n)
 
     def solve(self, times) -> None:
-        e = self.engine
+        r = self.rounds
+        e = r.parts
         try:
             if self.preserver is None:
-                e.rounds.deft = deft_schedule(*times, mu=e.rounds.mu)
+                r.deft = deft_schedule(*times, mu=r.mu)
                 return
             loss, drift, noise = self.convergence_stats()
-            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=e.rounds.mu)
-            e.rounds.deft = self.preserved.schedule
+            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=r.mu)
+            r.deft = self.preserved.schedule
             if not self.preserved.passed:
                 warnings.warn(
                     f"dearopt: the DeFT schedule failed the Preserver's check after "
                     f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
                     f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
-                    f"last re-solve left it ({e.rounds.deft.updates_per_iteration:.2f} updates per step)",
+                    f"last re-solve left it ({r.deft.updates_per_iteration:.2f} updates per step)",
                     RuntimeWarning,
                 )
         except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
             raise UsageError(
-                f"schedule='deft' cannot schedule these {len(e.buckets)} buckets (sent in "
-                f"{len(e.rounds.units)} pieces, numbered from the input side): {exc}. A smaller "
+                f"schedule='deft' cannot schedule these {len(r.buckets)} buckets (sent in "
+                f"{len(r.units)} pieces, numbered from the input side): {exc}. A smaller "
                 f"buffer_size or partition_size helps where bandwidth dominates a piece's time; where "
                 f"the fixed cost per collective does, this model computes too little per step for "
                 f"DeFT [rank {e.rank}, step {e.life.step_count}]"
@@ -459,9 +489,38 @@ class DeftMeasurement:
 
     def record_loss(self, loss) -> None:
         """The training loss of this step (``DistOptim.step(loss=...)``): the Preserver's, in the measuring steps."""
-        e = self.engine
-        if self.preserver is not None and e.rounds.deft is None and e.life.step_count < e.rounds.offset:
+        r = self.rounds
+        e = r.parts
+        if self.preserver is not None and r.deft is None and e.life.step_count < r.offset:
             self.losses[e.life.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
+
+
+@dataclasses.dataclass
+class DeftParts:
+    """What ``deft``'s parts read of the engine's parts, given once at construction (none of them the engine)."""
+
+    life: LifeCycle  # the life cycle: read, and moved through its transitions only
+    hooks: EngineHooks  # the gradient hooks and the pending updates' guard
+    timeline: Timeline
+    control: CollectiveBackend  # the control channel (the Preserver's statistics, rank 0's times)
+    updater: BucketUpdater
+    optimizer: torch.optim.Optimizer
+    planner: Planner  # the trainable set and the knobs a re-partition shrinks
+    on_step_landed: Optional[Callable[[], None]] = None  # the face's step post hooks, once a step's updates landed
+
+    rank = property(lambda self: self.control.rank)
+    world = property(lambda self: self.control.size)
+    guard = property(lambda self: self.hooks.guard)
+
+
+def accepted_hook(comm_hook):
+    """The comm hook ``deft`` reduces with: none (the default ``"auto"`` cast is dropped: deft reduces in the
+    parameters' own dtype); any other is refused by name."""
+    if getattr(comm_hook, "auto", False):
+        return None
+    if comm_hook is not None:
+        raise UsageError("schedule='deft' does not take a comm_hook yet")
+    return None
 
 
 _SECOND_BACKWARD = (
@@ -480,11 +539,26 @@ class DelayedRounds:
     reuses_buckets = False  # the schedule's state is per bucket: a re-plan makes new ones
     every_module = True  # module_reached(module) before every module (its measuring marks, the due buckets)
 
-    def __init__(self, engine):
-        e = self.engine = engine
+    @classmethod
+    def of(cls, parts: tuple, backend, optimizer, planner, options, comm_hook, on_step_landed=None) -> tuple:
+        """Made from the parts :class:`~dearopt.engine.rounds.ExactRounds` is given first (life, hooks, profile,
+        timeline, checks, control, updater) and the rest deft reads; returns it and the comm hook the executor
+        keeps (:func:`accepted_hook`)."""
+        life, hooks, _, timeline, _, control, updater = parts
+        hook = accepted_hook(comm_hook)
+        return cls(
+            DeftParts(life, hooks, timeline, control, updater, optimizer, planner, on_step_landed), backend, options
+        ), hook
+
+    def __init__(self, parts: DeftParts, backend, options):
+        """``parts``: the engine's parts it reads (:class:`DeftParts`); ``backend``: the data communicator its
+        second link and reduce-scatter + all-gather are forked from; ``options``: the engine's Options."""
+        e = self.parts = parts
+        self.options = options  # (set again where DistOptim replaces them)
+        self.bound = self.issuer = None  # the plan in force, as carried out, and its issuer (plan_bound)
         self.stale: set = set()  # due buckets this forward did not reach, as this backward began
         self.backward_start = 0.0  # the timeline's clock as this backward began
-        policy = e.options.policy  # the DeFT object and its knobs
+        policy = options.policy  # the DeFT object and its knobs
         schedule, profile, preserver, links, apply = (
             policy.given,
             policy.profile,
@@ -493,7 +567,8 @@ class DelayedRounds:
             policy.apply,
         )
         self.updates = GroupUpdates(self)  # applying the groups' buckets when they are due
-        self.replanning = False  # the measuring steps re-partition (nothing in flight): a re-plan is allowed
+        self.replanning: Optional[dict] = None  # the measuring steps' re-partition (nothing in flight): the knobs
+        # of the re-plan asked of the executor after step(), the one re-plan allowed
         self.apply_mode = apply  # one of schedules.deft.APPLY_MODES (the DeFT object checked it)
         if (
             schedule is not None
@@ -502,19 +577,15 @@ class DelayedRounds:
         ):
             raise UsageError("the given DeFT schedule sends on a second link: pass schedule=dearopt.DeFT(links=2)")
         # DeFT's heterogeneous links: a second communicator over the same ranks, used concurrently with the first
-        self.second = e.backend.second_link() if links == 2 else None
+        self.second = backend.second_link() if links == 2 else None
         self.mu: Optional[float] = None if schedule is None else schedule.mu  # its time per bucket over the first's
-        if getattr(e.comm_hook, "auto", False):
-            e.comm_hook = None  # deft reduces in the parameters' own dtype (documented)
-        if e.comm_hook is not None:
-            raise UsageError("schedule='deft' does not take a comm_hook yet")
         # the second half of a reduce-scatter + all-gather runs on a communicator of its own (one link, on a
         # backend whose host waits for an op, i.e. gloo: where all-reduce is slow)
         self.rsag = None
-        if links == 1 and schedule is None and e.world > 1 and getattr(e.backend, "host_waits", False):
+        if links == 1 and schedule is None and e.world > 1 and getattr(backend, "host_waits", False):
             from dearopt.backends.base import ReduceScatterThenGather
 
-            self.rsag = ReduceScatterThenGather(e.backend, e.backend.fork())
+            self.rsag = ReduceScatterThenGather(backend, backend.fork())
         self.reduction = ALL_REDUCE  # how a unit is summed (RSAG once measured or profiled faster)
         # per (unit, group parity): the reduce-scatter's output (RSAG); two, since the next group may send a unit
         # while the one before still gathers it (its bucket applied only when the next forward reaches it)
@@ -524,7 +595,7 @@ class DelayedRounds:
         self.deft: Optional[DeftSchedule] = schedule
         # A given schedule is followed as it is.  Otherwise the first MEASURED_STEPS steps are exact and measure
         # the job: its times (unless a profile gives them) and what the Preserver needs (unless it is off)
-        self.measurement = DeftMeasurement(e, None if schedule is not None else preserver, profile)
+        self.measurement = DeftMeasurement(self, None if schedule is not None else preserver, profile)
         self.offset = MEASURED_STEPS if schedule is None and (profile is None or preserver is not None) else 0
         self.group: Optional[_Group] = None  # in flight: its buckets are sent over this and later iterations
         self.new_group: Optional[_Group] = None  # the group this backward starts
@@ -543,7 +614,7 @@ class DelayedRounds:
     def applied_now(self) -> tuple:
         """The group this step's ``step()`` applies (waited for: its sums are complete) and the factor that makes
         its sums the average, or ``(None, 0.0)`` at a step that applies none."""
-        e = self.engine
+        e = self.parts
         if self.apply_mode == "bucket" and e.life.step_count >= self.offset:
             raise UsageError(
                 "under DeFT(apply='bucket') a group's buckets are applied at different steps, so no "
@@ -563,32 +634,34 @@ class DelayedRounds:
         """The plan's buckets are new (never reused: the schedule's state is per bucket): its units, and a solved
         or restored schedule checked against them; returns the bound plan as these rounds carry it out (``p.grad``
         holds this rank's own gradient after backward: changes to it are refused)."""
-        e = self.engine
-        bound = dataclasses.replace(bound, final_after_backward=frozenset())
+        self.bound = bound = dataclasses.replace(bound, final_after_backward=frozenset())
+        self.issuer, self.replanning = issuer, None  # (a re-partition asked for is carried out: this plan)
         # the schedule's items: (bucket, piece) in forward order; a bucket is one unless partition_size splits it
-        self.units = plan_units(e.plan)
-        self.units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in e.buckets]
+        self.units = plan_units(self.plan)
+        self.units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in self.buckets]
         self._shards = {}
         if self.deft is None and self.measurement.profile is not None and not self.offset:
             self.measurement.choose_profiled_reduction()
-            self.measurement.solve(deft_times(self.measurement.profile, e.plan, self.reduction))
+            self.measurement.solve(deft_times(self.measurement.profile, self.plan, self.reduction))
         if self.deft is not None and self.deft.buckets != len(self.units):
-            pieces = "" if len(self.units) == len(e.buckets) else f" in {len(self.units)} pieces"
+            pieces = "" if len(self.units) == len(self.buckets) else f" in {len(self.units)} pieces"
             raise UsageError(
                 f"the DeFT schedule is for {self.deft.buckets} buckets, the plan has "
-                f"{len(e.buckets)}{pieces} (buffer_size and partition_size decide them)"
+                f"{len(self.buckets)}{pieces} (buffer_size and partition_size decide them)"
             )
         if self.loaded is not None:
             _restore(self, self.loaded)
         return bound
 
+    plan = property(lambda self: self.bound.plan if self.bound is not None else None, doc="The plan in force.")
+    buckets = property(lambda self: self.bound.buckets if self.bound is not None else (), doc="Its buckets.")
     measured = property(lambda self: self.measurement.measured, doc="The times the schedule was solved from.")
     preserved = property(lambda self: self.measurement.preserved, doc="The Preserver's outcome, once solved.")
     repartitions = property(lambda self: self.measurement.repartitions, doc="The sizes re-partitioned to.")
 
     @property
     def iteration(self) -> DeftIteration:
-        e = self.engine
+        e = self.parts
         if e.life.step_count < self.offset:  # measuring: exact, every unit sent in backward, applied now
             n = len(self.units)
             alone = e.life.step_count == self.offset - 1 and self.measurement.times_alone  # timed in end_backward
@@ -597,34 +670,32 @@ class DelayedRounds:
         return self.deft.iteration(e.life.step_count - self.offset)
 
     def unit_nbytes(self, u: int) -> int:
-        e = self.engine
         b, k = self.units[u]
-        return e.buckets[b].spec.piece_nbytes(k)
+        return self.buckets[b].spec.piece_nbytes(k)
 
-    def _unit_tensor(self, group: _Group, u: int) -> torch.Tensor:
+    def unit_tensor(self, group: _Group, u: int) -> torch.Tensor:
         """Unit ``u``'s part of ``group``'s sum for its bucket (a view: reduced in place)."""
-        e = self.engine
         b, k = self.units[u]
-        start, end = e.buckets[b].spec.pieces[k]
+        start, end = self.buckets[b].spec.pieces[k]
         return group.storage[b][start:end]
 
-    def _all_reduce(self, group: _Group, u: int, new: bool = False) -> None:
+    def send_unit(self, group: _Group, u: int, new: bool = False) -> None:
         """Start unit ``u``'s sum of ``group`` (the group formed in this backward: ``new``) through the issuer, on
         the link the schedule gives it (measuring steps: the first)."""
-        e = self.engine
+        e = self.parts
         group.sent.add(u)
         scheduled = e.life.step_count >= self.offset
         on_second = self.second is not None and scheduled and self.iteration.link(u, new)
         b, k = self.units[u]
         rsag = self.reduction == RSAG and scheduled and not on_second
         kind = "second link" if on_second else self.reduction if scheduled else ALL_REDUCE
-        handle = e.issuer.send(
-            self._unit_tensor(group, u),
+        handle = self.issuer.send(
+            self.unit_tensor(group, u),
             bucket=b,
             piece=k,
             step=e.life.step_count,
             link=self.second if on_second else self.rsag if rsag else None,
-            shard=self._shard(u, group.serial % 2) if rsag else None,
+            shard=self.shard(u, group.serial % 2) if rsag else None,
             label=f"{kind} unit {u}",
             unit=u,
             group="new" if new else "old",
@@ -632,24 +703,24 @@ class DelayedRounds:
         group.handles.append(handle)
         group.unit_handles[u] = handle
 
-    def _shard(self, u: int, parity: int = 0) -> torch.Tensor:
+    def shard(self, u: int, parity: int = 0) -> torch.Tensor:
         """Unit ``u``'s reduce-scatter output for groups of this ``parity`` (allocated once per plan)."""
-        e = self.engine
+        e = self.parts
         if (u, parity) not in self._shards:
             b, k = self.units[u]
-            start, end = e.buckets[b].spec.pieces[k]
-            self._shards[(u, parity)] = e.buckets[b].buffer.new_empty((end - start) // e.world)
+            start, end = self.buckets[b].spec.pieces[k]
+            self._shards[(u, parity)] = self.buckets[b].buffer.new_empty((end - start) // e.world)
         return self._shards[(u, parity)]
 
     # ----------------------------------------------------------- forward
     def _send_forward_stage(self) -> None:
         """Case 1: the old group's buckets the schedule sends while the forward computes, once per step (at the
         forward's start; or at backward's start where the plan was made only then, after a resume)."""
-        e = self.engine
+        e = self.parts
         if self._forward_sent_at != e.life.step_count and self.iteration.forward:
             self._forward_sent_at = e.life.step_count
             for u in self.iteration.forward:
-                self._all_reduce(self.group, u)
+                self.send_unit(self.group, u)
 
     # ----------------------------------------------------------- backward
     replans_in_backward = False  # its groups span iterations: a changed input is refused, not re-planned
@@ -660,20 +731,20 @@ class DelayedRounds:
 
     def begin_backward(self) -> None:
         """A backward pass begins (the engine moved the life cycle to a new pass)."""
-        e = self.engine
+        e = self.parts
         # due buckets this forward did not reach: applied now (a parameter of theirs that gets a gradient was read
         # before its own module ran, at its old value: refused in its gradient hook)
         self.stale = set(self.updates.due_buckets)
         self.updates.apply_due()
-        for b in e.buckets:  # what user code did to p.grad since (model.zero_grad(), p.grad = None, ...)
+        for b in self.buckets:  # what user code did to p.grad since (model.zero_grad(), p.grad = None, ...)
             b.reconcile()
-        if any(id(p) not in e.bound.where for p in e.planner.trainable()):
+        if any(id(p) not in self.bound.where for p in e.planner.trainable()):
             raise UsageError("a parameter was unfrozen after the plan was made: schedule='deft' cannot re-plan")
         torch.autograd.Variable._execution_engine.queue_callback(EngineHook(self.end_backward))
 
     def backward_begun(self, sending: bool) -> None:
         """The backward pass is under way; ``sending``: this step of the schedule communicates."""
-        e = self.engine
+        e = self.parts
         self.backward_start = e.timeline.now()
         # inside no_sync(), or before the last of backward_passes_per_step: the gradients accumulate in p.grad
         # and this step of the schedule begins with the backward that communicates (its forward stage's sends
@@ -683,7 +754,7 @@ class DelayedRounds:
             return
         if self.measurement.measuring(1):
             self.measurement.marks["backward"] = time.perf_counter()
-        for b in e.buckets:
+        for b in self.buckets:
             b.start_round()
         it = self.iteration
         self._send_forward_stage()
@@ -696,7 +767,7 @@ class DelayedRounds:
                     f"DeFT(given=...) must apply each group before the next forms) [rank {e.rank}]"
                 )
             for u in it.backward_old:  # Cases 2 and 3: old gradients, ready now
-                self._all_reduce(self.group, u)
+                self.send_unit(self.group, u)
         self.new_group = None if it.held else _Group({}, 1 + (self.held.covers if self.held is not None else 0))
         if self.new_group is not None:
             self.groups_formed += 1
@@ -704,9 +775,9 @@ class DelayedRounds:
         self._new_cursor = 0
 
     def grad_ready(self, p) -> None:
-        e = self.engine
-        located = e.bound.where.get(id(p))  # (the engine made the plan and began the pass)
-        e.issuer.poll_sends()
+        e = self.parts
+        located = self.bound.where.get(id(p))  # (the engine made the plan and began the pass)
+        self.issuer.poll_sends()
         if located is None:
             return
         bucket, j = located
@@ -727,10 +798,9 @@ class DelayedRounds:
                 self.measurement.marks.setdefault(("ready", bucket.index), time.perf_counter())
             self._start_new(force=False)
 
-    def _take(self, b: int) -> torch.Tensor:
+    def take(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s gradient of this step (with its used flags), plus what was held of it."""
-        e = self.engine
-        bucket = e.buckets[b]
+        bucket = self.buckets[b]
         bucket.clear_stale()
         self._write_flags(bucket)
         total = bucket.buffer.clone()
@@ -748,79 +818,62 @@ class DelayedRounds:
 
     def _start_new(self, force: bool) -> None:
         """Send the new group's units the schedule sends in this backward, in its order, as they are ready."""
-        e = self.engine
         if self.new_group is None:
             return
         order = self.iteration.backward_new
         while self._new_cursor < len(order):
             u = order[self._new_cursor]
             b = self.units[u][0]
-            if not (force or e.buckets[b].complete):
+            if not (force or self.buckets[b].complete):
                 return
             if b not in self.new_group.storage:
-                self.new_group.storage[b] = self._take(b)
-            self._all_reduce(self.new_group, u, new=True)
+                self.new_group.storage[b] = self.take(b)
+            self.send_unit(self.new_group, u, new=True)
             self._new_cursor += 1
 
     def end_backward(self) -> None:
-        e = self.engine
+        e = self.parts
         e.hooks.gradients.expect_backward()
         e.timeline.span("backward", "compute", self.backward_start)
         if not e.life.backward_ended():
             return
-        for b in e.buckets:  # unused since zero_grad(): a zero gradient
+        for b in self.buckets:  # unused since zero_grad(): a zero gradient
             b.clear_stale()
         if self.new_group is None:  # Case 2: this step's gradients are held, summed with what was held before
             if self.held is None:
-                self.held = _Group({b.index: torch.zeros_like(b.buffer) for b in e.buckets}, 0)
-            for b in e.buckets:
+                self.held = _Group({b.index: torch.zeros_like(b.buffer) for b in self.buckets}, 0)
+            for b in self.buckets:
                 self._write_flags(b)
                 self.held.storage[b.index].add_(b.buffer)
             self.held.covers += 1
             return
         if self.measurement.measuring(1):
             self.measurement.marks["end"] = time.perf_counter()
-        m = self.measurement
-        if m.measuring(MEASURED_STEPS - 1) and m.times_alone:  # each all-reduce alone, in turn
-            for u in range(len(self.units) - 1, -1, -1):
-                b = self.units[u][0]
-                if b not in self.new_group.storage:
-                    self.new_group.storage[b] = self._take(b)
-                if self.second is not None:  # the same bytes on the second link (a scratch copy), alone
-                    scratch = self._unit_tensor(self.new_group, u).clone()
-                    t0 = time.perf_counter()
-                    self.second.all_reduce(scratch, "sum", bucket=b, step=e.life.step_count).wait()
-                    self.measurement.comm_second[u] = time.perf_counter() - t0
-                if self.rsag is not None:  # the same bytes as reduce-scatter + all-gather (a scratch copy), alone
-                    scratch = self._unit_tensor(self.new_group, u).clone()
-                    t0 = time.perf_counter()
-                    self.rsag.start(scratch, self._shard(u), bucket=b, step=e.life.step_count).wait()
-                    self.measurement.comm_rsag[u] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                self._all_reduce(self.new_group, u)
-                self.new_group.handles[-1].wait()
-                self.measurement.comm[u] = time.perf_counter() - t0
+        if self.measurement.measuring(MEASURED_STEPS - 1) and self.measurement.times_alone:
+            self.measurement.time_alone(self.new_group)
         self._start_new(force=True)
-        for b in range(len(e.buckets)):  # the new group's other buckets wait on this rank for a later stage
+        for b in range(len(self.buckets)):  # the new group's other buckets wait on this rank for a later stage
             if b not in self.new_group.storage:
-                self.new_group.storage[b] = self._take(b)
+                self.new_group.storage[b] = self.take(b)
         self.held = None
 
     # --------------------------------------------------------------- step
     def wait_group(self, group: Optional[_Group]) -> None:
-        e = self.engine
+        e = self.parts
         if group is None:
             return
         t0 = e.timeline.now()
         for handle in group.handles:
             handle.wait()
         if e.timeline.enabled:
-            e.issuer.poll_sends(group.handles)
+            self.issuer.poll_sends(group.handles)
             e.timeline.span("wait for sends", "wait", t0, sends=len(group.handles))
         group.handles = []
 
-    def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
-        e = self.engine
+    def step(self, skip: bool = False, scaler_checked: bool = False) -> Optional[dict]:
+        """Apply what this step of the schedule applies; returns the knobs of a re-plan the executor is to make
+        now (the measuring steps' re-partition), or None."""
+        e = self.parts
         if scaler_checked:
             raise UsageError(
                 "GradScaler is not supported under schedule='deft' yet: a group applied later covers "
@@ -834,10 +887,13 @@ class DelayedRounds:
         # next forward (the link stays busy; the next backward waits for them with the forward stage's sends)
         if it.applies == 0:  # a measuring step: exact, applied at once
             self.wait_group(self.new_group)
-            self.updates.apply(self.new_group, measure=self.measurement.preserver is not None)
+            dot = self.updates.apply(self.new_group, measure=self.measurement.preserver is not None)
+            if dot is not None:  # the Preserver's input
+                self.measurement.dots[e.life.step_count] = dot
             self.new_group = None
         elif self.apply_mode == "bucket":
             self.updates.hand_over(it)
+            self.group = None if it.applies is not None else self.group  # (applied: every bucket of it handed over)
         elif it.applies is not None:
             self.wait_group(self.group)
             self.updates.apply(self.group)
@@ -846,13 +902,14 @@ class DelayedRounds:
             self.group, self.new_group = self.new_group, None
         e.life.stepped(False)
         if self.deft is None and e.life.step_count == self.offset:
-            self.measurement.solve_measured()
+            self.replanning = self.measurement.solve_measured()
         e.timeline.span("step", "update", t0)
         if self.updates.due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
             self.updates.due_landing = True
-            e.guard.arm((p, b) for b in self.updates.due_buckets for p in e.buckets[b].params)
+            e.guard.arm((p, b) for b in self.updates.due_buckets for p in self.buckets[b].params)
         elif e.on_step_landed is not None:
             e.on_step_landed()
+        return self.replanning
 
     # ------------------------------------------- per-bucket application
     # -------------------------------------------------------- checkpoints
@@ -867,8 +924,8 @@ class DelayedRounds:
     # ------------------------------------------------ the moments protocol
     def forward_started(self) -> None:
         """A training forward began: the measuring step's first mark, and Case 1's sends."""
-        e = self.engine
-        if e.plan is None:
+        e = self.parts
+        if self.plan is None:
             return
         if (
             self.measurement.measuring(1) and e.life.forwards == 1
@@ -878,18 +935,17 @@ class DelayedRounds:
 
     def module_reached(self, module) -> None:
         """Before ``module`` runs: its due buckets applied; the measuring step's forward marks."""
-        e = self.engine
         if self.updates.due_buckets:
-            bucket = e.bound.module_bucket.get(id(module))
+            bucket = self.bound.module_bucket.get(id(module))
             if bucket is not None:
                 self.updates.apply_due(bucket)
-        if e.issuer is not None:
-            e.issuer.poll_sends()
+        if self.issuer is not None:
+            self.issuer.poll_sends()
         if self.measurement.measuring(1) and module.training and "start" in self.measurement.marks:
             now = time.perf_counter()
             for p in module.parameters(recurse=False):
-                if id(p) in e.bound.where:
-                    self.measurement.marks.setdefault(("forward", e.bound.where[id(p)][0].index), now)
+                if id(p) in self.bound.where:
+                    self.measurement.marks.setdefault(("forward", self.bound.where[id(p)][0].index), now)
 
     def touched(self, bucket: int) -> None:
         """User code touched a parameter of ``bucket`` after step(): apply the due buckets up to it first."""
@@ -898,14 +954,14 @@ class DelayedRounds:
     def synchronize(self) -> None:
         """Finish every send in flight (the group in flight is then reduced where it was sent); under ``deft``
         nothing else is pending: a group is applied only at the ``step()`` the schedule names."""
-        e = self.engine
+        e = self.parts
         if e.life.state is TrainingState.IDLE:
             self.updates.apply_due()
             self.wait_group(self.group)
 
     def may_replan(self) -> None:
         """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
-        if self.engine.plan is not None and not self.replanning:
+        if self.plan is not None and not self.replanning:
             raise UsageError(
                 "schedule='deft' cannot re-plan (its groups span iterations): buffer_size='auto' "
                 "and the other tuned knobs are not supported"
@@ -926,7 +982,7 @@ class GroupUpdates:
 
     def __init__(self, rounds):
         self.rounds = rounds
-        self.engine = rounds.engine
+        self.parts = rounds.parts  # the engine's parts it reads
         # bucket -> the groups whose reduced sums it still has to apply, oldest first (two where one step sends the
         # last of the old group's and all of the new group's)
         self.due_buckets: Dict[int, List[_Group]] = {}
@@ -936,26 +992,25 @@ class GroupUpdates:
     def hand_over(self, it: DeftIteration) -> None:
         """``DeFT(apply="bucket")``: every bucket of the groups in flight all of whose pieces are sent by the end
         of this iteration becomes due, to be applied (with this step's hyperparameters) before its parameters are
-        next used; a group the schedule applies now must have none left."""
+        next used; a group the schedule applies now must have none left (its rounds then let it go)."""
         r = self.rounds
-        e = self.engine
+        e = self.parts
         fresh = 0
         for group in (r.group, r.new_group):
             if group is None:
                 continue
-            for b in range(len(e.buckets)):
+            for b in range(len(r.buckets)):
                 if b not in group.due and all(u in group.sent for u in r.units_of[b]):
                     group.due.add(b)
                     self.due_buckets.setdefault(b, []).append(group)
                     fresh += 1
         if it.applies is not None:
-            if r.group is None or len(r.group.due) != len(e.buckets):
+            if r.group is None or len(r.group.due) != len(r.buckets):
                 raise RuntimeError(
                     "the DeFT schedule applies a group not every bucket of which was sent: the "
                     "solver and the executor disagree"
                 )
             self.applied_steps.append(e.life.step_count)
-            r.group = None
         if fresh:
             e.updater.begin_step(fresh)
 
@@ -963,7 +1018,7 @@ class GroupUpdates:
         """Apply the due buckets numbered up to ``upto`` (all: ``None``), in one optimizer call, each after its
         sends are complete."""
         r = self.rounds
-        e = self.engine
+        e = self.parts
         chosen = sorted(b for b in self.due_buckets if upto is None or b <= upto)
         if not chosen:
             return
@@ -983,9 +1038,9 @@ class GroupUpdates:
                         if handle is not None:
                             handle.wait()
                             waited.append(handle)
-                    self.take_average(e.buckets[b], group, members, saved)
+                    self.take_average(r.buckets[b], group, members, saved)
                 if e.timeline.enabled:
-                    e.issuer.poll_sends(waited)
+                    r.issuer.poll_sends(waited)
                 try:
                     e.updater.apply_members(members, updates=len(now))
                 finally:
@@ -994,7 +1049,7 @@ class GroupUpdates:
         e.timeline.span("update", "update", t0, buckets=chosen)
         if e.guard.armed:
             if self.due_buckets:
-                e.guard.arm((p, b) for b in self.due_buckets for p in e.buckets[b].params)
+                e.guard.arm((p, b) for b in self.due_buckets for p in r.buckets[b].params)
             else:
                 e.guard.disarm()
         if not self.due_buckets and self.due_landing:
@@ -1002,11 +1057,11 @@ class GroupUpdates:
             if e.on_step_landed is not None:
                 e.on_step_landed()
 
-    def apply(self, group: _Group, measure: bool = False) -> None:
+    def apply(self, group: _Group, measure: bool = False) -> Optional[float]:
         """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
-        ``measure``, also this rank's own gradient dotted with the update it made (the Preserver's input)."""
+        ``measure``, returns this rank's own gradient dotted with the update it made (the Preserver's input)."""
         r = self.rounds
-        e = self.engine
+        e = self.parts
         if group is None or len(group.sent) != len(r.units):
             raise RuntimeError(
                 "the DeFT schedule applies a group not every bucket of which was sent: the solver "
@@ -1014,7 +1069,7 @@ class GroupUpdates:
             )
         members = [[] for _ in e.optimizer.param_groups]
         saved = {}
-        for bucket in e.buckets:
+        for bucket in r.buckets:
             if bucket.index not in group.due:  # (applied already: a checkpoint of DeFT(apply="bucket"))
                 self.take_average(bucket, group, members, saved)
         before = [(p, p.detach().clone()) for params in members for p in params] if measure else []
@@ -1024,18 +1079,19 @@ class GroupUpdates:
         finally:
             for p, grad in saved.values():
                 p.grad = grad
+        self.applied_steps.append(e.life.step_count)
         if measure:  # p.grad is this rank's own gradient again
-            r.measurement.dots[e.life.step_count] = sum(
+            return sum(
                 float(torch.sum(p.grad.double() * (p.detach() - old).double()))
                 for p, old in before
                 if p.grad is not None
             )
-        self.applied_steps.append(e.life.step_count)
+        return None
 
     def take_average(self, bucket, group: _Group, members: List[list], saved: Dict[int, tuple]) -> None:
         """Make the group's sum of ``bucket`` its average and point ``p.grad`` of its used parameters into it
         (the old ``p.grad`` kept in ``saved``), each added to its param group's ``members``."""
-        e = self.engine
+        e = self.parts
         storage = group.storage[bucket.index]
         storage[: bucket.spec.grad_numel].mul_(1.0 / (e.world * group.covers))
         used = [
@@ -1044,7 +1100,9 @@ class GroupUpdates:
             .round()
             .tolist()
         ]
-        if e.options.nonfinite == "raise" and not bool(torch.isfinite(storage[: bucket.spec.grad_numel].sum())):
+        if self.rounds.options.nonfinite == "raise" and not bool(
+            torch.isfinite(storage[: bucket.spec.grad_numel].sum())
+        ):
             raise NonFiniteGradientError(
                 f"the averaged gradient of a delayed group (bucket {bucket.index}: "
                 f"{', '.join(bucket.names[:3])}) is not finite",
@@ -1065,10 +1123,10 @@ class GroupUpdates:
 
 def save_groups(rounds) -> dict:
     """``deft``'s checkpoint: the schedule, the step within it and this rank's group sums."""
-    e = rounds.engine
+    e = rounds.parts
     if e.life.state is not TrainingState.IDLE:
         raise UsageError("save the optimizer's state between step() and the next backward()")
-    if rounds.deft is None and rounds.offset and e.plan is not None:
+    if rounds.deft is None and rounds.offset and rounds.plan is not None:
         raise UsageError(
             f"schedule='deft' is measuring the job in its first {rounds.offset} steps; save its state after them"
         )
@@ -1106,7 +1164,7 @@ def save_groups(rounds) -> dict:
 
 def load_groups(rounds, saved: dict) -> None:
     """Resume from :meth:`deft_state` (checked against the plan's buckets once the plan exists)."""
-    e = rounds.engine
+    e = rounds.parts
     if e.life.state is not TrainingState.IDLE:
         raise UsageError("load the optimizer's state between step() and the next backward()")
     if saved.get("apply", "group") == "bucket" and rounds.apply_mode == "group":
@@ -1138,18 +1196,17 @@ def load_groups(rounds, saved: dict) -> None:
         )
     rounds.updates.applied_steps = list(saved.get("applied_steps", []))
     rounds.loaded = saved
-    if e.plan is not None:
+    if rounds.plan is not None:
         _restore(rounds, saved)
 
 
 def _restore(rounds, saved: dict) -> None:
-    e = rounds.engine
 
     def load(entry):
         if entry is None:
             return None
         for b, t in entry["storage"].items():
-            if b >= len(e.buckets) or t.shape != e.buckets[b].buffer.shape:
+            if b >= len(rounds.buckets) or t.shape != rounds.buckets[b].buffer.shape:
                 raise UsageError(
                     f"the checkpoint's DeFT group does not fit this plan's bucket {b}: save and "
                     f"resume with the same model and buffer_size"
@@ -1160,7 +1217,7 @@ def _restore(rounds, saved: dict) -> None:
                 f"({len(rounds.units)}): resume with the same buffer_size and partition_size"
             )
         group = _Group(
-            {b: t.clone().to(e.buckets[b].buffer.device) for b, t in entry["storage"].items()}, entry["covers"]
+            {b: t.clone().to(rounds.buckets[b].buffer.device) for b, t in entry["storage"].items()}, entry["covers"]
         )
         group.sent = set(entry["sent"])
         group.due = set(entry.get("due", ()))  # (applied already, under DeFT(apply="bucket"))
