@@ -270,23 +270,20 @@ def _timeout() -> float:
 
 
 def _distoptim(optimizer):
-    """The :class:`dearopt.DistOptim` behind ``optimizer`` (itself, or ``hvd.DistributedOptimizer``'s engine)."""
+    """The :class:`dearopt.DistOptim` behind ``optimizer`` (itself, or ``hvd.DistributedOptimizer.distoptim``)."""
     from dearopt.optimizer import DistOptim
 
     if isinstance(optimizer, DistOptim):
         return optimizer
-    engine = getattr(optimizer, "_engine", None)
-    return engine if isinstance(engine, DistOptim) else None
+    inner = getattr(optimizer, "distoptim", None)
+    return inner if isinstance(inner, DistOptim) else None
 
 
 def _reshare(optimizer) -> None:
     """After a load replaced the wrapped optimizer's groups and state: a face over it shares them again."""
     wrapped = _distoptim(optimizer)
     if wrapped is not None and wrapped is not optimizer:
-        optimizer.param_groups = wrapped.param_groups
-        optimizer.state = wrapped.state
-        if hasattr(optimizer, "_synchronized"):
-            optimizer._synchronized = False
+        optimizer.reshare()
 
 
 def _inner(optimizer) -> torch.optim.Optimizer:

@@ -190,7 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for name, p in named_parameters or ():
             known.setdefault(p, name)
         container = model if model is not None else _ParameterContainer([(name, p) for p, name in known.items()])
-        self._engine = DistOptim(
+        self._dist = DistOptim(
             optimizer,
             container,
             schedule=schedule,
@@ -210,7 +210,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for the gradient reductions: afterwards every ``p.grad`` holds the reduced gradient."""
         if not self._reduced:
-            self._engine.reduce_gradients()
+            self._dist.reduce_gradients()
             if self._sum and self._world > 1:
                 with torch.no_grad():
                     for p in self._params:
@@ -234,7 +234,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError(
                 "hvd.DistributedOptimizer.step() does not take a closure here: run forward and backward before step()"
             )
-        if not self._engine.gradients_in_place_before_step:
+        if not self._dist.gradients_in_place_before_step:
             pass  # the schedule keeps averaged shards and updates during the next forward: nothing to wait for
         elif self._should_synchronize:
             if self._synchronized:
@@ -245,12 +245,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         self._reduced = False
-        self._engine.step()
+        self._dist.step()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         try:
-            self._engine.zero_grad(set_to_none)
+            self._dist.zero_grad(set_to_none)
         except UsageError as exc:
             raise AssertionError(_ZERO_GRAD_WARNING) from exc
 
@@ -258,22 +258,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError("backward_passes_per_step must be > 0")
         self.backward_passes_per_step = passes
-        self._engine.set_backward_passes_per_step(passes)
+        self._dist.set_backward_passes_per_step(passes)
 
     # --------------------------------------------------------- optimizer
     def state_dict(self):
-        return self._engine.state_dict()
+        return self._dist.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        self._engine.load_state_dict(state_dict)
+        self._dist.load_state_dict(state_dict)
+        self.reshare()
+
+    @property
+    def distoptim(self) -> DistOptim:
+        """The :class:`dearopt.DistOptim` this optimizer runs on (``dearopt.checkpoint`` saves and loads it)."""
+        return self._dist
+
+    def reshare(self) -> None:
+        """Share the wrapped optimizer's ``param_groups`` and ``state`` again after a load replaced them (what
+        ``load_state_dict`` does; ``dearopt.checkpoint`` calls it after loading into the wrapped optimizer); the
+        next ``step()`` synchronizes afresh."""
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
         self._synchronized = False
 
     def add_param_group(self, param_group) -> None:
-        if getattr(self, "_engine", None) is None:  # Optimizer.__init__ registering the wrapped optimizer's groups
+        if getattr(self, "_dist", None) is None:  # Optimizer.__init__ registering the wrapped optimizer's groups
             return torch.optim.Optimizer.add_param_group(self, param_group)
-        self._engine.add_param_group(param_group)  # re-planned at the next backward, on every rank
+        self._dist.add_param_group(param_group)  # re-planned at the next backward, on every rank
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -282,7 +293,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release the hooks and the communicator of this optimizer."""
-        self._engine.close()
+        self._dist.close()
 
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self._inner!r})"
