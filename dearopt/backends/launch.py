@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import random
 import socket
 import time
 from typing import Mapping, Optional, Tuple
@@ -281,8 +282,25 @@ def route_address(host: str, port: int) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+_PORTS = (20000, 32768)  # below Linux's ephemeral range (32768-60999): no connection's local port is taken from here
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (for a rendezvous address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port that is free on ``host`` right now (for a rendezvous address).
+
+    Drawn at random (from the system's entropy: a seeded ``random`` in the caller cannot make two processes draw
+    alike) below the range the kernel hands out for ``bind(0)`` and outgoing connections, so that a port returned
+    here is not given to someone else before the rendezvous binds it, even with several jobs starting at once (as
+    the tests do under ``pytest -n 2``)."""
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(*_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # (a crowded range: any the kernel gives)
         sock.bind((host, 0))
         return sock.getsockname()[1]
