@@ -29,7 +29,7 @@ def _train(comm_hook, schedule):
     opt.step()
     opt.synchronize()
     # the wire buffers the reductions took (given back to the issuer's pool once each op completed)
-    wire = sorted({str(t.dtype) for t in opt._executor.issuer.pool.buffers()})
+    wire = sorted(str(t.dtype) for t in opt._executor.issuer.pool.buffers())
     out = [p.detach().clone() for p in model.parameters()], wire
     opt.close()
     return out
@@ -63,9 +63,53 @@ def test_bf16_gradients_are_summed_in_float32_by_default(schedule):
     want = _expected(world, torch.float32)
     for o in outcomes:
         params, wire = o.value
-        assert wire == ["torch.float32"], wire
+        assert set(wire) == {"torch.float32"}, wire
         for i, (got, w) in enumerate(zip(params, want)):
             assert got.dtype == torch.bfloat16
+            assert torch.equal(got, w), f"parameter {i}: {(got.float() - w.float()).abs().max()}"
+
+
+def _train_within_the_least_budget():
+    """``_train`` with the wire budget at its least (the largest op's buffer), the pool's peak bytes taken
+    recorded; returns the parameters, that peak, the budget and the wire of all the ops together."""
+    from dearopt.compression.hooks import WirePool
+    from dearopt.engine import issuer
+
+    issuer.WIRE_BUDGET = 0  # (read when the plan's issuer is made, at the first backward)
+    take, peak = WirePool.take, [0]
+
+    def recording(pool, *args):
+        buffer = take(pool, *args)
+        peak[0] = max(peak[0], pool.taken)
+        return buffer
+
+    WirePool.take = recording
+    rank, world = dearopt.rank(), dearopt.size()
+    model = _bf16_model()
+    opt = dearopt.DistOptim(torch.optim.SGD(model.parameters(), lr=LR), model, schedule="dear", buffer_size=64)
+    x, y = global_batch(0, "mlp")
+    loss_fn("mlp", model(shard(x, rank, world).bfloat16()), shard(y, rank, world).bfloat16()).backward()
+    opt.step()
+    opt.synchronize()
+    ops = opt._executor.issuer.ops
+    out = [p.detach().clone() for p in model.parameters()], peak[0], opt._executor.issuer.wire_budget
+    out += (sum(op.wire for op in ops),)
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_bf16_sums_within_the_least_wire_budget_are_the_same():
+    """With the wire budget at its least (the largest op's buffer: the other ops wait for room, started by later
+    hooks or at step()), the float32 sums are the hand computation's still, and the wire buffers taken at once
+    never exceed the budget, where all of them together would."""
+    world = 3
+    outcomes = run_workers(_train_within_the_least_budget, world, timeout=150)
+    want = _expected(world, torch.float32)
+    for o in outcomes:
+        params, peak, budget, total = o.value
+        assert 0 < peak <= budget < total, (peak, budget, total)
+        for i, (got, w) in enumerate(zip(params, want)):
             assert torch.equal(got, w), f"parameter {i}: {(got.float() - w.float()).abs().max()}"
 
 
