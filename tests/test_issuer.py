@@ -68,22 +68,10 @@ def make(schedule, numels, buffer_size, credit=None, partition_size=None):
         for b in plan.buckets
     ]
     backend = FakeBackend()
-    issuer = Issuer(plan, buckets, backend, CreditWindow(credit), None, Timeline(None, 0), NoChecks())
+    issuer = Issuer(plan, buckets, backend, CreditWindow(credit), None, Timeline(None, 0))
     issuer.start_round(0)
     Moments.buckets = buckets
     return plan, buckets, backend, issuer
-
-
-class NoChecks:
-    """Writes no used flags or step tags (a world of one rank, as far as the checks go)."""
-
-    @staticmethod
-    def tag(step, forwards, dtype):
-        return 0
-
-    @staticmethod
-    def write_meta(bucket, tag):
-        bucket.meta_written = True
 
 
 class _Ready:

@@ -1,10 +1,20 @@
-"""Run-time state of a planned bucket: its flat buffer, the gradient views, and its pieces.
+"""Run-time state of a planned bucket: its flat buffer, the gradient views, its pieces and its tail.
 
 A bucket owns one flat buffer laid out as the plan says
 (:class:`dearopt.planning.plan.Bucket`): every parameter's ``.grad`` is a view into
 it, so backward writes gradients straight into what is communicated.  Each
 piece (partition) of the buffer is the unit a collective works on; its shard
 is this rank's part of the reduce-scatter result.
+
+The buffer's **tail** travels with the gradients, so the agreement it carries costs no message of its own:
+
+* **used flags**, one per parameter, summed over ranks: how many ranks produced a gradient.  Zero means skip the
+  parameter (as ``grad=None``); any other count means update it with the average, the missing ranks counting as
+  zeros (:meth:`BucketState.used_anywhere`);
+* **step tags** (``check_agreement``), one slot per rank: before its first reduction each bucket gets this rank's
+  tag (step number and training forwards since the last step) in its own slot (:meth:`BucketState.write_tail`);
+  after the reduction every rank sees every rank's tag, and :func:`read_tails` raises
+  :class:`~dearopt.errors.StepMismatchError` if they differ.
 """
 
 from __future__ import annotations
@@ -15,9 +25,47 @@ from typing import List, Optional
 import torch
 
 from dearopt.backends.groups import is_dtensor, local_tensor
+from dearopt.errors import StepMismatchError
 from dearopt.planning.plan import Bucket
 
-__all__ = ["BucketState", "PieceState"]
+__all__ = ["BucketState", "PieceState", "read_tails", "step_tag"]
+
+# A rank's step tag encodes its step count and the number of training
+# forwards since its last step; it must be exact in the dtype the bucket
+# travels in (integers up to 256 for bfloat16, 2048 for float16, 2**24 for float32).
+_TAG_STEPS = {torch.bfloat16: 32, torch.float16: 256}
+
+
+def step_tag(step: int, forwards: int, wire_dtype: torch.dtype) -> int:
+    """This rank's step tag (see the module), exact in ``wire_dtype``."""
+    steps = _TAG_STEPS.get(wire_dtype, 2**20)
+    return (step % steps) * 8 + min(forwards, 7)
+
+
+def read_tails(buckets, step: int, *, check: bool, extra: Optional[torch.Tensor] = None) -> Optional[float]:
+    """Check the step tags of ``buckets`` (reduced) with one read from the device (a GPU's host waits for it once
+    per step, not once per bucket); ``check``: False reads nothing.  ``extra`` (a scalar on the same device) rides
+    along and is returned."""
+    if not check or not buckets or buckets[0].world == 1:
+        return None if extra is None else float(extra)
+    world = buckets[0].world
+    parts = [b.tags.float() for b in buckets] + ([extra.reshape(1).float()] if extra is not None else [])
+    values = torch.cat(parts).tolist()
+    for i, bucket in enumerate(buckets):
+        tags = [int(round(t)) for t in values[i * world : (i + 1) * world]]
+        if len(set(tags)) > 1:
+            seen = ", ".join(
+                f"rank {r}: step {t // 8} ({t % 8} forwards since its last step)" for r, t in enumerate(tags)
+            )
+            raise StepMismatchError(
+                f"ranks sent gradients of different steps in one collective ({seen}); a rank skipped or repeated "
+                f"forward/backward/step. No update of this step was applied",
+                rank=bucket.rank,
+                op="step agreement",
+                bucket=bucket.index,
+                step=step,
+            )
+    return None if extra is None else values[-1]
 
 
 def _grad_view(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
@@ -87,6 +135,7 @@ class BucketState:
     ):
         self.spec = spec
         self.index = spec.index
+        self.rank, self.world = rank, world
         self.size = len(params)  # parameters (the count of gradients that completes the bucket)
         self.group_of, self.n_groups = tuple(group_of), n_groups  # the optimizer's groups it was made for
         self.params = params
@@ -121,6 +170,36 @@ class BucketState:
         self.seen_version = self.buffer._version  # the buffer's version after the engine's last write to it
         self.sparse = [False] * len(params)  # autograd gives it sparse gradients (set by the executor's watch)
         self.flat = None  # its flat runs (dearopt.engine.updates.FlatRuns), made at its first flat update
+
+    # ------------------------------------------------------------------ tail
+    def write_tail(self, tag: int) -> None:
+        """The used flags and this rank's step tag, written once per round before the bucket's first reduction."""
+        if self.meta_written:
+            return
+        if all(self.used):  # the usual case: a fill, no copy from the host (which on a GPU would wait for it)
+            self.flags.fill_(1)
+        else:
+            on_gpu = self.flags.is_cuda
+            host = torch.tensor(self.used, dtype=self.flags.dtype, pin_memory=on_gpu)
+            self.flags.copy_(host, non_blocking=on_gpu)
+        self.tags.zero_()
+        self.tags[self.rank : self.rank + 1].fill_(tag)  # a fill: `tags[rank] = tag` copies from the host
+        self.meta_tag = tag
+        self.meta_written = True
+        self.mark_seen()
+
+    def used_anywhere(self) -> List[bool]:
+        """Which parameters got a gradient on at least one rank (the reduced flags).
+
+        A parameter used on some ranks only gets the average over all ranks
+        with zeros from the others, which is exactly its gradient over the
+        global batch (the samples that did not use it contribute nothing).
+        Where this rank used them all, the flags (a sum over ranks) need not
+        be read: on a GPU that read would make the host wait for the device.
+        """
+        if all(self.used):
+            return [True] * len(self.used)
+        return [count > 0 for count in self.flags.float().round().tolist()]
 
     @property
     def has_members(self) -> bool:

@@ -123,7 +123,7 @@ class Executor:
         refuse_dtensors(params, options)
         # DTensor parameters: the global norm and the non-finite answer agreed over the tensor-parallel ranks too
         self.tensor_parallel = TensorParallel.of(params, backend.timeout)
-        self.checks = Checks(options, self.control, self.rank, self.world, self.tensor_parallel)
+        self.checks = Checks(self.control)
         self.updater = BucketUpdater(optimizer)
         self.sharding = (
             ShardedUpdate(optimizer, self.control, self.rank, self.world) if options.shard_optimizer else None
@@ -173,7 +173,6 @@ class Executor:
             self.life,
             backend,
             self.control,
-            self.checks,
             optimizer,
             (self.hooks.grad_guard, self.hooks.guard),
             tensor_parallel=self.tensor_parallel,
@@ -195,7 +194,7 @@ class Executor:
 
     @options.setter
     def options(self, options: Options) -> None:
-        self._options = self.planner.options = self.checks.options = self.rounds.options = options
+        self._options = self.planner.options = self.rounds.options = options
         self.life.passes = options.backward_passes_per_step
 
     @property
@@ -307,7 +306,6 @@ class Executor:
                 planner.window,
                 hooks_for(plan, self.comm_hook, planner.rows, self.sparse),
                 self.timeline,
-                self.checks,
                 control=self.control,
                 wire_dtype=self.comm_hook.wire_dtype if self.comm_hook is not None else (lambda dtype: dtype),
                 sharded=self.sharding is not None,

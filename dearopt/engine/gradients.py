@@ -5,7 +5,8 @@
 and unscales the averaged regions (whole pieces, or this rank's shards, whose
 norm is combined over ranks), gathers the averages into ``p.grad`` when user
 code reads it (torch's ``clip_grad_norm_``, ``GradScaler.unscale_``), takes
-back what user code left there, and counts non-finite values for the checks.
+back what user code left there, and judges whether they are finite (the ``nonfinite`` option: raise, skip the
+step on every rank, or ignore).
 Everything it does follows the bound plan (:mod:`dearopt.engine.bound_plan`); it never
 asks which schedule made it.
 """
@@ -13,23 +14,37 @@ asks which schedule made it.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from dearopt.backends.base import CollectiveBackend
 from dearopt.engine.bound_plan import BoundPlan
 from dearopt.engine.buckets import BucketState
-from dearopt.engine.checks import Checks
 from dearopt.engine.guards import GradientGuard, PendingUpdateGuard
 from dearopt.engine.hooks import LifeCycle, TrainingState
 from dearopt.engine.issuer import Issuer
 from dearopt.engine.sharding import ShardedUpdate
 from dearopt.engine.tensor_parallel import TensorParallel
-from dearopt.errors import CollectiveTimeoutError, UsageError
+from dearopt.errors import CollectiveTimeoutError, NonFiniteGradientError, UsageError
 from dearopt.planning.plan import Point
 
 __all__ = ["AveragedGradients"]
+
+
+def _count_nonfinite(regions: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A device scalar: how many of ``regions`` hold inf or NaN (None: no region), read by nobody yet."""
+    # one pass, no temporary: the sum is finite iff every element is (or it overflowed)
+    sums = [r.sum().float().reshape(1) for r in regions if r.numel()]
+    if not sums:
+        return None
+    return (~torch.isfinite(torch.cat(sums))).sum()
+
+
+def _any_nonfinite(regions: Sequence[torch.Tensor]) -> bool:
+    """Whether any of this rank's ``regions`` holds inf or NaN (one read from the device)."""
+    count = _count_nonfinite(regions)
+    return count is not None and bool(count > 0)
 
 
 class AveragedGradients:
@@ -40,7 +55,6 @@ class AveragedGradients:
         life: LifeCycle,
         backend: CollectiveBackend,
         control: CollectiveBackend,
-        checks: Checks,
         optimizer: torch.optim.Optimizer,
         guards: Tuple[GradientGuard, PendingUpdateGuard],
         *,
@@ -50,7 +64,7 @@ class AveragedGradients:
         schedule: str = "",
     ):
         self.life = life  # the engine's life cycle, read here (the round, the step): never moved from here
-        self.backend, self.control, self.checks, self.optimizer = backend, control, checks, optimizer
+        self.backend, self.control, self.optimizer = backend, control, optimizer
         self.rank, self.world = backend.rank, backend.size
         self.grad_guard, self.guard = guards  # the gradient guard (before step()), the pending-update guard
         self.tensor_parallel, self.sharding, self.sparse = tensor_parallel, sharding, sparse
@@ -389,7 +403,7 @@ class AveragedGradients:
                 flags.append(op.nonfinite)
             else:
                 summed.append(op.piece.region(op.spec.result))
-        count = self.checks.nonfinite_count(summed)
+        count = _count_nonfinite(summed)
         if flags:
             device = flags[0].device
             flagged = (torch.cat([f.to(device).reshape(-1) for f in flags]) > 0).sum()
@@ -400,6 +414,108 @@ class AveragedGradients:
         """Whether this rank's regions due by ``step()`` hold inf or NaN (read now)."""
         count = self.nonfinite_count()
         return count is not None and bool(count > 0)
+
+    # ------------------------------------------------- non-finite: the verdict
+    def judge_nonfinite(
+        self,
+        policy: str,
+        regions: Sequence[torch.Tensor],
+        sharded: bool,
+        buckets: Sequence[BucketState],
+        step: int,
+        own: Sequence[int] = (),
+        agreed: Optional[bool] = None,
+        local: Optional[bool] = None,
+    ) -> bool:
+        """Check the averaged gradients (this rank's shards if ``sharded``) under ``policy`` (the ``nonfinite``
+        option: ``raise``, ``skip``, ``ignore``): True means skip the step.
+
+        ``own``: the buckets whose buffers still hold this rank's own gradients
+        (their average is kept as shards), from which the ranks a non-finite
+        gradient came from can be named.  ``agreed``: the answer over every
+        rank, where the caller already combined :meth:`local_nonfinite` with
+        another message (the sharded update's).  ``local``: this rank's answer where the caller has it
+        (the averaging pass flagged the regions), else the regions are summed.
+        """
+        if policy == "ignore" or (not regions and agreed is None):
+            return False
+        if agreed is None:
+            found = _any_nonfinite(regions) if local is None else local
+            if sharded and self.world > 1:  # each rank checked its own shards: every rank must learn the answer
+                flag = torch.full((1,), 1.0 if found else 0.0, device=self.control.device)
+                self.control.all_reduce(flag, "max", step=step).wait()
+                found = float(flag) > 0
+            agreed = found
+        if self.tensor_parallel is not None:  # every tensor-parallel rank skips or raises at the same step
+            agreed = self.tensor_parallel.any(agreed, step)
+        if not agreed:
+            return False
+        if policy == "skip":
+            return True
+        raise NonFiniteGradientError(
+            self._describe_nonfinite(buckets, step, own) + "; pass nonfinite='skip' to skip such steps",
+            rank=self.rank,
+            op="step",
+            step=step,
+        )
+
+    def nonfinite_bucket(self, policy: str, bucket: BucketState, buckets: Sequence[BucketState], step: int) -> None:
+        """For schedules that update bucket by bucket: this bucket's averaged gradient (``policy`` ``raise``
+        only)."""
+        if policy != "raise":
+            return
+        found = not bool(torch.isfinite(bucket.buffer[: bucket.spec.grad_numel].sum()))
+        if self.tensor_parallel is not None:  # the tensor-parallel ranks hold other shards: all raise, or none
+            found = self.tensor_parallel.any(found, step)
+        if found:
+            raise NonFiniteGradientError(
+                self._describe_nonfinite(buckets, step) + " (this schedule checks bucket by bucket, so "
+                "buckets updated at an earlier moment of this step were already updated)",
+                rank=self.rank,
+                op="update",
+                bucket=bucket.index,
+                step=step,
+            )
+
+    def _describe_nonfinite(self, buckets: Sequence[BucketState], step: int, own: Sequence[int] = ()) -> str:
+        """Name the first non-finite parameter: in a bucket that holds the average (the same on every rank;
+        where it came from is unknown), else in the ``own`` buckets, with the ranks it came from."""
+
+        def first_bad(chosen, local=False):
+            """The first parameter with an element that is not finite; ``local``: in this rank's own gradients
+            only (outside its shards, where the reduce-scatter wrote the sums)."""
+            position = 0
+            for bucket in chosen:
+                finite = torch.isfinite(bucket.buffer)
+                if local:
+                    for piece in bucket.pieces:
+                        start = piece.shard.storage_offset() - bucket.buffer.storage_offset()
+                        finite[start : start + piece.shard.numel()] = True
+                for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
+                    if not bool(finite[offset : offset + p.numel()].all()):
+                        return position, name
+                    position += 1
+            return -1, None
+
+        own = set(own)
+        _, name = first_bad([b for b in buckets if b.index not in own])
+        if name is not None or not own:  # the same answer on every rank: no rank goes on to the all-gather alone
+            return f"the averaged gradient of parameter {name!r} is not finite (the rank it came from is unknown)"
+        mine_buckets = [b for b in buckets if b.index in own]
+        mine, _ = first_bad(mine_buckets, local=True)
+        mine_t = torch.tensor([mine], dtype=torch.int64, device=self.control.device)
+        everyone = torch.empty(self.world, dtype=torch.int64, device=self.control.device)
+        self.control.all_gather(everyone, mine_t, step=step).wait()
+        names = [n for b in mine_buckets for n in b.names]
+        bad = {r: names[i] for r, i in enumerate(everyone.tolist()) if i >= 0}
+        if not bad:
+            return (
+                "the averaged gradient is not finite, and no rank's own gradients outside its shard are: an overflow "
+                "of the sum, or inf/NaN in a rank's own shard (which the reduce-scatter overwrites; the rank it "
+                "came from is unknown)"
+            )
+        first = min(bad)
+        return f"non-finite gradients came from rank(s) {sorted(bad)}; first parameter: {bad[first]!r} on rank {first}"
 
     # -------------------------------------------------------------- zeroing
     def zero(self, set_to_none: bool) -> None:

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dearopt.engine.buckets import BucketState
+from dearopt.engine.buckets import BucketState, step_tag
 from dearopt.backends.base import CollectiveBackend, Handle
 from dearopt.compression.hooks import CommHook, Link, WirePool, hooks_for
 from dearopt.planning.plan import ALL_GATHER, CommOp, Plan, When
@@ -148,15 +148,14 @@ class Issuer:
         window: CreditWindow,
         carriers: Optional[Sequence[CommHook]],
         timeline: Timeline,
-        checks,
         control: Optional[CollectiveBackend] = None,
         wire_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
         sharded: bool = False,
     ):
         """``carriers``: the comm hook that carries each op of ``plan``, in order
         (:func:`dearopt.compression.hooks.hooks_for` chooses them: the user's hook, embedding rows, a sparsifier's
-        exchange, the parameters of a sharded update); None: every op travels as it is.  ``checks``: writes each
-        bucket's used flags and step tag before its first reduction (:class:`dearopt.engine.checks.Checks`);
+        exchange, the parameters of a sharded update); None: every op travels as it is.  Each bucket's used flags and
+        step tag are written into its tail before its first reduction (:meth:`BucketState.write_tail`);
         ``wire_dtype``: the dtype a bucket's tag must be exact in; ``sharded``: the all-gathers carry the sharded
         update's parameters."""
         self.plan = plan
@@ -165,7 +164,6 @@ class Issuer:
         self.control = control if control is not None else backend  # small agreements, off the data queue
         self.world = backend.size
         self.window = window
-        self.checks = checks
         self._wire_dtype = wire_dtype
         self.pool = WirePool()  # a comm hook's wire buffers, for the ops in flight
         for op, carrier in zip(self.ops, carriers if carriers is not None else hooks_for(plan, None)):
@@ -223,8 +221,8 @@ class Issuer:
             dtype = bucket.buffer.dtype
         tag = self._tags.get(dtype)
         if tag is None:
-            tag = self._tags[dtype] = self.checks.tag(self.step, self._forwards, dtype)
-        self.checks.write_meta(bucket, tag)
+            tag = self._tags[dtype] = step_tag(self.step, self._forwards, dtype)
+        bucket.write_tail(tag)
 
     # ----------------------------------------------------------------- start
     def start_ready(self, r, force_through: int = -1) -> None:

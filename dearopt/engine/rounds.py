@@ -23,7 +23,7 @@ import torch
 
 from dearopt.backends.base import CollectiveBackend
 from dearopt.engine.bound_plan import BoundPlan
-from dearopt.engine.buckets import BucketState
+from dearopt.engine.buckets import BucketState, read_tails
 from dearopt.engine.checks import Checks
 from dearopt.engine.gradients import AveragedGradients
 from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle
@@ -234,10 +234,11 @@ class ExactRounds:
         # the step tags and this rank's non-finite count in one read from the device
         count = g.nonfinite_count() if judge and agreed is None else None
         tagged = range(len(self.buckets)) if self.sharding is not None else bound.updates_at.get(STEP, ())
-        count = self.checks.check_tags_of([self.buckets[b] for b in tagged], r.step, extra=count)
+        count = read_tails([self.buckets[b] for b in tagged], r.step, check=self.options.check_agreement, extra=count)
         if judge:
             sharded = any(op.spec.result == "shard" for op in bound.checked_at_step)
-            skip = self.checks.nonfinite(
+            skip = g.judge_nonfinite(
+                self.options.nonfinite,
                 regions,
                 sharded,
                 self.buckets,
@@ -353,10 +354,10 @@ class ExactRounds:
         """Which parameters of the bucket the update includes: those some rank produced a gradient for, and
         those unused on every rank that keep the gradient they had (none after ``zero_grad(set_to_none=True)``,
         so the optimizer skips them, else their last one)."""
-        used = self.checks.used(bucket)
+        used = bucket.used_anywhere()
         for owner, j, twin, k, _ in self.bound.combines:  # a tied weight is used where its twin was
             if owner is bucket:
-                used[j] = used[j] or self.checks.used(twin)[k]
+                used[j] = used[j] or twin.used_anywhere()[k]
         include = [u or had for u, had in zip(used, bucket.has_grad)]
         bucket.has_grad = include
         return include
@@ -385,9 +386,9 @@ class ExactRounds:
             step, chosen = self.life.round.step, []
             for bucket in buckets:
                 if not tags_checked:
-                    self.checks.check_tags(bucket, step)
+                    read_tails([bucket], step, check=self.options.check_agreement)
                 if bucket.index in self.bound.late_checked and not self.life.round.scaler_checked:
-                    self.checks.nonfinite_bucket(bucket, self.buckets, step)
+                    self.gradients.nonfinite_bucket(self.options.nonfinite, bucket, self.buckets, step)
                 include = self.included(bucket)
                 if bucket.has_members:
                     bucket.restore_views()  # zero_grad(set_to_none=True) may have come first and set p.grad to None
