@@ -19,7 +19,6 @@ import weakref
 from typing import Dict, Optional, Tuple, Union
 
 import torch
-import torch.optim.optimizer as _torch_optimizer
 
 import dearopt.backends.runtime as runtime
 from dearopt.errors import NotInitializedError, UsageError
@@ -29,6 +28,7 @@ from dearopt.backends.groups import group_backend, refuse_group_as_backend
 from dearopt.compression import resolve_comm_hook
 from dearopt.compression.sparsify import Sparsify
 from dearopt.engine.engine import Executor
+from dearopt.engine.hooks import StepPostHooks, global_step_hooks
 from dearopt.engine.options import Options
 from dearopt.engine.search import PLAN_CHOICE_REMATCH, PLAN_CHOICE_STEPS, PlanSearch
 from dearopt.engine.sharding import ShardedUpdate
@@ -117,11 +117,6 @@ def _resolve_group(process_group, backend):
 # GradScaler.step(optimizer) passes itself as ``grad_scaler`` to optimizers whose step() takes it, and warns
 # each process once that it will stop doing so; DistOptim relies on it to agree on inf/NaN across ranks.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
-
-
-def _global_step_hooks(kind: str):
-    """torch's global optimizer step hooks (``register_optimizer_step_pre_hook`` / ``..._post_hook``)."""
-    return getattr(_torch_optimizer, f"_global_optimizer_{kind}_hooks", {}).values()
 
 
 class DistOptim(torch.optim.Optimizer):
@@ -224,7 +219,15 @@ class DistOptim(torch.optim.Optimizer):
         partition = None if options.partition_size == "auto" else options.partition_size
         credit_bytes = None if options.credit == "auto" else options.credit
         self._executor = Executor(
-            optimizer, model, engine, options, buffer, partition, credit_bytes, hook, on_step_landed=self._step_landed
+            optimizer,
+            model,
+            engine,
+            options,
+            buffer,
+            partition,
+            credit_bytes,
+            hook,
+            post_hooks=StepPostHooks(self, self._optimizer_step_post_hooks),
         )
         self._search = PlanSearch(options, optimizer, self._executor.control, self._executor.world, tuner)
         first = self._search.first_trial()
@@ -241,10 +244,6 @@ class DistOptim(torch.optim.Optimizer):
         runtime.on_leave(self._complete_at_leave)  # the last step's updates, when this process leaves the job
         _WRAPPED.add(optimizer)
         functions.register_distoptim(model, self)  # for dearopt.no_sync(model)
-
-    def _step_landed(self) -> None:
-        for hook in itertools.chain(list(self._optimizer_step_post_hooks.values()), list(_global_step_hooks("post"))):
-            hook(self, (), {})
 
     # ---------------------------------------------------------------- API
     @property
@@ -304,10 +303,10 @@ class DistOptim(torch.optim.Optimizer):
         """
         if closure is not None:
             raise UsageError("DistOptim.step() does not take a closure: run forward and backward before step()")
-        for hook in itertools.chain(list(_global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
+        for hook in itertools.chain(list(global_step_hooks("pre")), list(self._optimizer_step_pre_hooks.values())):
             hook(self, (), {})
         if loss is not None and self.options.policy.delays_updates:
-            self._executor.rounds.measurement.record_loss(loss)
+            self._executor.record_loss(loss)
         self._search.notice_new_inputs(self._executor.planner.generation)
         self._inner._opt_called = True  # an LR scheduler built on the wrapped optimizer: its step() counts as called
         if grad_scaler is not None:

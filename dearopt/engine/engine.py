@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Callable, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -52,7 +52,7 @@ from dearopt.backends.base import CollectiveBackend
 from dearopt.compression.hooks import CommHook, hooks_for
 from dearopt.errors import UsageError
 from dearopt.collectives import broadcast_buffers_as_bytes, second_backward_refusal
-from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle, Round, TrainingState
+from dearopt.engine.hooks import EngineHook, EngineHooks, LifeCycle, Round, StepPostHooks, TrainingState
 from dearopt.engine.issuer import Issuer
 from dearopt.engine.options import Options
 from dearopt.planning.profile import LinkMonitor, ReadyProfile
@@ -97,12 +97,13 @@ class Executor:
         partition_size: Optional[int] = None,
         credit: Optional[int] = None,
         comm_hook: Optional[CommHook] = None,
-        on_step_landed: Optional[Callable[[], None]] = None,
+        post_hooks: Optional[StepPostHooks] = None,
     ):
         self.optimizer = optimizer
         self.model = model
         self.backend = backend
-        self.life = LifeCycle(options.backward_passes_per_step)  # the life cycle: its state and transitions
+        # the life cycle: its state and transitions; it runs the optimizer's step post hooks when a step landed
+        self.life = LifeCycle(options.backward_passes_per_step, post_hooks)
         self._options = options
         from dearopt.compression.sparsify import SparseExchange, Sparsify
 
@@ -135,7 +136,6 @@ class Executor:
             or (policy.mixes_allreduce and options.allreduce in ("auto", "predicted")),
             every=options.link_check_every,
         )
-        self.on_step_landed = on_step_landed
         trainable = trainable_of(optimizer)
         rows = options.embedding_rows
         if rows and not options.embedding_rows_given and any(p.is_cuda for p in trainable):
@@ -163,11 +163,9 @@ class Executor:
         # the moments protocol: what a step's gradients do, from backward to update, given the parts it reads
         parts = (self.life, self.hooks, self.profile, self.timeline, self.checks, self.control, self.updater)
         if Rounds is ExactRounds:
-            self.rounds = ExactRounds(*parts, options, sharding=self.sharding, on_step_landed=on_step_landed)
+            self.rounds = ExactRounds(*parts, options, sharding=self.sharding)
         else:
-            self.rounds, self.comm_hook = Rounds.of(
-                parts, backend, optimizer, self.planner, options, self.comm_hook, on_step_landed
-            )
+            self.rounds, self.comm_hook = Rounds.of(parts, backend, optimizer, self.planner, options, self.comm_hook)
         # the averaged gradients between backward() and step(): the rounds part's kind, given what it reads
         self.gradients = self.rounds.gradients_part(
             self.life,
@@ -461,6 +459,10 @@ class Executor:
         replan = self.rounds.step(skip, scaler_checked)  # (deft's measuring steps may ask for smaller buckets)
         if replan is not None:
             self.replan(**replan)
+
+    def record_loss(self, loss) -> None:
+        """``step(loss)``: the loss of this step, for a rounds part that measures it (DeFT's Preserver)."""
+        self.rounds.record_loss(loss)
 
     # ----------------------------------------------------------------- step
     def _gradients_requested(self, bucket: int) -> None:

@@ -29,7 +29,7 @@ from dearopt.engine.tensor_parallel import TensorParallel
 from dearopt.errors import CollectiveTimeoutError, NonFiniteGradientError, UsageError
 from dearopt.planning.plan import Point
 
-__all__ = ["AveragedGradients"]
+__all__ = ["AveragedGradients", "NonFiniteVerdict"]
 
 
 def _count_nonfinite(regions: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -68,6 +68,7 @@ class AveragedGradients:
         self.rank, self.world = backend.rank, backend.size
         self.grad_guard, self.guard = guards  # the gradient guard (before step()), the pending-update guard
         self.tensor_parallel, self.sharding, self.sparse = tensor_parallel, sharding, sparse
+        self.verdict = NonFiniteVerdict(control, tensor_parallel)  # whether the averages are finite, agreed
         self.schedule = schedule  # its name, for errors
         self.bound: Optional[BoundPlan] = None  # the plan in force and its issuer (bind)
         self.issuer: Optional[Issuer] = None
@@ -415,8 +416,45 @@ class AveragedGradients:
         count = self.nonfinite_count()
         return count is not None and bool(count > 0)
 
-    # ------------------------------------------------- non-finite: the verdict
-    def judge_nonfinite(
+    # -------------------------------------------------------------- zeroing
+    def zero(self, set_to_none: bool) -> None:
+        """``zero_grad()``: a bucket whose update is pending is zeroed right after it (its update still reads the
+        reduced gradient); a parameter outside the plan as torch would."""
+        if self.bound is None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        if self.life.state is TrainingState.REDUCING:
+            raise UsageError(
+                "zero_grad() was called after backward() and before step(): the gradients being "
+                "communicated would be lost; call it before backward() or after step()"
+            )
+        for bucket in self.bound.buckets:
+            if bucket.pending:
+                # zeroed right after its update, which still reads the reduced gradient; its parameters are
+                # guarded until then, so code that reads a p.grad first lands the update and finds it None
+                bucket.zero_after_update = bool(set_to_none)
+            else:
+                bucket.zero(bool(set_to_none))
+        planned = self.bound.where
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in planned and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
+
+class NonFiniteVerdict:
+    """Whether a step's averaged gradients are finite, the same answer on every rank (and on every tensor-parallel
+    rank): under the ``nonfinite`` policy, raise :class:`~dearopt.errors.NonFiniteGradientError` naming the first
+    parameter and, where it can be known, the ranks it came from; skip the step on every rank; or ignore."""
+
+    def __init__(self, control: CollectiveBackend, tensor_parallel: Optional[TensorParallel] = None):
+        self.control, self.tensor_parallel = control, tensor_parallel
+        self.rank, self.world = control.rank, control.size
+
+    def judge(
         self,
         policy: str,
         regions: Sequence[torch.Tensor],
@@ -459,7 +497,7 @@ class AveragedGradients:
             step=step,
         )
 
-    def nonfinite_bucket(self, policy: str, bucket: BucketState, buckets: Sequence[BucketState], step: int) -> None:
+    def bucket(self, policy: str, bucket: BucketState, buckets: Sequence[BucketState], step: int) -> None:
         """For schedules that update bucket by bucket: this bucket's averaged gradient (``policy`` ``raise``
         only)."""
         if policy != "raise":
@@ -516,31 +554,3 @@ class AveragedGradients:
             )
         first = min(bad)
         return f"non-finite gradients came from rank(s) {sorted(bad)}; first parameter: {bad[first]!r} on rank {first}"
-
-    # -------------------------------------------------------------- zeroing
-    def zero(self, set_to_none: bool) -> None:
-        """``zero_grad()``: a bucket whose update is pending is zeroed right after it (its update still reads the
-        reduced gradient); a parameter outside the plan as torch would."""
-        if self.bound is None:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-            return
-        if self.life.state is TrainingState.REDUCING:
-            raise UsageError(
-                "zero_grad() was called after backward() and before step(): the gradients being "
-                "communicated would be lost; call it before backward() or after step()"
-            )
-        for bucket in self.bound.buckets:
-            if bucket.pending:
-                # zeroed right after its update, which still reads the reduced gradient; its parameters are
-                # guarded until then, so code that reads a p.grad first lands the update and finds it None
-                bucket.zero_after_update = bool(set_to_none)
-            else:
-                bucket.zero(bool(set_to_none))
-        planned = self.bound.where
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in planned and p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.zero_()

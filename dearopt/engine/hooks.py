@@ -16,24 +16,27 @@ model and holds the two guards that watch user code (:mod:`dearopt.engine.guards
 
 The callbacks are the engine's own methods, reached through :class:`EngineHook` (a weak reference).
 :class:`TrainingState`, :class:`Round` and :class:`LifeCycle` (their transitions, written once) are the life cycle
-the engine keeps.
+the engine keeps; the life cycle also runs the optimizer's step post hooks (:class:`StepPostHooks`, the user's) once
+a step's updates have landed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 from dearopt.errors import UsageError
 from dearopt.planning.order import ForwardOrderRecorder
 from dearopt.engine.guards import GradientGuard, PendingUpdateGuard
 
-__all__ = ["EngineHook", "EngineHooks", "LifeCycle", "TrainingState", "Round"]
+__all__ = ["EngineHook", "EngineHooks", "LifeCycle", "StepPostHooks", "TrainingState", "Round", "global_step_hooks"]
 
 
 class EngineHook:
@@ -88,6 +91,30 @@ class _SparseWatch(EngineHook):
         return super().__call__(self._pid, grad)
 
 
+def global_step_hooks(kind: str):
+    """torch's global optimizer step hooks (``register_optimizer_step_pre_hook`` / ``..._post_hook``)."""
+    return getattr(_torch_optimizer, f"_global_optimizer_{kind}_hooks", {}).values()
+
+
+class StepPostHooks:
+    """An optimizer's step post hooks: its own (torch's ``register_step_post_hook`` writes them into ``hooks``)
+    and torch's global ones, called as torch calls them, ``hook(optimizer, (), {})``, once a step's updates have
+    landed.  The optimizer is held weakly (its engine holds this)."""
+
+    __slots__ = ("_optimizer", "_hooks")
+
+    def __init__(self, optimizer, hooks: dict):
+        self._optimizer = weakref.ref(optimizer)
+        self._hooks = hooks
+
+    def run(self) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        for hook in itertools.chain(list(self._hooks.values()), list(global_step_hooks("post"))):
+            hook(optimizer, (), {})
+
+
 class TrainingState(enum.Enum):
     """Where the training loop is, as the engine sees it."""
 
@@ -124,7 +151,7 @@ class LifeCycle:
 
     The :class:`~dearopt.engine.engine.Executor` owns one; its parts read it and move it only through these
     transitions (no part sets its fields), so every rounds part goes through the same life cycle.  It calls
-    nobody: a leaf that holds numbers.
+    nobody of the engine: a leaf that holds numbers, and the user's step post hooks it runs when a step landed.
     """
 
     __slots__ = (
@@ -139,9 +166,10 @@ class LifeCycle:
         "passes",
         "planned",
         "sending",
+        "post_hooks",
     )
 
-    def __init__(self, backward_passes_per_step: int = 1):
+    def __init__(self, backward_passes_per_step: int = 1, post_hooks: Optional[StepPostHooks] = None):
         self.state = TrainingState.IDLE
         self.round: Optional[Round] = None
         self.step_count = 0
@@ -153,6 +181,7 @@ class LifeCycle:
         self.passes = backward_passes_per_step  # the options' backward_passes_per_step (set again when it changes)
         self.planned = False  # a plan was made (the first backward ran)
         self.sending = False  # the backward pass under way sends its gradients
+        self.post_hooks = post_hooks  # the optimizer's step post hooks (step_landed)
 
     # ------------------------------------------------------------ transitions
     def forward_began(self) -> None:
@@ -202,6 +231,12 @@ class LifeCycle:
     def close_round(self) -> None:
         """The round's last update landed (or a skipped step finished what it had started)."""
         self.round = None
+
+    def step_landed(self) -> None:
+        """Every update of the last ``step()`` is in the parameters (or a skipped step applied nothing): the
+        optimizer's step post hooks run now, as torch runs them at the end of ``step()``."""
+        if self.post_hooks is not None:
+            self.post_hooks.run()
 
     def restore(self, step_count: int) -> None:
         """A checkpoint's step count (a resumed delayed schedule continues its period where it stopped)."""

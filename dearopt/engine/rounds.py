@@ -3,7 +3,7 @@
 The engine's life cycle speaks to its rounds part through one protocol (the
 *moments*): ``begin_backward``, ``grad_ready``, ``end_backward``, ``step``,
 ``forward_started``, ``module_reached``, ``touched``, ``synchronize``,
-``plan_bound``, ``may_replan``, ``close``.  :class:`ExactRounds` carries out the
+``plan_bound``, ``record_loss``, ``may_replan``, ``close``.  :class:`ExactRounds` carries out the
 plan's moments for every exact schedule: backward counts each bucket's ready
 gradients and the issuer starts the ops whose moment has come; ``step()``
 completes the ops due there, checks, and applies the buckets due there (all
@@ -17,7 +17,7 @@ iterations through the same protocol, issuer and buckets.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -61,7 +61,6 @@ class ExactRounds:
         options,
         *,
         sharding: Optional[ShardedUpdate] = None,
-        on_step_landed: Optional[Callable[[], None]] = None,
     ):
         self.life = life  # the engine's life cycle: read, and moved through its transitions only
         self.hooks = hooks  # the gradient hooks, the guards and the forward gates it arms and disarms
@@ -71,7 +70,6 @@ class ExactRounds:
         self.window: Optional[CreditWindow] = None  # the plan's credit window (an op held back for credit may start
         # at any gradient hook)
         self.rank, self.world = control.rank, control.size
-        self.on_step_landed = on_step_landed  # the face's step post hooks, once a round's last update landed
         self.gradients: Optional[AveragedGradients] = None  # the gradients part it makes (gradients_part)
         self.bound: Optional[BoundPlan] = None  # the plan in force and its issuer (plan_bound)
         self.issuer: Optional[Issuer] = None
@@ -237,7 +235,7 @@ class ExactRounds:
         count = read_tails([self.buckets[b] for b in tagged], r.step, check=self.options.check_agreement, extra=count)
         if judge:
             sharded = any(op.spec.result == "shard" for op in bound.checked_at_step)
-            skip = g.judge_nonfinite(
+            skip = g.verdict.judge(
                 self.options.nonfinite,
                 regions,
                 sharded,
@@ -298,6 +296,9 @@ class ExactRounds:
         r = self.life.round
         if r is not None and r.stepped:
             self.reach_forward(len(self.buckets) - 1)
+
+    def record_loss(self, loss) -> None:
+        """``step(loss)``: nothing measures the loss of an exact round."""
 
     def may_replan(self) -> None:
         """A re-plan is about to happen (every update of an exact round lands by the next forward: allowed)."""
@@ -388,7 +389,7 @@ class ExactRounds:
                 if not tags_checked:
                     read_tails([bucket], step, check=self.options.check_agreement)
                 if bucket.index in self.bound.late_checked and not self.life.round.scaler_checked:
-                    self.gradients.nonfinite_bucket(self.options.nonfinite, bucket, self.buckets, step)
+                    self.gradients.verdict.bucket(self.options.nonfinite, bucket, self.buckets, step)
                 include = self.included(bucket)
                 if bucket.has_members:
                     bucket.restore_views()  # zero_grad(set_to_none=True) may have come first and set p.grad to None
@@ -413,5 +414,4 @@ class ExactRounds:
         self.life.close_round()
         self.hooks.guard.disarm()
         self.hooks.gates.disarm()
-        if self.on_step_landed is not None:
-            self.on_step_landed()
+        self.life.step_landed()

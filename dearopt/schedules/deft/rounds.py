@@ -506,7 +506,6 @@ class DeftParts:
     updater: BucketUpdater
     optimizer: torch.optim.Optimizer
     planner: Planner  # the trainable set and the knobs a re-partition shrinks
-    on_step_landed: Optional[Callable[[], None]] = None  # the face's step post hooks, once a step's updates landed
 
     rank = property(lambda self: self.control.rank)
     world = property(lambda self: self.control.size)
@@ -540,15 +539,13 @@ class DelayedRounds:
     every_module = True  # module_reached(module) before every module (its measuring marks, the due buckets)
 
     @classmethod
-    def of(cls, parts: tuple, backend, optimizer, planner, options, comm_hook, on_step_landed=None) -> tuple:
+    def of(cls, parts: tuple, backend, optimizer, planner, options, comm_hook) -> tuple:
         """Made from the parts :class:`~dearopt.engine.rounds.ExactRounds` is given first (life, hooks, profile,
         timeline, checks, control, updater) and the rest deft reads; returns it and the comm hook the executor
         keeps (:func:`accepted_hook`)."""
         life, hooks, _, timeline, _, control, updater = parts
         hook = accepted_hook(comm_hook)
-        return cls(
-            DeftParts(life, hooks, timeline, control, updater, optimizer, planner, on_step_landed), backend, options
-        ), hook
+        return cls(DeftParts(life, hooks, timeline, control, updater, optimizer, planner), backend, options), hook
 
     def __init__(self, parts: DeftParts, backend, options):
         """``parts``: the engine's parts it reads (:class:`DeftParts`); ``backend``: the data communicator its
@@ -907,8 +904,8 @@ class DelayedRounds:
         if self.updates.due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
             self.updates.due_landing = True
             e.guard.arm((p, b) for b in self.updates.due_buckets for p in self.buckets[b].params)
-        elif e.on_step_landed is not None:
-            e.on_step_landed()
+        else:
+            e.life.step_landed()
         return self.replanning
 
     # ------------------------------------------- per-bucket application
@@ -958,6 +955,10 @@ class DelayedRounds:
         if e.life.state is TrainingState.IDLE:
             self.updates.apply_due()
             self.wait_group(self.group)
+
+    def record_loss(self, loss) -> None:
+        """``step(loss)``: the loss of this step, for the Preserver of the measuring steps."""
+        self.measurement.record_loss(loss)
 
     def may_replan(self) -> None:
         """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
@@ -1054,8 +1055,7 @@ class GroupUpdates:
                 e.guard.disarm()
         if not self.due_buckets and self.due_landing:
             self.due_landing = False
-            if e.on_step_landed is not None:
-                e.on_step_landed()
+            e.life.step_landed()
 
     def apply(self, group: _Group, measure: bool = False) -> Optional[float]:
         """One update of every parameter with the group's average (``p.grad`` points into it meanwhile); with
