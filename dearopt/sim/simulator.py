@@ -28,9 +28,12 @@ each gradient copied into its bucket as it becomes ready, each reduced region av
 non-finite check) when its op is waited for.  Where the backend runs reduce-scatters and all-gathers as
 all-to-alls through a bounded workspace (gloo; ``profile.workspace_bytes``), the host does what it does there
 (:func:`workspace_passes`): it fills each all-gather's send buffer when it starts it, sums each reduce-scatter's
-received chunks when it waits for it, and starting one more past the workspace waits first for the oldest such op
-on the link (compute stops meanwhile: ``prophet`` starting every all-gather at ``step()``, or a reduce-scatter
-started while two are still on the link).  Several iterations are simulated; the last one is the prediction
+received chunks when it waits for it, and an op past the workspace waits, as the executor's issuer has it: one that
+is due now (forced) waits on the host for the oldest such op on the link (compute stops meanwhile); any other is
+not started where the host polls (a gradient hook, a module's forward, ``step()``): it stays at the head of the
+plan's order, with every op behind it, until a later poll finds room (``prophet`` starting its all-gathers at
+``step()``: those past the workspace start in the next forward; a reduce-scatter ready while two are still on the
+link: at the next bucket's completion).  Several iterations are simulated; the last one is the prediction
 (steady state, for schedules whose work crosses iterations).
 """
 
@@ -270,6 +273,8 @@ def simulate(
                 return False
             if link.credit is not None and link.queue and link.inflight_bytes() + ops[i].nbytes > link.credit:
                 return False
+            if held[i] and sum(held[j] for j in link.queue) + held[i] > max(workspace, held[i]):
+                return False  # the executor never waits for the workspace in a hook: the op waits for a later poll
         if start.when is When.AFTER and start.index not in link.done:
             return False
         return True
@@ -308,7 +313,8 @@ def simulate(
 
     def make_room(i: int, phase: str) -> None:
         """Before the host starts op ``i``: past the backend's workspace it waits for the oldest op holding a
-        buffer of it until there is room (compute stops meanwhile)."""
+        buffer of it until there is room (compute stops meanwhile).  Only an op due now gets here past the
+        workspace (:func:`may_start` holds back any other, as the executor never waits for room in a hook)."""
         if not held[i]:
             return
         link = state["link"]
