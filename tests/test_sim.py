@@ -100,12 +100,19 @@ def test_ranks_with_a_core_each_run_at_the_pace_of_the_one_that_loses_most():
     unit = 0.01 / 4000
     losses = {
         "forward": [[1 * unit, 3 * unit], [2 * unit, 2 * unit], [5 * unit, 0.0]],
-        "backward": [[1 * unit, 0.0], [4 * unit, -1 * unit], [2 * unit, 2 * unit]],
+        "backward": [[1 * unit, 0.0], [4 * unit, 0.0], [2 * unit, 2 * unit]],
     }
     own = profile(beta=2.5e-5)
     own.lost_samples, own.cores_per_rank = losses, 1.0
     own.cpu_per_byte = {"forward": 2 * unit, "backward": 1.5 * unit}  # the means' medians, as recorded
     assert cpu_per_byte(own) == pytest.approx(2.5 * unit)
+    # a rank that lost less than nothing (timing noise at least as large as the loss): the largest per sample
+    # is as much that noise as loss, and the ranks' mean is the measure: forward 2, 2, 2.5, backward 0.5, 1.5,
+    # 2: median 2
+    noisy = profile(beta=2.5e-5)
+    noisy.cores_per_rank = 1.0
+    noisy.lost_samples = dict(losses, backward=[[1 * unit, 0.0], [4 * unit, -1 * unit], [2 * unit, 2 * unit]])
+    assert cpu_per_byte(noisy) == pytest.approx(2.0 * unit)
     # ranks sharing cores (3 on 2), or a profile that did not record the cores: each sample's mean over the
     # ranks, forward 2, 2, 2.5 and backward 0.5, 1.5, 2: median(0.5, 1.5, 2, 2, 2, 2.5) = 2
     shared = profile(beta=2.5e-5)
