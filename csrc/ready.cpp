@@ -15,6 +15,12 @@
 // ForwardGate: the module forward pre-hooks of a model, one callable per module, in C++: while armed, a module whose
 // parameters lie in a bucket beyond the one the forward has reached calls `reach(bucket)` (Python applies the
 // updates due up to it); every other module passes at the cost of one C call, no Python frame.
+//
+// WeakCall: how both reach Python: a method of an object held through a weak reference (`owner.name(b)` while the
+// owner lives, nothing once it is gone), so that the hooks keep no engine alive and a copy of the model reaches
+// none; the engine hands them the method of the part that does the work (the rounds part's `bucket_ready`,
+// `reach_bucket`), with no Python relay frame between.  An exception the method raises goes to
+// `on_error(exc, owner, name)`, which raises what the engine reports (a bug becomes a named error).
 #include <torch/extension.h>
 
 #include <torch/csrc/Exceptions.h>
@@ -39,9 +45,39 @@ namespace {
 
 using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const Variable&>()));
 
+class WeakCall {
+ public:
+  WeakCall() = default;
+  // owner None: a call that does nothing.
+  WeakCall(const py::object& owner, const std::string& name, py::object on_error)
+      : name_(py::str(name)), on_error_(std::move(on_error)) {
+    if (!owner.is_none()) ref_ = py::weakref(owner);
+  }
+
+  // `owner.name()` (b < 0) or `owner.name(b)`; needs the GIL.
+  void operator()(int64_t b) const {
+    if (!ref_) return;
+    py::object owner = ref_();
+    if (owner.is_none()) return;
+    try {
+      py::object method = owner.attr(name_);
+      if (b < 0)
+        method();
+      else
+        method(b);
+    } catch (py::error_already_set& e) {
+      if (on_error_ && !on_error_.is_none()) on_error_(e.value(), owner, name_);  // raises the error to report
+      throw;
+    }
+  }
+
+ private:
+  py::object ref_, name_, on_error_;
+};
+
 class ReadyHooks : public std::enable_shared_from_this<ReadyHooks> {
  public:
-  ReadyHooks(py::function on_first, py::function on_bucket, py::function on_param)
+  ReadyHooks(WeakCall on_first, WeakCall on_bucket, WeakCall on_param)
       : on_first_(std::move(on_first)), on_bucket_(std::move(on_bucket)), on_param_(std::move(on_param)) {}
 
   ~ReadyHooks() { remove(); }
@@ -248,20 +284,17 @@ class ReadyHooks : public std::enable_shared_from_this<ReadyHooks> {
     if (complete >= 0) call(on_bucket_, complete);
   }
 
-  void call(const py::function& fn, int64_t b) {
+  void call(const WeakCall& fn, int64_t b) {
     py::gil_scoped_acquire gil;
     try {
-      if (b < 0)
-        fn();
-      else
-        fn(b);
+      fn(b);
     } catch (py::error_already_set& e) {
       e.restore();  // the Python exception itself reaches the caller of backward()
       throw python_error();
     }
   }
 
-  py::function on_first_, on_bucket_, on_param_;
+  WeakCall on_first_, on_bucket_, on_param_;
   std::mutex mu_;
   std::vector<at::Tensor> params_;
   std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
@@ -281,7 +314,7 @@ class ReadyHooks : public std::enable_shared_from_this<ReadyHooks> {
 // their buckets' modules) and reaches buckets through `reach`; the module hooks are GateHook objects.
 class ForwardGate {
  public:
-  explicit ForwardGate(py::function reach) : reach_(std::move(reach)) {}
+  explicit ForwardGate(WeakCall reach) : reach_(std::move(reach)) {}
 
   void arm(int64_t reached) {
     reached_ = reached;
@@ -299,7 +332,7 @@ class ForwardGate {
   }
 
  private:
-  py::function reach_;
+  WeakCall reach_;
   int64_t reached_ = -1;
   bool armed_ = false;
 };
@@ -323,9 +356,12 @@ class GateHook {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dearopt's gradient-ready hooks in C++ (see csrc/ready.cpp)";
+  py::class_<WeakCall>(m, "WeakCall")
+      .def(py::init<const py::object&, const std::string&, py::object>(), py::arg("owner"), py::arg("name"),
+           py::arg("on_error") = py::none())
+      .def("__call__", [](const WeakCall& w, int64_t b) { w(b); }, py::arg("b") = -1);
   py::class_<ReadyHooks, std::shared_ptr<ReadyHooks>>(m, "ReadyHooks")
-      .def(py::init<py::function, py::function, py::function>(), py::arg("on_first"), py::arg("on_bucket"),
-           py::arg("on_param"))
+      .def(py::init<WeakCall, WeakCall, WeakCall>(), py::arg("on_first"), py::arg("on_bucket"), py::arg("on_param"))
       .def("add", &ReadyHooks::add, py::arg("params"))
       .def("bind", &ReadyHooks::bind, py::arg("slots"), py::arg("buckets"), py::arg("positions"), py::arg("views"),
            py::arg("sizes"))
@@ -342,7 +378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("size", &ReadyHooks::size)
       .def("remove", &ReadyHooks::remove);
   py::class_<ForwardGate, std::shared_ptr<ForwardGate>>(m, "ForwardGate")
-      .def(py::init<py::function>(), py::arg("reach"))
+      .def(py::init<WeakCall>(), py::arg("reach"))
       .def("arm", &ForwardGate::arm, py::arg("reached"))
       .def("disarm", &ForwardGate::disarm)
       .def_property_readonly("armed", &ForwardGate::armed)

@@ -558,7 +558,7 @@ def test_an_internal_error_is_named_on_its_rank_and_on_every_peer_promptly(where
         init_kwargs={"timeout": 30.0},
     )
     failed = outcomes[1]
-    inside = {"hook": "Executor._reach_bucket", "step": "DistOptim.step()"}[where]
+    inside = {"hook": "ExactRounds.reach_bucket", "step": "DistOptim.step()"}[where]
     if keeps_running:
         kind, message, cause = failed.value
         assert cause == "IndexError"

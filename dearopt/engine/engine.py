@@ -166,6 +166,8 @@ class Executor:
             self.rounds = ExactRounds(*parts, options, sharding=self.sharding)
         else:
             self.rounds, self.comm_hook = Rounds.of(parts, backend, optimizer, self.planner, options, self.comm_hook)
+        # a completed bucket and the forward reaching one call the rounds part itself (from C++ where it is built)
+        self.hooks.route(self.rounds)
         # the averaged gradients between backward() and step(): the rounds part's kind, given what it reads
         self.gradients = self.rounds.gradients_part(
             self.life,
@@ -272,10 +274,6 @@ class Executor:
     def _module_pre_hook(self, module, args) -> None:
         """A rounds part that wants every module (DeFT): ``module`` is about to run."""
         self.rounds.module_reached(module)
-
-    def _reach_bucket(self, bucket: int) -> None:
-        """The forward gate: a module of ``bucket`` is about to run, beyond the bucket the forward has reached."""
-        self.rounds.reach_bucket(bucket)
 
     # ------------------------------------------------------------- planning
     def _build_plan(
@@ -449,10 +447,6 @@ class Executor:
         """A gradient accumulated (the per-parameter path: every gradient seen from Python)."""
         self._backward_begins()
         self.rounds.grad_ready(p)
-
-    def _bucket_ready(self, bucket: int) -> None:
-        """Every gradient of ``bucket`` accumulated in this pass (counted in C++)."""
-        self.rounds.bucket_ready(bucket)
 
     def step(self, skip: bool = False, scaler_checked: bool = False) -> None:
         """Complete the step's reductions, check, and apply (or schedule) the updates (:meth:`rounds.step`)."""

@@ -59,18 +59,37 @@ class EngineHook:
         try:
             return method(*args, **kwargs)
         except Exception as exc:  # every engine hook passes here: a bug's exception becomes a named error
-            from dearopt.backends.base import engine_failure
-
-            error = engine_failure(exc, method.__self__, f"{type(method.__self__).__name__}.{method.__name__}")
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_named(exc, method.__self__, method.__name__)
+            raise
 
     def __deepcopy__(self, memo) -> "EngineHook":
         return EngineHook()
 
     def __reduce__(self):
         return (EngineHook, ())
+
+
+def _raise_named(exc: BaseException, owner, name: str) -> None:
+    """Raise what the engine reports for ``exc``, raised by ``owner``'s method ``name`` in a hook: a
+    :class:`~dearopt.errors.DearoptError` as it is, a bug as an error naming the rank and step
+    (:func:`dearopt.backends.base.engine_failure`).  Returns only for a ``BaseException`` that is not an
+    ``Exception`` (the caller re-raises it)."""
+    from dearopt.backends.base import engine_failure
+
+    if not isinstance(exc, Exception):
+        return
+    error = engine_failure(exc, owner, f"{type(owner).__name__}.{name}")
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
+def _weak_call(method: Optional[Callable]):
+    """``method`` (a bound method; None: nothing) as C++ calls it: through a weak reference to its object, with no
+    Python frame between (``dearopt.engine._ready.WeakCall``)."""
+    if method is None:
+        return _native.WeakCall(None, "")
+    return _native.WeakCall(method.__self__, method.__name__, _raise_named)
 
 
 class _SparseWatch(EngineHook):
@@ -275,12 +294,15 @@ class GradientHooks:
     gradient in per-parameter mode.  Each parameter is hooked once, for the engine's life; :meth:`bind` says
     which bucket and position each has under the plan in force."""
 
-    def __init__(self, on_first: Callable, on_bucket: Callable, on_param: Callable, on_sparse):
-        """``on_sparse``: a bound method ``(id(param), grad)``, called at each parameter's first gradient."""
-        self._on_first, self._on_param, self._on_sparse = on_first, on_param, on_sparse
+    def __init__(self, on_first: Callable, on_bucket: Optional[Callable], on_param: Callable, on_sparse: Callable):
+        """Bound methods, held weakly: ``on_bucket`` (None where Python sees every gradient) is called from C++
+        directly; ``on_sparse(id(param), grad)`` at each parameter's first gradient."""
+        self._on_first, self._on_param, self._on_sparse = EngineHook(on_first), EngineHook(on_param), on_sparse
         self.native = None
         if _native is not None:
-            self.native = _native.ReadyHooks(on_first, on_bucket, EngineHook(self._param_by_slot))
+            self.native = _native.ReadyHooks(
+                _weak_call(on_first), _weak_call(on_bucket), _weak_call(self._param_by_slot)
+            )
             self.native.expect_backward()
         self.params: List[torch.Tensor] = []  # by slot
         self.slot_of: Dict[int, int] = {}  # id(param) -> slot
@@ -424,7 +446,8 @@ class ForwardGates:
     ``reach(bucket)``; the others cost one C call (a Python call without the extension)."""
 
     def __init__(self, reach: Callable):
-        self.gate = _native.ForwardGate(reach) if _native is not None else _PyGate(reach)
+        """``reach``: a bound method (held weakly), called from C++ directly where the extension is built."""
+        self.gate = _native.ForwardGate(_weak_call(reach)) if _native is not None else _PyGate(EngineHook(reach))
         self._handles = []
 
     def bind(self, module_bucket: Dict[int, int], order: Sequence[torch.nn.Module]) -> None:
@@ -472,13 +495,9 @@ class EngineHooks:
         self.grad_guard = GradientGuard(EngineHook(engine._gradients_requested))
         self.sparse_ids: set = set()  # parameters autograd gave a sparse gradient
         self.model = model
-        self.gradients = GradientHooks(
-            EngineHook(engine._backward_begins),
-            EngineHook(engine._bucket_ready),
-            EngineHook(engine._param_ready),
-            engine._note_sparse,
-        )
-        self.gates = ForwardGates(EngineHook(engine._reach_bucket))
+        self._engine = weakref.ref(engine)
+        self.gradients: Optional[GradientHooks] = None  # (route: once the rounds part exists)
+        self.gates: Optional[ForwardGates] = None
         self._handles = [
             model.register_forward_pre_hook(EngineHook(engine._root_pre_hook)),
             model.register_forward_hook(EngineHook(engine._root_post_hook)),
@@ -492,6 +511,20 @@ class EngineHooks:
         self._every_module = (
             [m.register_forward_pre_hook(EngineHook(engine._module_pre_hook)) for m in modules] if every_module else []
         )
+
+    def route(self, rounds) -> None:
+        """The gradient hooks and the forward gates, routed to the parts that do the work: the engine at a
+        backward's first gradient (it begins the pass) and at each gradient where Python sees every one; the rounds
+        part itself where a bucket completes (``bucket_ready``) and where the forward reaches a bucket
+        (``reach_bucket``).  A rounds part that sees every gradient and module (``every_module``) has neither."""
+        engine = self._engine()
+        self.gradients = GradientHooks(
+            engine._backward_begins,
+            getattr(rounds, "bucket_ready", None),
+            engine._param_ready,
+            engine._note_sparse,
+        )
+        self.gates = ForwardGates(getattr(rounds, "reach_bucket", None))
 
     def _saw(self, module, args) -> None:
         self.recorder.saw(module)

@@ -77,6 +77,8 @@ class ExactRounds:
         self.stale: set = set()  # buckets whose update was still pending as this backward began
         self.backward_start = 0.0  # the timeline's clock as this backward began
 
+    step_count = property(lambda self: self.life.step_count, doc="Steps taken (named in its errors).")
+
     def gradients_part(self, *parts, **named) -> AveragedGradients:
         """Make the part that holds the averaged gradients between ``backward()`` and ``step()``, given what it
         reads (:class:`AveragedGradients`' arguments)."""
