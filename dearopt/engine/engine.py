@@ -255,7 +255,7 @@ class Executor:
         self.hooks.grad_guard.disarm()
         self.life.forward_began()
         self.hook_new_params()
-        if self._options.broadcast_buffers and self.world > 1:
+        if self._options.broadcast_buffers and self.world > 1 and self.buffers:
             broadcast_buffers_as_bytes(self.buffers, self.control, self.life.step_count)
         self.profile.begin_forward()
         self.rounds.forward_started()
@@ -303,7 +303,7 @@ class Executor:
                 hooks_for(plan, self.comm_hook, planner.rows, self.sparse),
                 self.timeline,
                 control=self.control,
-                wire_dtype=self.comm_hook.wire_dtype if self.comm_hook is not None else (lambda dtype: dtype),
+                wire_dtype=self.comm_hook.wire_dtype if self.comm_hook is not None else None,
                 sharded=self.sharding is not None,
             )
             issuer.launch_log = planner.launch_log

@@ -149,15 +149,15 @@ class Issuer:
         carriers: Optional[Sequence[CommHook]],
         timeline: Timeline,
         control: Optional[CollectiveBackend] = None,
-        wire_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype,
+        wire_dtype: Optional[Callable[[torch.dtype], torch.dtype]] = None,
         sharded: bool = False,
     ):
         """``carriers``: the comm hook that carries each op of ``plan``, in order
         (:func:`dearopt.compression.hooks.hooks_for` chooses them: the user's hook, embedding rows, a sparsifier's
         exchange, the parameters of a sharded update); None: every op travels as it is.  Each bucket's used flags and
         step tag are written into its tail before its first reduction (:meth:`BucketState.write_tail`);
-        ``wire_dtype``: the dtype a bucket's tag must be exact in; ``sharded``: the all-gathers carry the sharded
-        update's parameters."""
+        ``wire_dtype``: the dtype a bucket's tag must be exact in (None: the bucket's own); ``sharded``: the
+        all-gathers carry the sharded update's parameters."""
         self.plan = plan
         self.ops = [OpState(i, spec, buckets[spec.bucket].pieces[spec.piece]) for i, spec in enumerate(plan.ops)]
         self.backend = backend
@@ -216,7 +216,7 @@ class Issuer:
     def _write_meta(self, bucket: BucketState) -> None:
         """The bucket's used flags and this rank's step tag, before its first reduction of the round (the tag
         exact in the bucket's own dtype and in the wire's)."""
-        dtype = self._wire_dtype(bucket.buffer.dtype)
+        dtype = bucket.buffer.dtype if self._wire_dtype is None else self._wire_dtype(bucket.buffer.dtype)
         if bucket.buffer.dtype in (torch.bfloat16, torch.float16):
             dtype = bucket.buffer.dtype
         tag = self._tags.get(dtype)
