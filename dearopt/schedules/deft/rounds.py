@@ -358,27 +358,29 @@ class DeftMeasurement:
             return RSAG
         return ALL_REDUCE
 
-    def choose_profiled_reduction(self) -> None:
+    def profiled_reduction(self, reduction: str) -> str:
+        """The way to sum the units the profile's times favour, where there is a choice (else ``reduction``)."""
         r = self.rounds
-        if r.rsag is not None:
-            r.reduction = profile_reduction(self.profile, r.plan)
+        return profile_reduction(self.profile, r.plan) if r.rsag is not None else reduction
 
-    def solve_measured(self) -> Optional[dict]:
+    def solve_measured(self) -> Solved:
         """After the measuring steps: rank 0's times for everyone, and the same schedule solved on every rank; or,
-        where a piece outlasts a stage, the smaller sizes to re-plan with (the knobs of ``Executor.replan``)."""
+        where a piece outlasts a stage, the smaller sizes to re-plan with (the knobs of ``Executor.replan``).
+        Returns what was decided; the rounds part adopts it."""
         r = self.rounds
         e = r.parts
         from dearopt.collectives import broadcast_object
 
+        mu, reduction = r.mu, r.reduction
         if self.times_alone:  # rank 0's numbers for everyone
-            measured, r.mu, r.reduction = broadcast_object(
+            measured, mu, reduction = broadcast_object(
                 (self.measured_times(), self.measured_mu(), self.measured_reduction()) if e.rank == 0 else None,
                 0,
                 backend=e.control,
             )
         if self.profile is not None:
-            self.choose_profiled_reduction()
-            measured = deft_times(self.profile, r.plan, r.reduction)
+            reduction = self.profiled_reduction(reduction)
+            measured = deft_times(self.profile, r.plan, reduction)
         self.measured = measured
         forward, backward, comm = self.measured
         too_long = check_partition(forward, backward, comm)
@@ -396,13 +398,14 @@ class DeftMeasurement:
                 self.repartitions.append(size)
                 # nothing in flight: every measuring step was applied; the executor re-plans after this step
                 knobs = e.planner.knobs
-                self.measure_from, r.offset = e.life.step_count, e.life.step_count + MEASURED_STEPS
+                self.measure_from = e.life.step_count
                 self.marks, self.comm, self.comm_second, self.losses, self.dots = {}, {}, {}, {}, {}
                 self.comm_rsag = {}
-                return dict(
+                replan = dict(
                     buffer_size=min(knobs.buffer_size, size), partition_size=min(knobs.partition_size or size, size)
                 )
-        self.solve(self.measured)
+                return Solved(mu=mu, reduction=reduction, replan=replan, offset=e.life.step_count + MEASURED_STEPS)
+        return Solved(deft=self.solve(self.measured, mu), mu=mu, reduction=reduction)
 
     def time_alone(self, group) -> None:
         """The last measuring step: each unit of ``group`` (this backward's) reduced alone, in turn (as an
@@ -460,24 +463,25 @@ class DeftMeasurement:
             )
         return loss, -float(dot.mean()), math.sqrt(float(var.mean()) / n)
 
-    def solve(self, times) -> None:
+    def solve(self, times, mu: Optional[float]):
+        """The schedule solved from ``times`` (and checked by the Preserver, where there is one)."""
         r = self.rounds
         e = r.parts
         try:
             if self.preserver is None:
-                r.deft = deft_schedule(*times, mu=r.mu)
-                return
+                return deft_schedule(*times, mu=mu)
             loss, drift, noise = self.convergence_stats()
-            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=r.mu)
-            r.deft = self.preserved.schedule
+            self.preserved = self.preserver.solve(*times, loss=loss, drift=drift, noise=noise, mu=mu)
+            schedule = self.preserved.schedule
             if not self.preserved.passed:
                 warnings.warn(
                     f"dearopt: the DeFT schedule failed the Preserver's check after "
                     f"{self.preserved.resolves} re-solves ({self.preserver.statistic} ratio "
                     f"{self.preserved.ratio:.4f}, epsilon {self.preserver.epsilon}); it is used as the "
-                    f"last re-solve left it ({r.deft.updates_per_iteration:.2f} updates per step)",
+                    f"last re-solve left it ({schedule.updates_per_iteration:.2f} updates per step)",
                     RuntimeWarning,
                 )
+            return schedule
         except ValueError as exc:  # the partition constraint: a bucket longer on the link than a whole stage
             raise UsageError(
                 f"schedule='deft' cannot schedule these {len(r.buckets)} buckets (sent in "
@@ -493,6 +497,19 @@ class DeftMeasurement:
         e = r.parts
         if self.preserver is not None and r.deft is None and e.life.step_count < r.offset:
             self.losses[e.life.step_count] = float(loss.detach() if torch.is_tensor(loss) else loss)
+
+
+@dataclasses.dataclass
+class Solved:
+    """What the measuring steps decided (:meth:`DeftMeasurement.solve_measured`): the schedule (None where a
+    re-partition comes first), the second link's time ratio ``mu``, the way to sum the units, and for a
+    re-partition the knobs of the re-plan and the step the measuring ends at again."""
+
+    mu: Optional[float]
+    reduction: str
+    deft: Optional[object] = None
+    replan: Optional[dict] = None
+    offset: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -638,8 +655,8 @@ class DelayedRounds:
         self.units_of = [[u for u, (b, _) in enumerate(self.units) if b == bucket.index] for bucket in self.buckets]
         self._shards = {}
         if self.deft is None and self.measurement.profile is not None and not self.offset:
-            self.measurement.choose_profiled_reduction()
-            self.measurement.solve(deft_times(self.measurement.profile, self.plan, self.reduction))
+            self.reduction = self.measurement.profiled_reduction(self.reduction)
+            self.deft = self.measurement.solve(deft_times(self.measurement.profile, self.plan, self.reduction), self.mu)
         if self.deft is not None and self.deft.buckets != len(self.units):
             pieces = "" if len(self.units) == len(self.buckets) else f" in {len(self.units)} pieces"
             raise UsageError(
@@ -899,7 +916,7 @@ class DelayedRounds:
             self.group, self.new_group = self.new_group, None
         e.life.stepped(False)
         if self.deft is None and e.life.step_count == self.offset:
-            self.replanning = self.measurement.solve_measured()
+            self.adopt(self.measurement.solve_measured())
         e.timeline.span("step", "update", t0)
         if self.updates.due_buckets:  # the step lands once its due buckets are applied (the post hooks wait for them)
             self.updates.due_landing = True
@@ -955,6 +972,15 @@ class DelayedRounds:
         if e.life.state is TrainingState.IDLE:
             self.updates.apply_due()
             self.wait_group(self.group)
+
+    def adopt(self, solved: Solved) -> None:
+        """What the measuring steps decided: the schedule, or the re-partition to re-plan with after this step."""
+        self.mu, self.reduction = solved.mu, solved.reduction
+        if solved.deft is not None:
+            self.deft = solved.deft
+        if solved.offset is not None:
+            self.offset = solved.offset
+        self.replanning = solved.replan
 
     def record_loss(self, loss) -> None:
         """``step(loss)``: the loss of this step, for the Preserver of the measuring steps."""
