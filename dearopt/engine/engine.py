@@ -167,7 +167,7 @@ class Executor:
         else:
             self.rounds, self.comm_hook = Rounds.of(parts, backend, optimizer, self.planner, options, self.comm_hook)
         # a completed bucket and the forward reaching one call the rounds part itself (from C++ where it is built)
-        self.hooks.route(self.rounds)
+        self.hooks.route(self, self.rounds)
         # the averaged gradients between backward() and step(): the rounds part's kind, given what it reads
         self.gradients = self.rounds.gradients_part(
             self.life,

@@ -495,7 +495,6 @@ class EngineHooks:
         self.grad_guard = GradientGuard(EngineHook(engine._gradients_requested))
         self.sparse_ids: set = set()  # parameters autograd gave a sparse gradient
         self.model = model
-        self._engine = weakref.ref(engine)
         self.gradients: Optional[GradientHooks] = None  # (route: once the rounds part exists)
         self.gates: Optional[ForwardGates] = None
         self._handles = [
@@ -512,12 +511,11 @@ class EngineHooks:
             [m.register_forward_pre_hook(EngineHook(engine._module_pre_hook)) for m in modules] if every_module else []
         )
 
-    def route(self, rounds) -> None:
+    def route(self, engine, rounds) -> None:
         """The gradient hooks and the forward gates, routed to the parts that do the work: the engine at a
         backward's first gradient (it begins the pass) and at each gradient where Python sees every one; the rounds
         part itself where a bucket completes (``bucket_ready``) and where the forward reaches a bucket
         (``reach_bucket``).  A rounds part that sees every gradient and module (``every_module``) has neither."""
-        engine = self._engine()
         self.gradients = GradientHooks(
             engine._backward_begins,
             getattr(rounds, "bucket_ready", None),
