@@ -339,3 +339,32 @@ def test_bench_variants_name_a_fixed_allreduce_share():
         with pytest.raises(ValueError, match="<schedule>@<fraction"):
             variant(bad)
     assert known_schedule("ddp") and known_schedule("dear@1") and not known_schedule("nosuch")
+
+
+def test_split_points_answers_must_split_at_every_position():
+    from dearopt.planning.plan import must_split, split_points
+
+    params = [
+        ParamSpec("a", 4, "float32", 4),
+        ParamSpec("b", 4, "float32", 4),
+        ParamSpec("c", 4, "bfloat16", 2),
+        ParamSpec("d", 8, "float32", 4, row_numel=2),
+        ParamSpec("e", 4, "float32", 4),
+        ParamSpec("f", 4, "float32", 4, twin_of=0),
+        ParamSpec("g", 4, "float32", 4),
+        ParamSpec("h", 4, "float32", 4),
+    ]
+    assert split_points(params) == [i for i in range(len(params) - 1) if must_split(params, i)] == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"bucket group \[4, 5\] mixes"):
+        layout_buckets(params, 1 << 20, 1, groups=[[0, 1], [2], [3], [4, 5], [6, 7]])
+
+
+def test_summarised_ready_times_are_the_medians():
+    import statistics
+
+    from dearopt.planning.profile import _summarise
+
+    for steps in (1, 2, 3, 4):
+        window = [([0.1 * s + i * (-1) ** s for i in range(5)], 1.0, [], 2.0) for s in range(steps)]
+        ready = _summarise(window)[0]
+        assert ready == [statistics.median(t) for t in zip(*(w[0] for w in window))]

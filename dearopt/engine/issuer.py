@@ -177,6 +177,7 @@ class Issuer:
         self.timeline = timeline
         self.cursor = 0
         self._reaped = 0  # ops before it are completed (or not started)
+        self._observed = 0  # ops before it were seen finished (observe)
         self.step = 0  # the step whose gradients the current round carries (names ops in errors)
         self._tags: dict = {}  # wire dtype -> this round's step tag
         self._forwards = 0
@@ -194,6 +195,7 @@ class Issuer:
             op.where["step"] = step
         self.cursor = 0
         self._reaped = 0
+        self._observed = 0
         self.step = step
         self._forwards = forwards
         self._tags = {}
@@ -410,11 +412,17 @@ class Issuer:
         return found
 
     def observe(self) -> None:
-        """Note when started ops are first seen finished (for the link's busy time)."""
-        now = time.perf_counter()
-        for op in self.ops[: self.cursor]:
-            if op.finished_at is None and op.handle.is_completed():
-                op.finished_at = now
+        """Note when started ops are first seen finished (for the link's busy time).  Only the ops from the
+        first one not yet seen finished on are asked (those before it were seen already)."""
+        ops, cursor, i = self.ops, self.cursor, self._observed
+        while i < cursor and ops[i].finished_at is not None:
+            i += 1
+        self._observed = i
+        if i < cursor:
+            now = time.perf_counter()
+            for op in ops[i:cursor]:
+                if op.finished_at is None and op.handle.is_completed():
+                    op.finished_at = now
 
     def reduction_services(self) -> List[Tuple[int, float]]:
         """``(bytes, seconds)`` of each finished reduction: from its start, or the end of the one before it
@@ -422,7 +430,7 @@ class Issuer:
         spans = sorted(
             (op.started_at, op.finished_at, op.nbytes)
             for op in self.ops[: self.cursor]
-            if op.spec.reduces and op.finished_at is not None
+            if op.reduces and op.finished_at is not None
         )
         services, free = [], 0.0
         for start, end, nbytes in spans:

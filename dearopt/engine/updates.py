@@ -216,7 +216,17 @@ class FlatRuns:
         for j, p in enumerate(params):
             member = groups[j] >= 0 and include[j]
             entry = state.get(p) if member else None
-            scalar_key = tuple(id(v) for k, v in sorted((entry or {}).items()) if not _elementwise(v, p))
+            # the ids of its entries that are not elementwise (_elementwise, inlined: this runs per parameter)
+            numel = p.numel()
+            scalar_key = (
+                tuple(
+                    id(v)
+                    for k, v in sorted(entry.items())
+                    if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == numel)
+                )
+                if entry
+                else ()
+            )
             this = (groups[j], scalar_key) if member else None
             if lo is not None and (this is None or this != key or offsets[j] != offsets[j - 1] + params[j - 1].numel()):
                 runs.append(self._run(lo, j))
@@ -258,13 +268,11 @@ class FlatRuns:
 
     def _spread(self, run: _Run, members, state) -> None:
         """Every member's entries as views of the run's flat state (scalars shared)."""
+        entries = [(k, v, _elementwise(v, run.tensor)) for k, v in run.state.items()]  # (the same for every member)
         offset = 0
         for p in members:
             n = p.numel()
-            state[p] = {
-                k: (v[offset : offset + n].view_as(p) if _elementwise(v, run.tensor) else v)
-                for k, v in run.state.items()
-            }
+            state[p] = {k: (v[offset : offset + n].view_as(p) if elementwise else v) for k, v, elementwise in entries}
             offset += n
 
     def update(self, runs: List[_Run], optimizer: torch.optim.Optimizer) -> None:

@@ -70,7 +70,10 @@ def parameters_in_forward_order(
     extra = extra or {}
     ordered, seen = [], set()
     for module in list(modules) + [model]:
-        params = list(module.parameters(recurse=module is model)) + list(extra.get(id(module), ()))
+        # (a recorded module's own: its _parameters, what parameters(recurse=False) yields, without torch's five
+        # calls per module on every re-plan)
+        own = module.parameters() if module is model else (p for p in module._parameters.values() if p is not None)
+        params = list(own) + list(extra.get(id(module), ()))
         for p in params:
             if id(p) in wanted and id(p) not in seen:
                 seen.add(id(p))

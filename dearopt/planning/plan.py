@@ -352,6 +352,17 @@ def must_split(params: Sequence[ParamSpec], pos: int) -> bool:
     return _special(a) or _special(b) or a.dtype != b.dtype
 
 
+def split_points(params: Sequence[ParamSpec]) -> List[int]:
+    """Every ``pos`` with :func:`must_split` ``(params, pos)``, in order: the same answers in one pass (a re-plan
+    asks for every position; one call each is Python's cost per parameter on the step that re-plans)."""
+    special = [p.twin_of is not None or p.row_numel > 0 for p in params]
+    return [
+        pos
+        for pos in range(len(params) - 1)
+        if special[pos] or special[pos + 1] or params[pos].dtype != params[pos + 1].dtype
+    ]
+
+
 def layout_buckets(
     params: Sequence[ParamSpec],
     buffer_size: int,
@@ -373,8 +384,11 @@ def layout_buckets(
         flat = [pos for g in groups for pos in g]
         if flat != list(range(len(params))) or any(not g for g in groups):
             raise ValueError("bucket groups must be non-empty contiguous runs covering every parameter in order")
-        for g in groups:
-            if any(must_split(params, pos) for pos in g[:-1]):
+        cut = split_points(params)
+        last = {g[-1] for g in groups}  # a required boundary must be one of the groups' ends
+        for pos in cut:
+            if pos not in last:
+                g = next(g for g in groups if g[0] <= pos < g[-1])
                 raise ValueError(
                     f"bucket group {list(g)} mixes dtypes or holds a twin or row-sparse parameter with others"
                 )
@@ -382,14 +396,16 @@ def layout_buckets(
     groups: List[List[int]] = []
     current: List[int] = []
     current_bytes = 0
+    cut = set(split_points(params))
     for pos in reversed(range(len(params))):
         spec = params[pos]
+        nbytes = spec.numel * spec.element_size
         cap = buffer_size if groups or first_bucket_size is None else min(buffer_size, first_bucket_size)
-        if current and (current_bytes + spec.nbytes > cap or must_split(params, pos)):  # pos + 1 is current's
+        if current and (current_bytes + nbytes > cap or pos in cut):  # pos + 1 is current's
             groups.append(current)
             current, current_bytes = [], 0
         current.append(pos)
-        current_bytes += spec.nbytes
+        current_bytes += nbytes
     groups.append(current)
     groups.reverse()
     return _buckets_of(params, groups, world_size, partition_size)

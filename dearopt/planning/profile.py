@@ -88,6 +88,7 @@ class ReadyProfile:
         self.latest: Optional[Measurement] = None  # the newest measurement shared
         self.remeasured = False  # a measurement after the first arrived, not yet looked at
         self._times: Optional[List[float]] = None
+        self.recording = False  # a step is being recorded (_times is not None): read at every hook, so an attribute
         self._t0 = 0.0
         self._backward = 0.0
         self._forward_start: Optional[float] = None  # this step's training forward: when it began
@@ -95,10 +96,6 @@ class ReadyProfile:
         self._forward = 0.0
         self._left = 0  # steps of the measurement under way still to record
         self._window: List[Tuple[List[float], float, Sequence[Tuple[int, float]]]] = []  # (ready, backward, services)
-
-    @property
-    def recording(self) -> bool:
-        return self._times is not None
 
     def begin_forward(self) -> None:
         """A training forward starts (its computation is timed for the profile's ``forward``)."""
@@ -127,6 +124,7 @@ class ReadyProfile:
         elif self._window and len(self._window[0][0]) != n_params:  # a parameter was unfrozen: start again
             self._left, self._window = self.steps, []
         self._times = [math.inf] * n_params
+        self.recording = True
         self._t0 = time.perf_counter()
 
     def forget(self, start: int) -> None:
@@ -136,6 +134,7 @@ class ReadyProfile:
         self.result = self.latest = None
         self.fresh = self.remeasured = False
         self._times, self._left, self._window = None, 0, []
+        self.recording = False
 
     def grad_ready(self, position: int) -> None:
         if self._times is not None:
@@ -180,6 +179,7 @@ class ReadyProfile:
             ([t if math.isfinite(t) else 0.0 for t in self._times], self._backward, list(services), self._forward)
         )
         self._times = None
+        self.recording = False
         self._left -= 1
         if self._left > 0:
             return  # the measurement goes on at the next step; nothing is shared before its last
@@ -206,7 +206,13 @@ def _summarise(window):
     """One measurement from several steps': each gradient's median ready time, the median backward, every
     step's reductions together (the bandwidth and the fixed cost are fitted over all of them) and the median
     forward computation (NaN where no step timed its forward)."""
-    ready = [statistics.median(times) for times in zip(*(w[0] for w in window))]
+    # statistics.median's value, one comprehension for every gradient (not one call per gradient: this runs at
+    # every measurement of the link monitor, on the step's hot path)
+    half = len(window) // 2
+    if len(window) % 2:
+        ready = [sorted(times)[half] for times in zip(*(w[0] for w in window))]
+    else:
+        ready = [(s[half - 1] + s[half]) / 2 for s in map(sorted, zip(*(w[0] for w in window)))]
     forwards = [w[3] for w in window if math.isfinite(w[3])]
     return (
         ready,

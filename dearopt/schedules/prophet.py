@@ -62,7 +62,7 @@ from dearopt.planning.plan import (
     Layout,
     ParamSpec,
     forward_of,
-    must_split,
+    split_points,
 )
 from dearopt.schedules.base import Schedule, mark_updates
 from dearopt.schedules.bytescheduler import ByteScheduler
@@ -184,11 +184,11 @@ def profile_blocks(
         return None
     if len(ready_times) != len(params):
         raise ValueError(f"ready_times has {len(ready_times)} entries for {len(params)} parameters")
-    split = [i for i in range(len(params) - 1) if must_split(params, i)]
+    split = split_points(params)
     latency = block_latency(latency)
     return prophet_blocks(
         ready_times,
-        [p.nbytes for p in params],
+        [p.numel * p.element_size for p in params],
         bandwidth,
         latency=latency,
         max_bytes=buffer_size,
@@ -238,7 +238,7 @@ class Prophet(Schedule):
 
     def predicted_sends(self, plan, measured):
         """Each block's reduction as Prophet's link model predicts it (seconds after backward starts)."""
-        sizes = [p.nbytes for p in plan.params]
+        sizes = [p.numel * p.element_size for p in plan.params]
         return predicted_sends(
             [b.params for b in plan.buckets],
             measured.ready,
