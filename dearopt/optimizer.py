@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import sys
 import warnings
 import weakref
@@ -117,6 +118,15 @@ def _resolve_group(process_group, backend):
 # GradScaler.step(optimizer) passes itself as ``grad_scaler`` to optimizers whose step() takes it, and warns
 # each process once that it will stop doing so; DistOptim relies on it to agree on inf/NaN across ranks.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+
+def _complete_dropped(executor) -> None:
+    """A ``DistOptim`` went away (its last reference dropped) without ``close()``: its pending updates, as when
+    leaving the job (:meth:`DistOptim._complete_at_leave`); a failure is logged, not raised (a finalizer)."""
+    try:
+        executor.synchronize()
+    except Exception as exc:
+        logging.getLogger("dearopt").warning("dearopt: a DistOptim went away without completing its updates: %s", exc)
 
 
 class DistOptim(torch.optim.Optimizer):
@@ -242,6 +252,10 @@ class DistOptim(torch.optim.Optimizer):
         options.policy.figures = self._figures
         self._closed = False
         runtime.on_leave(self._complete_at_leave)  # the last step's updates, when this process leaves the job
+        # and when this DistOptim goes away first (a script's function returns): the ranks that go on, one of them
+        # saving the model, wait in those collectives (at interpreter exit the leave hook does it)
+        self._at_drop = weakref.finalize(self, _complete_dropped, self._executor)
+        self._at_drop.atexit = False
         _WRAPPED.add(optimizer)
         functions.register_distoptim(model, self)  # for dearopt.no_sync(model)
 
@@ -558,6 +572,7 @@ class DistOptim(torch.optim.Optimizer):
     def close(self) -> None:
         """Apply pending updates, remove the hooks and release the engine's communicator."""
         self._closed = True
+        self._at_drop.detach()
         self._executor.close()
         if self._engine_backend is not None:
             self._engine_backend.close()

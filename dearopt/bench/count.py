@@ -3,7 +3,8 @@
 Times of host work on a shared 2-core machine are noise; counts are not.  Each configuration trains its own copy of a
 BERT-shaped model (BERT-Base's layout and tensor count, hidden size 64, so that the arithmetic is small) with AdamW
 (``foreach=True``) in fresh processes, warms up until the plan has settled (at least ``--warmup`` steps), and then
-counts, per step and on rank 0:
+counts, per step (the mean over ``--steps``, 20 by default: one whole period of the link monitor, whose checks
+measure 3 steps in every 20 under ``prophet``) and on rank 0:
 
 * **Python calls**: every Python function entered (``sys.setprofile``'s ``call`` events, a generator counted at its
   first entry, not at every resumption), on every thread the
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--layers", type=int, default=12, help="encoder layers (12: ~200 tensors, 24: ~390)")
     p.add_argument("--warmup", type=int, default=60, help="untimed steps first (more until the plan settled)")
-    p.add_argument("--steps", type=int, default=5, help="steps counted")
+    p.add_argument("--steps", type=int, default=20, help="steps counted (20: one period of the link monitor's checks)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=None, help="write the counts as JSON here")
     args = p.parse_args(argv)
