@@ -228,17 +228,8 @@ class DistOptim(torch.optim.Optimizer):
         buffer = DEFAULT_BUFFER_SIZE if options.buffer_size == "auto" else options.buffer_size
         partition = None if options.partition_size == "auto" else options.partition_size
         credit_bytes = None if options.credit == "auto" else options.credit
-        self._executor = Executor(
-            optimizer,
-            model,
-            engine,
-            options,
-            buffer,
-            partition,
-            credit_bytes,
-            hook,
-            post_hooks=StepPostHooks(self, self._optimizer_step_post_hooks),
-        )
+        post_hooks = StepPostHooks(self, self._optimizer_step_post_hooks)  # run by the engine when a step landed
+        self._executor = Executor(optimizer, model, engine, options, buffer, partition, credit_bytes, hook, post_hooks)
         self._search = PlanSearch(options, optimizer, self._executor.control, self._executor.world, tuner)
         first = self._search.first_trial()
         if first is not None:
@@ -252,8 +243,7 @@ class DistOptim(torch.optim.Optimizer):
         options.policy.figures = self._figures
         self._closed = False
         runtime.on_leave(self._complete_at_leave)  # the last step's updates, when this process leaves the job
-        # and when this DistOptim goes away first (a script's function returns): the ranks that go on, one of them
-        # saving the model, wait in those collectives (at interpreter exit the leave hook does it)
+        # and when it goes away first (a function returns): the ranks that go on (one saving the model) join those
         self._at_drop = weakref.finalize(self, _complete_dropped, self._executor)
         self._at_drop.atexit = False
         _WRAPPED.add(optimizer)

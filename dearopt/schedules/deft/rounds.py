@@ -925,7 +925,6 @@ class DelayedRounds:
             e.life.step_landed()
         return self.replanning
 
-    # ------------------------------------------- per-bucket application
     # -------------------------------------------------------- checkpoints
     def deft_state(self) -> dict:
         """The schedule, the step within it and this rank's group sums, for ``DistOptim.state_dict()``."""
@@ -975,16 +974,11 @@ class DelayedRounds:
 
     def adopt(self, solved: Solved) -> None:
         """What the measuring steps decided: the schedule, or the re-partition to re-plan with after this step."""
-        self.mu, self.reduction = solved.mu, solved.reduction
-        if solved.deft is not None:
-            self.deft = solved.deft
-        if solved.offset is not None:
-            self.offset = solved.offset
-        self.replanning = solved.replan
+        self.mu, self.reduction, self.replanning = solved.mu, solved.reduction, solved.replan
+        self.deft = solved.deft if solved.deft is not None else self.deft
+        self.offset = solved.offset if solved.offset is not None else self.offset
 
-    def record_loss(self, loss) -> None:
-        """``step(loss)``: the loss of this step, for the Preserver of the measuring steps."""
-        self.measurement.record_loss(loss)
+    record_loss = property(lambda self: self.measurement.record_loss, doc="``step(loss)``: the Preserver's losses.")
 
     def may_replan(self) -> None:
         """Refused once planned (its groups span iterations), except for the measuring steps' re-partition."""
