@@ -77,6 +77,20 @@ def spawn(
     return run_processes(procs, queue, world_size, timeout)
 
 
+def _other_errors(queue, left: int, what: str) -> str:
+    """What the other processes report within a few seconds of the first failure (the first to report may have
+    failed only because another one had: its cause is then among these)."""
+    found = []
+    for _ in range(left):
+        try:
+            rank, _, error = queue.get(timeout=5)
+        except Exception:
+            break
+        if error:
+            found.append(f"\n{what} {rank} failed too:\n{error}")
+    return "".join(found)
+
+
 def run_processes(procs, queue, world_size: int, timeout: float, what: str = "rank") -> List[Any]:
     """Start ``procs``, each of which puts ``(rank, value, error)`` on ``queue``; return the values in rank order
     (a ``RuntimeError`` with the traceback of the first that failed); every process is joined or killed."""
@@ -84,10 +98,10 @@ def run_processes(procs, queue, world_size: int, timeout: float, what: str = "ra
         p.start()
     results = {}
     try:
-        for _ in range(world_size):
+        for n in range(world_size):
             rank, value, error = queue.get(timeout=timeout)
             if error:
-                raise RuntimeError(f"{what} {rank} failed:\n{error}")
+                raise RuntimeError(f"{what} {rank} failed:\n{error}" + _other_errors(queue, world_size - n - 1, what))
             results[rank] = value
     finally:
         for p in procs:
