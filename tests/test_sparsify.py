@@ -11,7 +11,15 @@ import pytest
 import torch
 
 import dearopt
-from dearopt.compression.sparsify import Fragment, allocate, assign_k, dense_by_default, fragments, selection_cost
+from dearopt.compression.sparsify import (
+    Fragment,
+    allocate,
+    assign_k,
+    dense_by_default,
+    fragments,
+    largest,
+    selection_cost,
+)
 from harness import Attempts, run_workers
 from models import global_batch, loss_fn, make_model, make_optimizer, resumable_run, shard
 from test_distoptim import assert_params_match, reference
@@ -44,6 +52,33 @@ def test_k_follows_the_norms_and_never_exceeds_a_fragment():
     assert assign_k([1.0, 1.0], [10, 10], 3) == [2, 1]
     assert assign_k([0.0, 0.0], [30, 10], 4) == [3, 1]
     assert sum(assign_k([0.5, 0.25, 0.25], [3, 3, 3], 9)) == 9  # never more than there is, all when asked
+
+
+def _topk_set(values, k):
+    return torch.topk(values, k, sorted=False).indices.sort().values
+
+
+@pytest.mark.parametrize("n,k", [(300_000, 3_000), (200_003, 1), (100_000, 6_249), (70_000, 70)])
+def test_the_selection_is_torch_topk_s(n, k):
+    # largest() takes its candidates from a threshold set on a sample; what it selects is torch.topk's set
+    g = torch.Generator().manual_seed(n + k)
+    values = torch.randn(n, generator=g).abs()
+    assert torch.equal(largest(values, k), _topk_set(values, k))
+    # the largest values where the strided sample never looks (every 2nd element; the sample takes every
+    # n // 16384-th, an even stride here): fewer candidates than k reach the sample's threshold at first
+    skewed = values.clone()
+    skewed[1::2] += 100.0
+    assert torch.equal(largest(skewed, k), _topk_set(skewed, k))
+    # ties with the k-th largest (values on a coarse grid): the same values as torch.topk's, indices ascending
+    coarse = (values * 4).round()
+    got = largest(coarse, k)
+    assert torch.equal(got, got.sort().values) and got.unique().numel() == k
+    assert torch.equal(coarse[got].sort().values, torch.topk(coarse, k).values.sort().values)
+    # a NaN is ranked first, as torch.topk ranks it
+    with_nan = values.clone()
+    with_nan[17] = float("nan")
+    assert torch.equal(largest(with_nan, k), _topk_set(with_nan, k))
+    assert largest(values, 0).numel() == 0
 
 
 def test_allocation_balances_the_selection_cost():
