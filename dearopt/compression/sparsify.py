@@ -200,8 +200,9 @@ def largest(values: torch.Tensor, k: int, finite: Optional[bool] = None) -> torc
     (deterministic: the generator's state is not touched) sets a threshold about twice ``k`` of them reach,
     one pass keeps those (``values >= threshold``), and the top-k runs over them alone.  Where fewer than
     ``k`` reach it (a skewed sample), or ``values`` is not all finite (``torch.topk`` ranks a NaN above all, the
-    comparison drops it; ``finite``: the caller knows, else a sum tells), the top-k runs over everything.  The selected values are ``torch.topk``'s; where several
-    elements tie with the ``k``-th largest, which of them are taken is unspecified, as it is for ``torch.topk``."""
+    comparison drops it; ``finite``: the caller knows, else a sum tells), the top-k runs over everything.  The
+    selected values are ``torch.topk``'s; where several elements tie with the ``k``-th largest, which of them
+    are taken is unspecified, as it is for ``torch.topk``."""
     n = values.numel()
     if k <= 0:
         return torch.zeros(0, dtype=torch.int64, device=values.device)
