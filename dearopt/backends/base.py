@@ -615,6 +615,16 @@ _TORCH_OPS = {
 }
 
 
+def workspace_buffer_bytes(nbytes: float, largest: float, budget: float) -> float:
+    """The bytes of gloo's workspace an op of ``nbytes`` holds while in flight, where the largest buffer made so
+    far has ``largest``: one of that size where the op needs at least half of it (so that one size serves the
+    buckets, whatever theirs, and a step allocates nothing); a smaller op, or one larger than the ``budget`` (a
+    buffer of its own, never kept), its own size.  :mod:`dearopt.sim` replays the workspace with it."""
+    if nbytes > budget or 2 * nbytes < largest:
+        return nbytes
+    return max(nbytes, largest)
+
+
 _SPARE_SUBGROUPS: Dict[tuple, list] = {}
 """Groups of closed forks over a subset of the ranks, by ``(default group, members, kind)``, for the next fork over
 the same members.  torch names a group made by its members alone after its ranks and the number of groups this
@@ -831,12 +841,8 @@ class TorchDistBackend(CollectiveBackend):
             oldest.wait()  # runs its finish: sums into its shard, spares its buffer
 
     def _buffer_bytes(self, nbytes: int) -> int:
-        """The bytes of the workspace buffer an op of ``nbytes`` takes: one of the largest size made so far where
-        the op needs at least half of it (so that one size serves the buckets, whatever theirs); a smaller op, or
-        one larger than the budget (a buffer of its own, never kept), its own size."""
-        if nbytes > self.workspace_bytes or 2 * nbytes < self._largest_bytes:
-            return nbytes
-        return max(nbytes, self._largest_bytes)
+        """The bytes of the workspace buffer an op of ``nbytes`` takes (:func:`workspace_buffer_bytes`)."""
+        return workspace_buffer_bytes(nbytes, self._largest_bytes, self.workspace_bytes)
 
     def _workspace_like(self, full: torch.Tensor) -> torch.Tensor:
         """gloo: a buffer for a reduce-scatter's receive or an all-gather's send as large as ``full``, within

@@ -44,6 +44,7 @@ import math
 import statistics
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from dearopt.backends.base import workspace_buffer_bytes
 from dearopt.planning.plan import ALL_GATHER, REDUCE_SCATTER, ROWS, Plan, When
 from dearopt.sim.cost import CommCost
 from dearopt.sim.profile import Profile
@@ -254,6 +255,8 @@ def simulate(
     # each one's buffer (an all-gather's at its start, a reduce-scatter's at its wait)
     workspace = profile.workspace_bytes if world > 1 else 0.0
     held = [n if workspace and kind in (REDUCE_SCATTER, ALL_GATHER) else 0.0 for kind, n in buffers]
+    largest = max((n for n in held if n <= workspace), default=0.0)  # the buffer size that serves the buckets
+    held = [workspace_buffer_bytes(n, largest, workspace) if n else 0.0 for n in held]
     passes = [workspace_passes(profile, op.kind, op.nbytes, world) for op in ops]
     owner = {}
     for b in plan.buckets:
