@@ -159,3 +159,23 @@ def test_the_wire_pool_holds_what_the_ops_in_flight_need_not_a_buffer_per_size()
         pool.give(pool.take(n, f32, cpu))
     assert [t.numel() for t in pool.buffers()] == [300]
     assert pool.take(10, torch.bfloat16, cpu).dtype == torch.bfloat16  # another dtype: a buffer of its own
+
+
+def test_the_wire_pool_keeps_within_its_limit_what_is_taken_and_free_together():
+    """With the issuer's budget as its limit, a free buffer the ops in flight leave no room for is let go (the
+    smallest first): the tied embedding's large op took its buffer while a bucket's stayed free beside it."""
+    from dearopt.compression.hooks import WirePool
+
+    pool, f32, cpu = WirePool(), torch.float32, torch.device("cpu")
+    pool.limit = 300 * 4  # bytes
+    for n in (300, 100):  # a large op's buffer and a bucket's, both free after their ops
+        pool.give(pool.take(n, f32, cpu))
+    assert sorted(t.numel() for t in pool.buffers()) == [300]  # 400 floats held would pass the limit
+    pool.give(pool.take(100, f32, cpu))  # later buckets are served by the large buffer: nothing made
+    assert [t.numel() for t in pool.buffers()] == [300]
+    big = pool.take(300, f32, cpu)
+    small = pool.take(100, f32, cpu)  # two in flight (more than the limit: the issuer's budget allows one op's)
+    pool.give(small)
+    assert pool.buffers() == []  # the small one cannot stay beside the large one in flight
+    pool.give(big)
+    assert [t.numel() for t in pool.buffers()] == [300] and pool.taken == 0

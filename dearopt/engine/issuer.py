@@ -174,6 +174,7 @@ class Issuer:
             op.wire = carrier.wire_nbytes(op) if op.launch is None else 0
         # wire buffers in flight at once (a bfloat16 model's float32 sums): at most this many bytes, or one op's
         self.wire_budget = max([WIRE_BUDGET] + [op.wire for op in self.ops])
+        self.pool.limit = self.wire_budget  # and what the pool holds, in flight and free together
         self.timeline = timeline
         self.cursor = 0
         self._reaped = 0  # ops before it are completed (or not started)
@@ -377,6 +378,7 @@ class Issuer:
             timeline.end(("comm", op.position))
         if op.launch is None:
             op.hook.finish(op, op.ctx)
+            op.ctx = None  # (it holds views of the op's wire buffers: a buffer the pool lets go is freed)
         if op.average and self.world > 1:
             op.nonfinite = self._average(op.region)
         bucket = op.bucket
