@@ -172,7 +172,7 @@ def test_prophet_training_equals_single_process_with_a_replan_in_the_middle(worl
             assert len(fingerprints) == 1
 
 
-def test_the_link_monitor_needs_a_change_beyond_the_threshold_twice_in_a_row():
+def test_the_link_monitor_needs_a_change_beyond_the_threshold_twice_in_a_row_and_alike():
     from dearopt.planning.profile import LinkMonitor
 
     m = LinkMonitor(threshold=0.25, patience=2)
@@ -180,6 +180,10 @@ def test_the_link_monitor_needs_a_change_beyond_the_threshold_twice_in_a_row():
     assert [m.observe(s, 100.0, bw) for s, bw in enumerate([120, 79, 126, 130])] == [False, False, False, True]
     assert m.changes == [(3, 100.0, 130)]
     assert [m.observe(s, 130.0, bw) for s, bw in enumerate([110, 60, 50], start=4)] == [False, False, True]
+    # above the threshold twice, but scattered (noise, not a new link): no re-plan until two readings agree
+    m = LinkMonitor(threshold=0.25, patience=2)
+    assert [m.observe(s, 100.0, bw) for s, bw in enumerate([400, 40_000, 900, 1_000])] == [False, False, False, True]
+    assert m.changes == [(3, 100.0, 1_000)]
     from dearopt.engine.options import Options
 
     assert Options(schedule="prophet").link_check_every == 20 and Options(schedule="dear").link_check_every is None
