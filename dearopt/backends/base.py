@@ -876,16 +876,20 @@ class TorchDistBackend(CollectiveBackend):
         return buffer[:numel].view(full.shape)
 
     @staticmethod
-    def _bytes_of(used: torch.Tensor) -> int:
+    def _buffer_of(used: torch.Tensor) -> torch.Tensor:
+        """The workspace buffer ``used`` is the front of."""
+        return used if used._base is None else used._base
+
+    def _bytes_of(self, used: torch.Tensor) -> int:
         """The bytes of the workspace buffer ``used`` is the front of (what it holds while in flight)."""
-        buffer = used if used._base is None else used._base
+        buffer = self._buffer_of(used)
         return buffer.numel() * buffer.element_size()
 
     def _spare(self, used: torch.Tensor) -> None:
         """Keep a finished op's buffer for the next op (a new one costs its page faults again), within the budget:
         the spares kept longest make room; one larger than the budget is let go."""
-        buffer = used if used._base is None else used._base
-        size = buffer.numel() * buffer.element_size()
+        buffer = self._buffer_of(used)
+        size = self._bytes_of(buffer)
         if size > self.workspace_bytes:  # one op larger than the budget: not kept (its page faults each time)
             return
         kept = sum(t.numel() * t.element_size() for ts in self._workspace.values() for t in ts)
