@@ -42,7 +42,7 @@ def test_bench_end_to_end_tiny(tmp_path):
         "--rounds",
         "2",
         "--schedules",
-        "ddp,wfbp,dear,dear+pc,bytescheduler",
+        "ddp,ddp-view,wfbp,dear,dear+pc,bytescheduler",
         "--rsag",
         "--out",
         str(out),
@@ -54,7 +54,7 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert "of bound" in proc.stdout and "dear" in proc.stdout
     doc = json.loads((out / "results.json").read_text())
     assert doc["ranks"] == 2 and doc["model"] == "tiny" and doc["link"] == "unshaped loopback"
-    assert list(doc["schedules"]) == ["ddp", "wfbp", "dear", "dear+pc", "bytescheduler", "rsag"]
+    assert list(doc["schedules"]) == ["ddp", "ddp-view", "wfbp", "dear", "dear+pc", "bytescheduler", "rsag"]
     p = doc["parts"]
     for key in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag"):
         assert p[key] > 0, key
@@ -64,6 +64,7 @@ def test_bench_end_to_end_tiny(tmp_path):
         "dear": max(p["t_ff"], p["t_ag"]) + max(p["t_bp"], p["t_rs"]),  # Eq. 7
         "rsag": p["t_ff"] + max(p["t_bp"], p["t_rs"] + p["t_ag"]),  # Eq. 8 with rs + ag
     }
+    expected["ddp-view"] = expected["ddp"]  # DDP with gradient_as_bucket_view=True: the same plan
     expected["dear+pc"] = expected["dear"]  # dear with priority, partitions and credit: still Eq. 7
     expected["bytescheduler"] = expected["wfbp"]  # per-partition all-reduce: Eq. 8
     ddp_time = doc["schedules"]["ddp"]["iter_time"]

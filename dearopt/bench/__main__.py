@@ -28,7 +28,7 @@ from dearopt.bench.netns import SHAPED_ENV, can_shape, run_shaped
 
 def parse_args(argv):
     from dearopt.bench.models import MODELS
-    from dearopt.bench.runner import SCHEDULES, known_schedule
+    from dearopt.bench.runner import SCHEDULES, base_schedule, known_schedule
 
     p = argparse.ArgumentParser(
         prog="python -m dearopt.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -134,7 +134,7 @@ def parse_args(argv):
         p.error(f"unknown schedules {unknown}; known: {SCHEDULES}")
     if len(set(schedules)) != len(schedules):
         p.error("a schedule is listed twice")
-    dearopt_runs = [s for s in schedules if s != "ddp"]
+    dearopt_runs = [s for s in schedules if base_schedule(s) != "ddp"]
     if args.timeline and not dearopt_runs:
         p.error("--timeline records a dearopt run: list one in --schedules")
     if isinstance(args.timeline, str) and args.timeline not in dearopt_runs:

@@ -168,11 +168,14 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
 def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
-    ``ddp`` is predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++ reducer are not
-    modelled); every dearopt schedule with the buckets that ran and, for ``dear``, the buckets it all-reduced
-    (recorded per round), where recorded; ``deft`` by :func:`dearopt.sim.deft.simulate_deft` with the schedule
-    and buckets each round solved and ran (the mean over the rounds: a round may solve another schedule), from
-    the profile as deft sees the model (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one
+    ``ddp`` and ``ddp-view`` are predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++
+    reducer are not modelled: with ``gradient_as_bucket_view=True`` the two measure alike; DDP's default copy of
+    every gradient into its bucket and back, a new gradient tensor each iteration, measured 0.5-0.9 s per
+    BERT-Base iteration on 2 cores, which the prediction lacks); every dearopt schedule with the buckets that ran
+    and, for ``dear``, the buckets it all-reduced (recorded per round), where recorded; ``deft`` by
+    :func:`dearopt.sim.deft.simulate_deft` with the schedule and buckets each round solved and ran (the mean over
+    the rounds: a round may solve another schedule), from the profile as deft sees the model
+    (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one
     gradient, every gradient dense)."""
     from dearopt.errors import UsageError
     from dearopt.planning.build import build_plan
@@ -185,7 +188,7 @@ def predictions(doc: dict) -> Dict[str, dict]:
     profile = Profile.from_json(doc["profile"])
     out = {}
     for name in doc["schedules"]:
-        schedule, extra = ("wfbp", {}) if name == "ddp" else variant(name)
+        schedule, extra = ("wfbp", {}) if base_schedule(name) == "ddp" else variant(name)
         rounds = doc.get("plans", {}).get(name, [])
         solved = [r for r in rounds if (r.get("deft") or {}).get("schedule")]
         try:
