@@ -44,6 +44,7 @@ def test_bench_end_to_end_tiny(tmp_path):
         "--schedules",
         "ddp,ddp-view,wfbp,dear,dear+pc,bytescheduler",
         "--rsag",
+        "--standalone-ddp",
         "--out",
         str(out),
         "--timeline",
@@ -55,6 +56,10 @@ def test_bench_end_to_end_tiny(tmp_path):
     doc = json.loads((out / "results.json").read_text())
     assert doc["ranks"] == 2 and doc["model"] == "tiny" and doc["link"] == "unshaped loopback"
     assert list(doc["schedules"]) == ["ddp", "ddp-view", "wfbp", "dear", "dear+pc", "bytescheduler", "rsag"]
+    alone = doc["standalone_ddp"]  # a round of the plain DDP script right before each of the bench's DDP rounds
+    assert len(alone["rounds"]) == 2 and len(alone["round_ratios"]) == 2
+    assert alone["bench_rounds"] == doc["schedules"]["ddp"]["round_times"]
+    assert "standalone DDP script, a round right before each" in proc.stdout
     p = doc["parts"]
     for key in ("t_ff", "t_bp", "t_ar", "t_rs", "t_ag"):
         assert p[key] > 0, key
@@ -460,13 +465,17 @@ def test_memory_bench_on_cpu(tmp_path):
 
 def test_standalone_ddp_is_reported_beside_the_bench_ddp():
     """dearopt.bench.standalone: a plain DDP run in fresh processes gives one time per iteration (the slowest
-    rank's), and compare() puts their median beside the bench's DDP as a ratio computed from them."""
+    rank's), and compare() puts each of its rounds beside the bench's DDP round of the same index as a ratio, and
+    their medians, computed from them."""
     from dearopt.bench import standalone
 
     cfg = {"model": "tiny", "batch_size": 8, "size": 16, "seed": 0, "lr": 0.01, "bucket_mb": 25, "threads": 1}
     cfg.update({"distinct_batches": 2, "warmup": 1, "iterations": 3})
     times = standalone.run(cfg, 2, timeout=90)
     assert len(times) == 3 and all(t > 0 for t in times)
-    s = standalone.compare(times[:1], times[1:], bench_ddp=0.5)
+    s = standalone.compare([times[:1], times[1:]], [0.5, 0.7], bench_ddp=0.6)
     assert s["median"] == pytest.approx(sorted(times)[1])
-    assert s["bench_over_standalone"] == pytest.approx(0.5 / s["median"])
+    assert s["bench_over_standalone"] == pytest.approx(0.6 / s["median"])
+    first, second = times[0], (times[1] + times[2]) / 2
+    assert s["round_ratios"] == pytest.approx([0.5 / first, 0.7 / second])
+    assert s["bench_over_standalone_rounds"] == pytest.approx((0.5 / first + 0.7 / second) / 2)

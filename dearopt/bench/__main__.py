@@ -110,8 +110,8 @@ def parse_args(argv):
         "--standalone-ddp",
         action="store_true",
         help="also time a plain DDP script (fresh processes, no dearopt state, torch's own process group) on the "
-        "same workload and link, before and after the run, and print its median beside the bench's DDP "
-        "(dearopt.bench.standalone)",
+        "same workload and link, a round of it right before each of the bench's DDP rounds, and print each pair of "
+        "rounds' ratio and their median beside the bench's DDP (dearopt.bench.standalone)",
     )
     done = p.add_argument_group("finished runs (instead of measuring)")
     done.add_argument(
@@ -134,6 +134,8 @@ def parse_args(argv):
         p.error(f"unknown schedules {unknown}; known: {SCHEDULES}")
     if len(set(schedules)) != len(schedules):
         p.error("a schedule is listed twice")
+    if args.standalone_ddp and "ddp" not in schedules:
+        p.error("--standalone-ddp compares a plain DDP script with the bench's DDP: list ddp in --schedules")
     dearopt_runs = [s for s in schedules if base_schedule(s) != "ddp"]
     if args.timeline and not dearopt_runs:
         p.error("--timeline records a dearopt run: list one in --schedules")
@@ -235,6 +237,7 @@ def main(argv=None) -> int:
         "timeline_schedule": args.timeline_schedule,
         "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert",
         "profile": args.profile,
+        "standalone_ddp": args.standalone_ddp,
         "bind": args.bind,
     }
     print(
@@ -242,24 +245,16 @@ def main(argv=None) -> int:
         f"{args.warmup} warm-up + {args.iterations} timed iterations in {args.rounds} rounds",
         flush=True,
     )
-    alone = []
-    if args.standalone_ddp:
-        from dearopt.bench import standalone
-
-        print("[bench] a standalone DDP script first (fresh processes)", flush=True)
-        alone.append(standalone.run(cfg, args.ranks))
     results = spawn(run_rank, args.ranks, cfg, threads=args.threads, bind=args.bind)
-    if args.standalone_ddp:
-        print("[bench] the standalone DDP script again", flush=True)
-        alone.append(standalone.run(cfg, args.ranks))
     doc = report.summarize(results, cfg, link)
-    if alone:
-        ddp = doc["schedules"].get("ddp", {}).get("iter_time", float("nan"))
-        doc["standalone_ddp"] = standalone.compare(alone[0], alone[1], ddp)
-        s = doc["standalone_ddp"]
+    s = doc.get("standalone_ddp")
+    if s:
         print(
-            f"[bench] standalone DDP script: median {s['median']:.3f} s (before {s['before']:.3f}, after "
-            f"{s['after']:.3f}); the bench's DDP {ddp:.3f} s: {s['bench_over_standalone']:.3f}x the standalone's",
+            "[bench] standalone DDP script, a round right before each of the bench's DDP rounds: "
+            + ", ".join(f"{b:.3f} s / {a:.3f} s = {b / a:.3f}x" for a, b in zip(s["rounds"], s["bench_rounds"]))
+            + " (the bench's over the script's); median of the rounds' ratios "
+            + f"{s['bench_over_standalone_rounds']:.3f}x; medians {s['bench_ddp']:.3f} s / {s['median']:.3f} s = "
+            + f"{s['bench_over_standalone']:.3f}x",
             flush=True,
         )
     print(report.table(doc), flush=True)

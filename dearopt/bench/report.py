@@ -162,6 +162,8 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
         doc["profile"] = first["profile"]
     if first.get("plans"):
         doc["plans"] = first["plans"]  # per dearopt schedule and round: the all-reduced buckets, the measured choice
+    if first.get("standalone_ddp_rounds"):
+        doc["standalone_ddp_rounds"] = first["standalone_ddp_rounds"]  # rank 0's, a round before each DDP round
     return derive(doc)
 
 
@@ -298,6 +300,10 @@ def derive(doc: dict) -> dict:
         if "phase_samples" in row:
             row["phases"] = {k: _slowest_median(v) for k, v in row["phase_samples"].items()}
     ref = doc["schedules"].get("ddp")
+    if ref and doc.get("standalone_ddp_rounds"):
+        from dearopt.bench.standalone import compare
+
+        doc["standalone_ddp"] = compare(doc["standalone_ddp_rounds"], ref["round_times"], ref["iter_time"])
     for s, row in doc["schedules"].items():
         row["speedup_vs_ddp"] = ref["iter_time"] / row["iter_time"] if ref else None
         row["speedup_vs_ddp_min"] = ref["iter_time_min"] / row["iter_time_min"] if ref else None

@@ -3,12 +3,15 @@
 The bench's own DDP runs in the processes that also hold every dearopt schedule's model and optimizer.  This is the
 same training (the model, batches, SGD, ``bucket_cap_mb``, torch threads, warm-up and timed iterations) in fresh
 processes where no ``DistOptim`` is ever built and ``dearopt.init`` is never called: the process group is torch's
-own, as in a plain DDP script.  The bench runs it before and after its own run, on the same link, and reports its
-median beside the bench's DDP, so that a difference between the two shows in the run that would be affected.
+own, as in a plain DDP script.  The bench runs one round of it right before each of its own DDP rounds, on the
+same link, while its own processes wait idle (:func:`dearopt.bench.runner.run_rank`), and reports each pair of
+rounds' ratio beside the medians (:func:`compare`), so that a difference between the two shows in the run that
+would be affected, apart from the machine's drift over the run.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import traceback
@@ -25,6 +28,8 @@ def _rank(rank: int, world: int, port: int, cfg: dict, queue) -> None:
 
         from dearopt.bench.models import build  # the bench's model and batches (no dearopt state)
 
+        if hasattr(os, "sched_setaffinity"):  # started by the bench's rank 0, which --bind may have bound to a core
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
         torch.set_num_threads(cfg["threads"])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         workload = build(cfg["model"], cfg["batch_size"], cfg["size"], seed=cfg["seed"])
@@ -62,13 +67,21 @@ def run(cfg: dict, world: int, timeout: float = 3600) -> List[float]:
     return [max(values) for values in zip(*times)]
 
 
-def compare(before: List[float], after: List[float], bench_ddp: float) -> dict:
-    """The standalone runs' medians beside the bench's DDP median."""
-    alone = statistics.median(before + after)
+def compare(rounds: List[List[float]], bench_rounds: List[float], bench_ddp: float) -> dict:
+    """The standalone script's rounds beside the bench's DDP: ``rounds`` its iteration times per round, each round
+    run right before the bench's DDP round of the same index; ``bench_rounds`` those rounds' times per iteration
+    (the slowest rank's time for the round over its iterations), ``bench_ddp`` the bench's DDP median.  Each pair
+    of rounds is one ratio (the bench's over the script's mean iteration); ``bench_over_standalone_rounds`` is
+    their median, ``bench_over_standalone`` the ratio of the two medians."""
+    means = [sum(r) / len(r) for r in rounds if r]
+    ratios = [bench / alone for bench, alone in zip(bench_rounds, means)]
+    alone = statistics.median(t for r in rounds for t in r)
     return {
-        "before": statistics.median(before),
-        "after": statistics.median(after),
+        "rounds": means,
+        "bench_rounds": list(bench_rounds[: len(means)]),
+        "round_ratios": ratios,
         "median": alone,
         "bench_ddp": bench_ddp,
         "bench_over_standalone": bench_ddp / alone,
+        "bench_over_standalone_rounds": statistics.median(ratios) if ratios else float("nan"),
     }
