@@ -171,9 +171,8 @@ def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
     ``ddp`` and ``ddp-view`` are predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++
-    reducer are not modelled: with ``gradient_as_bucket_view=True`` the two measure alike; DDP's default copy of
-    every gradient into its bucket and back, a new gradient tensor each iteration, measured 0.5-0.9 s per
-    BERT-Base iteration on 2 cores, which the prediction lacks); every dearopt schedule with the buckets that ran
+    reducer are not modelled: DDP's default copy of each gradient into its bucket and back costs 0.1-0.2 s of a
+    BERT-Base backward on one process, which the prediction lacks); every dearopt schedule with the buckets that ran
     and, for ``dear``, the buckets it all-reduced (recorded per round), where recorded; ``deft`` by
     :func:`dearopt.sim.deft.simulate_deft` with the schedule and buckets each round solved and ran (the mean over
     the rounds: a round may solve another schedule), from the profile as deft sees the model

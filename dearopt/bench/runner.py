@@ -48,9 +48,8 @@ VARIANTS = {
     "dear+topk10": ("dear", {"comm_hook": Sparsify(0.10, selection="topk")}),
 }
 """Configured variants: ``ddp-view`` is torch DDP with ``gradient_as_bucket_view=True`` (``ddp`` keeps DDP's
-default, as a plain DDP script runs it: each gradient copied into its bucket and back, and a new gradient tensor
-every iteration; BERT-Base at 3 Gbit/s, 2026-11-29: default 6.290 s beside ``wfbp`` 5.413 s, with the view 5.697 s
-beside ``wfbp`` 5.782 s); ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
+defaults, as a plain DDP script runs it: each gradient copied into its bucket and back into a new tensor every
+iteration); ``dear+pc`` is dear with priority order, 4 MiB partitions and a 16 MiB credit window
 (issue 6); ``dear-nocheck`` is dear without the step-agreement and non-finite checks (to price them, issue 9);
 ``dear-paper`` is DeAR as in the paper (every bucket reduce-scattered and gathered in the next forward), where
 ``dear`` all-reduces in backward as many buckets as fit in the link's idle time there (``allreduce="auto"``);
