@@ -33,7 +33,8 @@ from dearopt.schedules.deft.schedule import Preserver
 from dearopt.compression.sparsify import Sparsify
 
 VARIANTS = {
-    # name: (dearopt schedule, extra knobs: the schedule object's and DistOptim's); the bucket size is --bucket-mb
+    # name: (dearopt schedule, extra knobs: the schedule object's and DistOptim's), or ("ddp", DDP's own keywords);
+    # the bucket size is --bucket-mb
     "ddp-view": ("ddp", {"gradient_as_bucket_view": True}),
     "dear+pc": ("dear", {"priority": True, "partition_size": 4 * 2**20, "credit": 16 * 2**20}),
     "dear-nocheck": ("dear", {"checks": "off", "nonfinite": "ignore"}),
@@ -68,9 +69,9 @@ and the configured :data:`VARIANTS`."""
 
 
 def variant(name: str) -> Tuple[str, dict]:
-    """``(dearopt schedule or "ddp", extra DistOptim keywords)`` of a benchmark schedule name: a configured
-    :data:`VARIANTS` entry, ``<schedule>@<fraction>`` (e.g. ``dear@0.5``: that fixed ``allreduce`` fraction
-    of the bytes all-reduced in backward from the output side), or a schedule's own name."""
+    """``(dearopt schedule or "ddp", extra keywords: DistOptim's, or DDP's for "ddp")`` of a benchmark schedule
+    name: a configured :data:`VARIANTS` entry, ``<schedule>@<fraction>`` (e.g. ``dear@0.5``: that fixed
+    ``allreduce`` fraction of the bytes all-reduced in backward from the output side), or a schedule's own name."""
     if name in VARIANTS:
         return VARIANTS[name]
     base, at, fraction = name.partition("@")
