@@ -107,6 +107,12 @@ def parse_args(argv):
         "prediction for every schedule beside the measurement",
     )
     p.add_argument(
+        "--ddp-in-process",
+        action="store_true",
+        help="run DDP (ddp, ddp-view) in the bench's own processes, beside every dearopt schedule, as before "
+        "2026-11-29 (default: in processes of its own, as a user runs it; dearopt.bench.ddp)",
+    )
+    p.add_argument(
         "--standalone-ddp",
         action="store_true",
         help="also time a plain DDP script (fresh processes, no dearopt state, torch's own process group) on the "
@@ -238,6 +244,7 @@ def main(argv=None) -> int:
         "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert",
         "profile": args.profile,
         "standalone_ddp": args.standalone_ddp,
+        "ddp_in_process": args.ddp_in_process,
         "bind": args.bind,
     }
     print(

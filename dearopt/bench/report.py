@@ -157,6 +157,10 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
             for s in cfg["schedules"]
         },
         "wall_s": max(r["wall_s"] for r in rank_results),
+        "processes": {  # per rank: the bench's process, and each DDP schedule's own (one per round: rebuild)
+            "bench": [r.get("pid") for r in rank_results],
+            "ddp": {s: [r["ddp_pids"][s] for r in rank_results] for s in first.get("ddp_pids", {})},
+        },
     }
     if first.get("profile"):
         doc["profile"] = first["profile"]

@@ -1,9 +1,11 @@
-"""What each rank runs: the measured parts and the schedules, in the same processes.
+"""What each rank runs: the measured parts and the dearopt schedules, in the same processes; DDP in its own.
 
 :func:`run_rank` is started on every rank (after ``dearopt.init()``) by
-:func:`dearopt.bench.spawn.spawn`.  It builds one model per schedule (same
-seed, so the same initial weights) plus one plain model for the parts, and then,
-for each of ``rounds`` rounds:
+:func:`dearopt.bench.spawn.spawn`.  It builds one model per dearopt schedule (same
+seed, so the same initial weights) plus one plain model for the parts, starts
+each DDP schedule's process of its own (:mod:`dearopt.bench.ddp`: as a user runs
+DDP, with nothing of dearopt alive beside it; ``--ddp-in-process`` runs it here
+instead), and then, for each of ``rounds`` rounds:
 
 1. the parts: ``t_ff`` (forward + loss), ``t_bp`` (backward, no hooks, no
    communication), and ``t_ar`` / ``t_rs`` / ``t_ag``: all-reduce,
@@ -11,7 +13,8 @@ for each of ``rounds`` rounds:
    (25 MiB buckets), started back to back in backward order and waited;
 2. every schedule in turn: warm-up iterations (untimed), then timed
    iterations (zero_grad + forward + backward + step), then a
-   ``synchronize()`` (untimed) so that no work leaks into the next block.
+   ``synchronize()`` (untimed) so that no work leaks into the next block;
+   while DDP's processes train, these wait idle at a barrier.
 
 Interleaving the rounds spreads slow phases of a noisy machine over every
 schedule and the parts alike.  Every sample is returned per rank; the report
@@ -375,13 +378,22 @@ def run_rank(cfg: dict) -> dict:
         + ("building a model per schedule and round" if rebuild else f"building {len(schedules)} models"),
     )
     runners = {}
+    in_process = cfg.get("ddp_in_process", False)
+    ddp_pids: Dict[str, List[int]] = {}  # DDP schedule -> the processes of its own it ran in (one per round: rebuild)
 
     def runner_for(s, r):
         # Kept for the whole run, or (rebuild: a model per schedule at once does not fit in memory, as
         # BERT-Base x 5 schedules x 2 ranks on 24 GiB) built for each round and dropped after it.
         if s not in runners:
-            timeline = s == cfg.get("timeline_schedule") and (not rebuild or r == cfg["rounds"] - 1)
-            runners[s] = _Runner(s, cfg, cfg.get("timeline") if timeline else None)
+            if base_schedule(s) == "ddp" and not in_process:  # as a user runs it: in processes of its own
+                from dearopt.bench.ddp import DDPProcess
+
+                port = _shared_port(backend, rank)
+                runners[s] = DDPProcess(rank, world, port, cfg, variant(s)[1], timeout=backend.timeout)
+                ddp_pids.setdefault(s, []).append(runners[s].pid)
+            else:
+                timeline = s == cfg.get("timeline_schedule") and (not rebuild or r == cfg["rounds"] - 1)
+                runners[s] = _Runner(s, cfg, cfg.get("timeline") if timeline else None)
         return runners[s]
 
     if not rebuild:
@@ -406,6 +418,14 @@ def run_rank(cfg: dict) -> dict:
             runner = runner_for(s, r)
             warm = cfg["warmup"] if r == 0 or rebuild else 1
             _barrier(backend)
+            if not isinstance(runner, _Runner):  # DDP in processes of its own, while these wait
+                for k, v in runner.round(warm, per_round[r]).items():
+                    samples[s][k].extend(v)
+                if rebuild:
+                    runners.pop(s).close()
+                _barrier(backend)
+                _log_round(rank, s, samples[s]["iter"], per_round[r], 1)
+                continue
             i = 0
             while i < warm or not runner.settled:  # untimed: a plan that still changes is not the steady state
                 x, y = batches[i % len(batches)]
@@ -534,13 +554,7 @@ def run_rank(cfg: dict) -> dict:
                 del runner
                 gc.collect()
             _barrier(backend)
-            got = samples[s]["iter"]
-            unit = f"periods of {period} iterations (their mean iterations)" if period > 1 else "iterations"
-            _log(
-                rank,
-                f"  {s:>5}: {len(got)} timed {unit}, median {_median(got):.3f}s "
-                f"(this round: {', '.join(f'{v:.3f}' for v in got[-per_round[r] :]) if per_round[r] else '-'})",
-            )
+            _log_round(rank, s, samples[s]["iter"], per_round[r], period)
     for runner in runners.values():
         runner.close()
     return {
@@ -555,10 +569,29 @@ def run_rank(cfg: dict) -> dict:
         "batch_size": parts.workload.batch_size,
         "wall_s": time.perf_counter() - t_start,
         "pid": os.getpid(),
+        "ddp_pids": ddp_pids,
         "profile": profile,
         "plans": plans,
         "standalone_ddp_rounds": alone if rank == 0 else [],
     }
+
+
+def _log_round(rank: int, s: str, got: List[float], count: int, period: int) -> None:
+    unit = f"periods of {period} iterations (their mean iterations)" if period > 1 else "iterations"
+    _log(
+        rank,
+        f"  {s:>5}: {len(got)} timed {unit}, median {_median(got):.3f}s "
+        f"(this round: {', '.join(f'{v:.3f}' for v in got[-count:]) if count else '-'})",
+    )
+
+
+def _shared_port(backend, rank: int) -> int:
+    """A free port of rank 0's, known to every rank (the rendezvous of a process group of the bench's own)."""
+    from dearopt.backends.launch import free_port
+
+    port = torch.tensor([free_port() if rank == 0 else 0], dtype=torch.int64)
+    backend.all_reduce(port).wait()
+    return int(port.item())
 
 
 def _standalone_round(cfg: dict, rank: int, world: int, backend, iterations: int) -> List[float]:

@@ -1,53 +1,35 @@
 """DDP timed as a user runs it: a plain DDP script in processes of its own (``--standalone-ddp``).
 
-The bench's own DDP runs in the processes that also hold every dearopt schedule's model and optimizer.  This is the
-same training (the model, batches, SGD, ``bucket_cap_mb``, torch threads, warm-up and timed iterations) in fresh
-processes where no ``DistOptim`` is ever built and ``dearopt.init`` is never called: the process group is torch's
-own, as in a plain DDP script.  The bench runs one round of it right before each of its own DDP rounds, on the
-same link, while its own processes wait idle (:func:`dearopt.bench.runner.run_rank`), and reports each pair of
-rounds' ratio beside the medians (:func:`compare`), so that a difference between the two shows in the run that
-would be affected, apart from the machine's drift over the run.
+The bench's own DDP runs in processes of its own that live for the whole run (:mod:`dearopt.bench.ddp`), each
+started by a bench rank.  This is the same training (the model, batches, SGD, ``bucket_cap_mb``, torch threads,
+warm-up and timed iterations, the loop :func:`dearopt.bench.ddp.train`) in fresh processes started for the round
+by rank 0 alone, not bound to any core, where no ``DistOptim`` is ever built and ``dearopt.init`` is never
+called.  The bench runs one round of it right before each of its own DDP rounds, on the same link, while its own
+processes wait idle (:func:`dearopt.bench.runner.run_rank`), and reports each pair of rounds' ratio beside the
+medians (:func:`compare`), so that a difference between the two shows in the run that would be affected, apart
+from the machine's drift over the run.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import time
 import traceback
 from typing import List
 
 import torch.multiprocessing as mp
 
 
-def _rank(rank: int, world: int, port: int, cfg: dict, queue) -> None:
+def _rank(rank: int, world: int, port: int, cfg: dict, timeout: float, queue) -> None:
     try:
-        import torch
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from dearopt.bench.models import build  # the bench's model and batches (no dearopt state)
+        from dearopt.bench.ddp import setup, train
 
         if hasattr(os, "sched_setaffinity"):  # started by the bench's rank 0, which --bind may have bound to a core
             os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        torch.set_num_threads(cfg["threads"])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        workload = build(cfg["model"], cfg["batch_size"], cfg["size"], seed=cfg["seed"])
-        model = DDP(workload.model, bucket_cap_mb=cfg["bucket_mb"])
-        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-        batches = [workload.make_batch(1000 * rank + i) for i in range(cfg["distinct_batches"])]
-        times: List[float] = []
-        for i in range(cfg["warmup"] + cfg["iterations"]):
-            x, y = batches[i % len(batches)]
-            if i == cfg["warmup"]:
-                dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            workload.loss(model(x), y).backward()
-            opt.step()
-            if i >= cfg["warmup"]:
-                times.append(time.perf_counter() - t0)
-        dist.barrier()
+        state = setup(rank, world, port, cfg, {}, timeout)
+        times = train(state, 0, cfg["warmup"], cfg["iterations"])["iter"]
+        import torch.distributed as dist
+
         dist.destroy_process_group()
         queue.put((rank, times, None))
     except BaseException:
@@ -61,7 +43,7 @@ def run(cfg: dict, world: int, timeout: float = 3600) -> List[float]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, timeout, queue)) for r in range(world)]
     times = run_processes(procs, queue, world, timeout, what="standalone DDP rank")
     # a step ends when the slowest rank's does: the per-iteration maximum over ranks, as the bench reports
     return [max(values) for values in zip(*times)]
