@@ -281,18 +281,6 @@ def test_contention_from_an_overlap_measurement():
     assert contention_from_overlap(1.0, 0.5, 1.0) == 0.0
 
 
-def test_a_profile_scaled_to_other_compute_times_keeps_their_spread():
-    # forward 0.4 s (0.1 + 0.1 + tail 0.2) to 0.8 s, backward 0.4 s to 0.2 s; each part scales alike
-    p = profile(beta=2.5e-5).with_compute(t_ff=0.8, t_bp=0.2)
-    assert [t for _, t in p.forward_segments] == pytest.approx([0.2, 0.2]) and p.forward_tail == pytest.approx(0.4)
-    assert p.t_ff == pytest.approx(0.8) and p.t_bp == 0.2 and p.ready == pytest.approx([0.15, 0.05])
-    # wfbp, 0.1 s per all-reduce: p1 ready at 0.05 (0.05-0.15), p0 at 0.15 (0.15-0.25); backward ends at 0.25
-    sim = simulate(p, plan("wfbp"))
-    assert (sim.forward, sim.backward, sim.step) == pytest.approx((0.8, 0.25, 0.0))
-    with pytest.raises(ValueError, match="positive"):
-        profile(beta=1e-4).with_compute(t_ff=0.0, t_bp=0.2)
-
-
 def test_a_profile_round_trips_through_json(tmp_path):
     p = profile(beta=1e-4, gamma=0.3)
     p.save(str(tmp_path / "p.json"))

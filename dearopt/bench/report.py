@@ -171,10 +171,8 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
     return derive(doc)
 
 
-def predictions(doc: dict, calibrated: bool = True) -> Dict[str, dict]:
-    """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run;
-    ``calibrated``: with its forward and backward scaled to the run's own (the medians of ``t_ff`` and ``t_bp``
-    over every round, :meth:`dearopt.sim.Profile.with_compute`), not the 3 repeats at the start of the run.
+def predictions(doc: dict) -> Dict[str, dict]:
+    """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
     ``ddp`` and ``ddp-view`` are predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++
     reducer are not modelled: DDP's default copy of each gradient into its bucket and back costs 0.1-0.2 s of a
@@ -193,8 +191,6 @@ def predictions(doc: dict, calibrated: bool = True) -> Dict[str, dict]:
     from dearopt.bench.runner import variant
 
     profile = Profile.from_json(doc["profile"])
-    if calibrated and doc.get("parts"):  # (runs recorded without their parts: the profile alone)
-        profile = profile.with_compute(doc["parts"]["t_ff"], doc["parts"]["t_bp"])
     out = {}
     for name in doc["schedules"]:
         schedule, extra = ("wfbp", {}) if base_schedule(name) == "ddp" else variant(name)
@@ -316,16 +312,10 @@ def derive(doc: dict) -> dict:
         row["speedup_vs_ddp_min"] = ref["iter_time_min"] / row["iter_time_min"] if ref else None
         row["speedup_vs_ddp_rounds"] = ref["iter_time_rounds"] / row["iter_time_rounds"] if ref else None
     if doc.get("profile"):
-        # the prediction takes the run's forward and backward (its parts' medians over every round); from the
-        # profile's own 3 repeats at the start of the run alone, beside it
         for name, predicted in predictions(doc).items():
             row = doc["schedules"][name]
             row["predicted"] = predicted
             row["prediction_error"] = predicted["iter"] / row["iter_time"] - 1.0
-        for name, predicted in predictions(doc, calibrated=False).items():
-            row = doc["schedules"][name]
-            row["predicted_from_profile_alone"] = predicted
-            row["prediction_error_from_profile_alone"] = predicted["iter"] / row["iter_time"] - 1.0
     parts = doc["parts"]
     doc["cr"] = (parts["t_rs"] + parts["t_ag"]) / (parts["t_ff"] + parts["t_bp"])
     if doc.get("profile"):
@@ -429,19 +419,11 @@ def table(doc: dict) -> str:
             )
         )
     if any("predicted" in r for r in doc["schedules"].values()):
-        p, parts = doc["profile"], doc["parts"]
-        profile_ff = sum(t for _, t in p["forward_segments"]) + p["forward_tail"]
         lines.append(
-            "dearopt.sim from the profile of this run, its compute scaled to the parts' (forward "
-            f"{profile_ff:.3f}s -> {parts['t_ff']:.3f}s, backward {p['t_bp']:.3f}s -> {parts['t_bp']:.3f}s): "
+            "dearopt.sim from the profile of this run: "
             + "; ".join(
                 f"{s} predicted {r['predicted']['iter']:.3f}s (measured {r['iter_time']:.3f}s, error "
-                f"{100 * r['prediction_error']:+.1f}%"
-                + (
-                    f"; from the profile alone {100 * r['prediction_error_from_profile_alone']:+.1f}%)"
-                    if "prediction_error_from_profile_alone" in r
-                    else ")"
-                )
+                f"{100 * r['prediction_error']:+.1f}%)"
                 for s, r in doc["schedules"].items()
                 if "predicted" in r
             )

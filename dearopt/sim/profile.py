@@ -82,26 +82,6 @@ class Profile:
         """The forward time of one iteration: every segment plus the tail after the last one, in seconds."""
         return sum(t for _, t in self.forward_segments) + self.forward_tail
 
-    def with_compute(self, t_ff: float, t_bp: float) -> "Profile":
-        """The profile with its forward and backward scaled to ``t_ff`` and ``t_bp`` seconds end to end, keeping
-        how each is spread over the model (every segment, the tail, each gradient's ready time scaled alike).
-
-        For a forward and backward measured more often than the profile's few repeats, as the bench's parts
-        (:mod:`dearopt.bench.report`): on a noisy machine the profile's medians of 3 can sit 8-16 % off the
-        whole run's (ResNet-50 on 2 cores, 2026-11-29), and every prediction with them."""
-        if t_ff <= 0 or t_bp <= 0 or self.t_ff <= 0 or self.t_bp <= 0:
-            raise ValueError(
-                f"compute times must be positive: t_ff={t_ff}, t_bp={t_bp} (profile {self.t_ff}, {self.t_bp})"
-            )
-        f, b = t_ff / self.t_ff, t_bp / self.t_bp
-        return dataclasses.replace(
-            self,
-            forward_segments=[(list(own), seconds * f) for own, seconds in self.forward_segments],
-            forward_tail=self.forward_tail * f,
-            ready=[r * b for r in self.ready],
-            t_bp=t_bp,
-        )
-
     def without_twins(self) -> "Profile":
         """The profile as a job that reduces every gradient densely and each tied weight as one gradient sees it
         (``schedule="deft"``, which runs with ``embedding_rows=False``): each twin (a tied weight's second use)
