@@ -479,3 +479,26 @@ def test_standalone_ddp_is_reported_beside_the_bench_ddp():
     first, second = times[0], (times[1] + times[2]) / 2
     assert s["round_ratios"] == pytest.approx([0.5 / first, 0.7 / second])
     assert s["bench_over_standalone_rounds"] == pytest.approx((0.5 / first + 0.7 / second) / 2)
+
+
+def test_ddp_in_a_process_of_its_own_trains_and_reports_a_failure_there():
+    """dearopt.bench.ddp: the bench's DDP process trains a round when asked and returns each timed iteration's phases
+    (which add up to the iteration); a failure in it is raised in the bench's rank with its traceback, not waited
+    for."""
+    from dearopt.backends.launch import free_port
+    from dearopt.bench.ddp import DDPProcess
+
+    cfg = {"model": "tiny", "batch_size": 8, "size": 16, "seed": 0, "lr": 0.01, "bucket_mb": 25, "threads": 1}
+    cfg["distinct_batches"] = 2
+    ddp = DDPProcess(0, 1, free_port(), cfg, {"gradient_as_bucket_view": True}, timeout=60)
+    try:
+        got = ddp.round(1, 3)
+        assert sorted(got) == ["backward", "forward", "iter", "step"] and all(len(v) == 3 for v in got.values())
+        for i in range(3):
+            assert got["forward"][i] + got["backward"][i] + got["step"][i] == pytest.approx(got["iter"][i])
+            assert got["iter"][i] > 0
+        assert len(ddp.round(0, 2)["iter"]) == 2
+    finally:
+        assert ddp.close() == 0
+    with pytest.raises(RuntimeError, match=r"(?s)DDP process of rank 0 failed.*unknown model"):
+        DDPProcess(0, 1, free_port(), dict(cfg, model="no-such-model"), {}, timeout=60)
