@@ -1,7 +1,7 @@
 """Is dearopt faster than what users would use instead, and how close to its bound is it?
 
-Runs torch DDP (gloo, bucket_cap_mb=25) and dearopt's schedules side by side in
-the same processes on the same inputs, measures the parts t_ff, t_bp, t_ar,
+Runs torch DDP (gloo, bucket_cap_mb=25; in processes of its own, as a user runs
+it) and dearopt's schedules side by side in one run on the same inputs, measures the parts t_ff, t_bp, t_ar,
 t_rs, t_ag, and reports per schedule the median iteration time, global
 samples/s, speedup over DDP and the fraction of its bound (Eq. 7 for dear,
 Eq. 8 for all-reduce schedules) reached.
