@@ -129,6 +129,7 @@ class DDPProcess:
         try:
             kind, value = self._conn.recv()
         except EOFError:
+            self.close()
             raise RuntimeError(f"the DDP process of rank {self.rank} ended (exit code {self._proc.exitcode})") from None
         if kind == "error":
             self.close()

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from dearopt.bench.ddp import DDPProcess
 from dearopt.schedules import names as _dearopt_schedules
 from dearopt.schedules.deft.schedule import Preserver
 from dearopt.compression.sparsify import Sparsify
@@ -386,9 +387,10 @@ def run_rank(cfg: dict) -> dict:
         # BERT-Base x 5 schedules x 2 ranks on 24 GiB) built for each round and dropped after it.
         if s not in runners:
             if base_schedule(s) == "ddp" and not in_process:  # as a user runs it: in processes of its own
-                from dearopt.bench.ddp import DDPProcess
+                from dearopt.backends.launch import free_port
+                from dearopt.collectives import broadcast_object
 
-                port = _shared_port(backend, rank)
+                port = broadcast_object(free_port() if rank == 0 else None, backend=backend)  # its rendezvous
                 runners[s] = DDPProcess(rank, world, port, cfg, variant(s)[1], timeout=backend.timeout)
                 ddp_pids.setdefault(s, []).append(runners[s].pid)
             else:
@@ -418,7 +420,7 @@ def run_rank(cfg: dict) -> dict:
             runner = runner_for(s, r)
             warm = cfg["warmup"] if r == 0 or rebuild else 1
             _barrier(backend)
-            if not isinstance(runner, _Runner):  # DDP in processes of its own, while these wait
+            if isinstance(runner, DDPProcess):  # DDP in processes of its own, while these wait
                 for k, v in runner.round(warm, per_round[r]).items():
                     samples[s][k].extend(v)
                 if rebuild:
@@ -583,15 +585,6 @@ def _log_round(rank: int, s: str, got: List[float], count: int, period: int) -> 
         f"  {s:>5}: {len(got)} timed {unit}, median {_median(got):.3f}s "
         f"(this round: {', '.join(f'{v:.3f}' for v in got[-count:]) if count else '-'})",
     )
-
-
-def _shared_port(backend, rank: int) -> int:
-    """A free port of rank 0's, known to every rank (the rendezvous of a process group of the bench's own)."""
-    from dearopt.backends.launch import free_port
-
-    port = torch.tensor([free_port() if rank == 0 else 0], dtype=torch.int64)
-    backend.all_reduce(port).wait()
-    return int(port.item())
 
 
 def _standalone_round(cfg: dict, rank: int, world: int, backend, iterations: int) -> List[float]:
