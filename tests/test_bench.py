@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -126,6 +127,30 @@ def test_bench_end_to_end_tiny(tmp_path):
     ]
     assert row[-1].strip() == ", ".join(dict.fromkeys(cells))
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
+
+
+def test_the_profile_times_its_compute_again_in_every_round(tmp_path):
+    from dearopt.bench.runner import PROFILE_REPEATS
+    from dearopt.sim import Profile
+
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "dearopt.bench", "--model", "tiny", "--ranks", "2", "--iterations", "3"]
+    cmd += ["--warmup", "1", "--rounds", "3", "--schedules", "ddp,dear", "--profile", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "results.json").read_text())
+    prof = Profile.from_json(doc["profile"])
+    # timed at the start and again in rounds 2 and 3; the compute predicted from is the median over all of it
+    assert len(prof.compute_samples) == 3 * PROFILE_REPEATS
+    assert proc.stdout.count("the profile's compute, timed again") == 2
+    n_seg = len(prof.forward_segments)
+    assert prof.t_bp == statistics.median(s[n_seg + 1] for s in prof.compute_samples)
+    assert prof.ready == [
+        statistics.median(s[n_seg + 2 + k] for s in prof.compute_samples) for k in range(len(prof.ready))
+    ]
+    assert set(doc["schedules"]) == {"ddp", "dear"} and all("predicted" in r for r in doc["schedules"].values())
+    assert Profile.load(str(out / "profile.json")) == prof
 
 
 def test_a_run_of_a_variant_no_longer_defined_is_still_predicted_where_it_can_be():

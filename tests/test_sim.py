@@ -293,6 +293,7 @@ def _record(kind):
 
     import dearopt
     from dearopt.sim import record_profile
+    from dearopt.sim.profile import retime_compute
     from models import global_batch, loss_fn, make_model, shard
 
     model = make_model(kind)
@@ -302,9 +303,16 @@ def _record(kind):
     prof = record_profile(
         model, lambda: loss_fn(kind, model(x), y), opt, sizes=(2**12, 2**16), repeats=2, bucket_bytes=2**12
     )
+    again = retime_compute(prof, model, lambda: loss_fn(kind, model(x), y), opt, repeats=3)
     untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     no_grads = all(p.grad is None for p in model.parameters())
-    return prof.to_json(), [p.numel() for p in model.parameters()], untouched, no_grads
+    try:  # another model than the profile's
+        other = make_model("batchnorm")
+        retime_compute(prof, other, lambda: loss_fn(kind, other(x), y), torch.optim.SGD(other.parameters(), lr=0.1))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return prof.to_json(), [p.numel() for p in model.parameters()], untouched, no_grads, again.to_json(), refused
 
 
 @pytest.mark.parametrize("kind", ["mlp"])
@@ -314,8 +322,22 @@ def test_record_profile_on_two_ranks(kind):
     outs = run_workers(_record, 2, kind, timeout=90)
     docs = [o.value[0] for o in outs]
     assert docs[0] == docs[1]  # rank 0's profile, on every rank
-    doc, numels, untouched, no_grads = outs[0].value
+    assert outs[0].value[4] == outs[1].value[4]  # compute timed again: the same on every rank
+    doc, numels, untouched, no_grads, again_doc, refused = outs[0].value
     prof = Profile.from_json(doc)
+    # the compute fields are the medians of the samples kept (2 repeats); timed again, of those and 3 more
+    again = Profile.from_json(again_doc)
+    n_seg = len(prof.forward_segments)
+    assert len(prof.compute_samples) == 2 and again.compute_samples[:2] == prof.compute_samples
+    assert len(again.compute_samples) == 5
+    for p, count in ((prof, 2), (again, 5)):
+        column = lambda k: statistics.median(s[k] for s in p.compute_samples)  # noqa: E731
+        assert [t for _, t in p.forward_segments] == [column(k) for k in range(n_seg)]
+        assert (p.forward_tail, p.t_bp) == (column(n_seg), column(n_seg + 1))
+        assert p.ready == [column(n_seg + 2 + k) for k in range(len(p.params))]
+    assert [own for own, _ in again.forward_segments] == [own for own, _ in prof.forward_segments]
+    assert (again.params, again.comm, again.cpu_per_byte) == (prof.params, prof.comm, prof.cpu_per_byte)
+    assert refused is not None and "differ from the profile's" in refused
     assert untouched and no_grads  # the model is left as it was
     # every parameter, in forward order (the MLP's modules run in definition order)
     assert [s.numel for s in prof.params] == numels

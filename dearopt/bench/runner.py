@@ -199,6 +199,7 @@ class _Runner:
 DELAYED_WARMUP_PERIODS = 4
 """Untimed periods a delaying schedule (``deft``) runs before each timed block, beyond the warm-up every schedule
 gets: its backlog of sends still running from earlier iterations reaches its steady size first."""
+PROFILE_REPEATS = 3  # iterations a --profile times its compute in, at the start and again in every later round
 
 
 def timed_samples(step: Callable, batches: Sequence, first: int, count: int, period: int = 1) -> Dict[str, List[float]]:
@@ -365,13 +366,17 @@ def run_rank(cfg: dict) -> dict:
         )
         model, wl = parts.workload.model, parts.workload
         x, y = batches[0]
-        profile = record_profile(
+        profiled = (
             model,
             lambda: wl.loss(model(x), y),
             torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9),
+        )
+        profile = record_profile(
+            *profiled,
             link=os.environ.get("DEAROPT_SHAPED_RATE", "unshaped loopback"),
             bucket_bytes=int(cfg["bucket_mb"] * 2**20),
-        ).to_json()
+            repeats=PROFILE_REPEATS,
+        )
     _log(
         rank,
         f"{parts.workload.describe}; {parts.workload.n_params() / 1e6:.2f} M params, "
@@ -414,6 +419,11 @@ def run_rank(cfg: dict) -> dict:
             parts.overlapped(batches, cfg["overlap_repeats"])
         ps = parts.samples
         _log(rank, "  so far: " + ", ".join(f"{k} {_median(v):.3f}s" for k, v in ps.items()))
+        if profile is not None and r > 0:  # the machine drifts over a run: the profile's compute, timed again
+            from dearopt.sim.profile import retime_compute
+
+            profile = retime_compute(profile, *profiled, repeats=PROFILE_REPEATS)
+            _log(rank, "  the profile's compute, timed again: " + _profile_compute(profile))
         for s in schedules:
             if s == "ddp" and cfg.get("standalone_ddp"):
                 alone.append(_standalone_round(cfg, rank, world, backend, per_round[r]))
@@ -572,10 +582,22 @@ def run_rank(cfg: dict) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "pid": os.getpid(),
         "ddp_pids": ddp_pids,
-        "profile": profile,
+        "profile": None if profile is None else profile.to_json(),
         "plans": plans,
         "standalone_ddp_rounds": alone if rank == 0 else [],
     }
+
+
+def _profile_compute(profile) -> str:
+    """The profile's forward and backward in each timing since it was recorded (their medians over its
+    iterations), and over all of them (what the simulator predicts from)."""
+    n_seg = len(profile.forward_segments)
+    samples, out = profile.compute_samples, []
+    for k in range(0, len(samples), PROFILE_REPEATS):
+        chunk = samples[k : k + PROFILE_REPEATS]
+        ff = _median([sum(s[: n_seg + 1]) for s in chunk])
+        out.append(f"{ff:.3f}/{_median([s[n_seg + 1] for s in chunk]):.3f}")
+    return f"t_ff/t_bp per timing {', '.join(out)} s; over all: {profile.t_ff:.3f}/{profile.t_bp:.3f} s"
 
 
 def _log_round(rank: int, s: str, got: List[float], count: int, period: int) -> None:

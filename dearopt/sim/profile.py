@@ -41,7 +41,14 @@ import torch
 from dearopt.planning.plan import ParamSpec
 from dearopt.sim.cost import KINDS, CommCost, fit, op_steps
 
-__all__ = ["Profile", "record_profile", "contention_from_overlap", "stream_calibrated", "workspace_of"]
+__all__ = [
+    "Profile",
+    "record_profile",
+    "retime_compute",
+    "contention_from_overlap",
+    "stream_calibrated",
+    "workspace_of",
+]
 
 
 @dataclasses.dataclass
@@ -76,6 +83,10 @@ class Profile:
     # (gloo's all-to-all workspace: a receive buffer per reduce-scatter, a send buffer per all-gather, each the
     # op's full size; at least one op's): starting one more past it waits for the oldest first, on the host.
     # 0: no bound (NCCL; profiles recorded before the workspace, which predict as before)
+    compute_samples: List[List[float]] = dataclasses.field(default_factory=list)  # per timed iteration: each
+    # forward segment's seconds, the forward tail, t_bp, each parameter position's ready time (the slowest rank's
+    # of each); ``forward_segments``, ``forward_tail``, ``t_bp`` and ``ready`` are their medians.  Empty in
+    # profiles recorded before they were kept.  :func:`retime_compute` adds more.
 
     @property
     def t_ff(self) -> float:
@@ -110,6 +121,7 @@ class Profile:
             forward_segments=segments,
             forward_tail=self.forward_tail + carried,
             rows_fraction={},
+            compute_samples=[],  # in the layout with twins
         )
 
     def to_json(self) -> dict:
@@ -210,13 +222,111 @@ def record_profile(
     never pay and which had bent the all-gather fit by as much.
     """
     import dearopt.backends.runtime as runtime
-    from dearopt.planning.order import ForwardOrderRecorder, parameters_in_forward_order
     from dearopt.collectives import broadcast_object
-    from dearopt.engine.tied import TiedEmbeddings
 
     backend = runtime.get_backend()
     world = backend.size
     trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    specs, owners, timed, rows_fraction = _time_compute(model, run, trainable, repeats, embedding_rows)
+    per_element, per_call = _update_cost(optimizer, trainable)
+    comm, samples = _comm_fits(backend, sizes, repeats) if world > 1 else ({}, {})
+    total_bytes = sum(s.nbytes for s in specs)
+    streams = _stream_times(backend, total_bytes, bucket_bytes, repeats) if world > 1 else {}
+    comm = {k: stream_calibrated(c, streams[k], world) if k in streams else c for k, c in comm.items()}
+    contention, cpu_per_byte, lost_samples = (
+        _contention(backend, model, run, total_bytes, bucket_bytes, repeats)
+        if world > 1
+        else ({"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0}, {})
+    )
+    copy_per_byte = _copy_cost(min(total_bytes, bucket_bytes), repeats)
+    profile = Profile(
+        params=specs,
+        **_compute_fields(owners, timed),
+        update_per_element=per_element,
+        update_per_call=per_call,
+        comm=comm,
+        comm_samples=samples,
+        contention=contention,
+        world=world,
+        backend=getattr(backend, "name", "gloo"),
+        link=link,
+        rows_fraction=rows_fraction,
+        copy_per_byte=copy_per_byte,
+        cpu_per_byte=cpu_per_byte,
+        lost_samples=lost_samples,
+        cores_per_rank=_cores_per_rank(backend, runtime.local_size()),
+        comm_streams=streams,
+        workspace_bytes=workspace_of(backend) if world > 1 else 0.0,
+    )
+    if world > 1:
+        profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
+    return profile
+
+
+def retime_compute(
+    profile: Profile,
+    model: torch.nn.Module,
+    run: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    repeats: int = 3,
+    embedding_rows: bool = True,
+) -> Profile:
+    """``profile`` with the model's compute timed ``repeats`` more times on this job and merged in (call it on
+    every rank, as :func:`record_profile`, with the same model, ``run`` and ``embedding_rows``; the model and
+    ``optimizer`` are left as they were).
+
+    The forward segments, forward tail, ``t_bp`` and ready times become the medians over every sample so far
+    (``compute_samples``; a profile saved before they were kept gets the new samples' medians); the link's fits,
+    the contention and the costs measured once stay.  A job that times
+    its compute again as it goes (the bench, once a round) predicts from the machine as it was over the whole
+    run, not only at its start: on a shared 2-core machine a profile's backward timed at the start of a run sat
+    27 % below and 15 % above the same run's (2026-11-29)."""
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    specs, owners, samples, _ = _time_compute(model, run, trainable, repeats, embedding_rows)
+    if [(p.numel, p.twin_of) for p in specs] != [(p.numel, p.twin_of) for p in profile.params]:
+        raise ValueError(
+            "retime_compute: the model's parameters in forward order differ from the profile's; pass the model "
+            "(and embedding_rows) the profile was recorded from"
+        )
+    if owners != [own for own, _ in profile.forward_segments]:
+        raise ValueError(
+            "retime_compute: the model's modules ran in another order than the profile's; pass the model the "
+            "profile was recorded from, with the same run()"
+        )
+    return dataclasses.replace(profile, **_compute_fields(owners, profile.compute_samples + samples))
+
+
+def _compute_fields(owners: List[List[int]], samples: List[List[float]]) -> dict:
+    """The profile's compute fields from per-iteration samples (see ``Profile.compute_samples``): their medians."""
+    medians = [_median([sample[k] for sample in samples]) for k in range(len(samples[0]))]
+    n_seg = len(owners)
+    return {
+        "forward_segments": [(own, seconds) for own, seconds in zip(owners, medians[:n_seg])],
+        "forward_tail": medians[n_seg],
+        "t_bp": medians[n_seg + 1],
+        "ready": medians[n_seg + 2 :],
+        "compute_samples": [list(sample) for sample in samples],
+    }
+
+
+def _time_compute(
+    model: torch.nn.Module,
+    run: Callable[[], torch.Tensor],
+    trainable: List[torch.Tensor],
+    repeats: int,
+    embedding_rows: bool,
+) -> Tuple[List[ParamSpec], List[List[int]], List[List[float]], Dict[int, float]]:
+    """Time ``repeats`` forwards and backwards (after one untimed) on every rank together: the parameters in
+    forward order as the planner sees them, each forward segment's parameter positions, the samples (per
+    iteration, the slowest rank's: each segment's seconds, the tail, t_bp, each position's ready time) and the
+    fraction of rows each row-sparse embedding's gradient touched."""
+    import dearopt.backends.runtime as runtime
+    from dearopt.engine.tied import TiedEmbeddings
+    from dearopt.planning.order import ForwardOrderRecorder, parameters_in_forward_order
+
+    backend = runtime.get_backend()
+    world = backend.size
     names = {id(p): n for n, p in model.named_parameters()}
     owned = {id(p) for p in trainable}
     tied = TiedEmbeddings(model, owned if embedding_rows else set(), lambda method: method)
@@ -311,53 +421,17 @@ def record_profile(
             specs.append(
                 ParamSpec(names.get(id(p), f"param{i}"), p.numel(), dtype, size, row_numel=tied.row_numel.get(id(p), 0))
             )
-    # forward segments, attributed to the first parameter of each module, in the order modules ran
-    medians = [_median([sample[k] for sample in timings]) for k in range(len(timings[0]))]
+    # forward segments, attributed to the parameters of each module, in the order modules ran
     n_seg = len(order)
-    seg_times, tail, t_bp = medians[:n_seg], medians[n_seg], medians[n_seg + 1]
-    ready_of = {id(p): medians[n_seg + 2 + j] for j, p in enumerate(planned)}
-    ready = [ready_of[id(p)] for p in ordered]
-    forward_segments = []
-    for module, seconds in zip(order, seg_times):
+    column = {id(p): n_seg + 2 + j for j, p in enumerate(planned)}  # a sample's ready time of each parameter
+    samples = [sample[: n_seg + 2] + [sample[column[id(p)]] for p in ordered] for sample in timings]
+    owners = []
+    for module in order:
         own = [position[id(p)] for p in module.parameters(recurse=False) if id(p) in position]
         own += [position[id(t)] for t in twins_by_module.get(id(module), ())]
-        forward_segments.append((sorted(own), seconds))
-    per_element, per_call = _update_cost(optimizer, trainable)
-    comm, samples = _comm_fits(backend, sizes, repeats) if world > 1 else ({}, {})
-    total_bytes = sum(s.nbytes for s in specs)
-    streams = _stream_times(backend, total_bytes, bucket_bytes, repeats) if world > 1 else {}
-    comm = {k: stream_calibrated(c, streams[k], world) if k in streams else c for k, c in comm.items()}
-    contention, cpu_per_byte, lost_samples = (
-        _contention(backend, model, run, total_bytes, bucket_bytes, repeats)
-        if world > 1
-        else ({"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0}, {})
-    )
-    copy_per_byte = _copy_cost(min(total_bytes, bucket_bytes), repeats)
-    profile = Profile(
-        params=specs,
-        forward_segments=forward_segments,
-        forward_tail=tail,
-        ready=ready,
-        t_bp=t_bp,
-        update_per_element=per_element,
-        update_per_call=per_call,
-        comm=comm,
-        comm_samples=samples,
-        contention=contention,
-        world=world,
-        backend=getattr(backend, "name", "gloo"),
-        link=link,
-        rows_fraction={position[k]: _median(v) for k, v in rows_touched.items() if k in position},
-        copy_per_byte=copy_per_byte,
-        cpu_per_byte=cpu_per_byte,
-        lost_samples=lost_samples,
-        cores_per_rank=_cores_per_rank(backend, runtime.local_size()),
-        comm_streams=streams,
-        workspace_bytes=workspace_of(backend) if world > 1 else 0.0,
-    )
-    if world > 1:
-        profile = Profile.from_json(broadcast_object(profile.to_json() if backend.rank == 0 else None, 0))
-    return profile
+        owners.append(sorted(own))
+    rows_fraction = {position[k]: _median(v) for k, v in rows_touched.items() if k in position}
+    return specs, owners, samples, rows_fraction
 
 
 def _copy_cost(nbytes: int, repeats: int) -> float:
