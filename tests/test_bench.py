@@ -1,6 +1,7 @@
 """The benchmark command end to end (tiny model) and the timeline a DistOptim run writes."""
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -127,6 +128,19 @@ def test_bench_end_to_end_tiny(tmp_path):
     ]
     assert row[-1].strip() == ", ".join(dict.fromkeys(cells))
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
+    # the host CPU the hypervisor gave other guests while each round was timed, per schedule and round
+    assert all(len(r["steal_rounds"]) == 2 and all(0 <= v <= 1 for v in r["steal_rounds"]) for r in rows.values())
+    assert "(steal) while each round was timed" in proc.stdout
+
+
+def test_steal_is_the_share_of_the_hosts_cpu_time_between_two_readings():
+    from dearopt.bench.runner import host_cpu_times, steal_share
+
+    assert steal_share((10, 1000), (30, 1400)) == pytest.approx(20 / 400)  # 20 of 400 ticks stolen
+    assert math.isnan(steal_share(None, (30, 1400))) and math.isnan(steal_share((10, 1000), (10, 1000)))
+    first = host_cpu_times()
+    if first is not None:  # Linux: the ticks only grow, the stolen ones within all of them
+        assert 0 <= first[0] <= first[1]
 
 
 def test_the_profile_times_its_compute_again_in_every_round(tmp_path):

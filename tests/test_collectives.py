@@ -256,8 +256,8 @@ def test_an_op_named_by_its_caller_fails_with_a_named_error_not_a_key_error():
 def _many_reduce_scatters_in_a_small_workspace():
     backend = dearopt.backends.get_backend()
     rank, world = dearopt.rank(), dearopt.size()
-    backend.workspace_bytes = 3 * 4000 * 4  # three receive buffers of 4000 floats
-    sizes = [4000, 2000, 4000, 1000, 1000, 2000, 4000, 2000, 1000, 4000, 1000, 2000]  # spares of several sizes
+    backend.workspace_bytes = 3 * 4002 * 4  # three receive buffers of 4002 floats
+    sizes = [4002, 2004, 4002, 1002, 1002, 2004, 4002, 2004, 1002, 4002, 1002, 2004]  # spares of several sizes
     fulls = [torch.arange(float(n)) * (k + 1) + rank for k, n in enumerate(sizes)]
     shards = [torch.empty(len(full) // world) for full in fulls]
     handles, most = [], 0
@@ -265,15 +265,15 @@ def _many_reduce_scatters_in_a_small_workspace():
         for full, shard in zip(fulls, shards):
             handles.append(backend.reduce_scatter(shard, full, bucket=len(handles)))
             most = max(most, sum(n for _, n in backend._in_flight.values()))
-        gathered = torch.empty(4000)
-        backend.all_gather(gathered, torch.full((4000 // world,), float(rank))).wait()
+        gathered = torch.empty(4002)
+        backend.all_gather(gathered, torch.full((4002 // world,), float(rank))).wait()
         for h in handles:
             h.wait()
     # spares of two sizes; one of them taken by an op in flight (its size left with none) while another op's
     # buffer, too many for the budget, evicts
     backend.release_workspace()
     ops = []
-    for n, wait in ((2000, True), (4000, True), (2000, False), (9000, True)):
+    for n, wait in ((2004, True), (4002, True), (2004, False), (9000, True)):  # (sizes for 2 and 3 ranks)
         full, shard = torch.arange(float(n)) + rank, torch.empty(n // world)
         h = backend.reduce_scatter(shard, full)
         ops.append((n, shard, h))
@@ -337,11 +337,51 @@ def test_the_workspace_serves_buckets_of_several_sizes_without_allocating():
         assert most <= budget and kept <= budget
 
 
+def _scatter_and_gather_in_place_and_not():
+    backend = dearopt.backends.get_backend()
+    rank, world = dearopt.rank(), dearopt.size()
+    n = 6 * 1000
+    full = torch.arange(float(n)) + 10 * rank
+    total = sum(torch.arange(float(n)) + 10 * r for r in range(world))
+    out = {}
+    shard = torch.empty(n // world)  # a shard of its own
+    backend.reduce_scatter(shard, full.clone()).wait()
+    out["scattered"] = shard.clone()
+    in_place = full.clone()  # the shard is this rank's part of the full buffer (as the engine's buckets)
+    mine = in_place.view(world, -1)[rank]
+    backend.reduce_scatter(mine, in_place).wait()
+    out["scattered in place"] = mine.clone()
+    gathered = torch.full((n,), -1.0)
+    backend.all_gather(gathered, shard).wait()
+    out["gathered"] = gathered
+    backend.all_gather(in_place, mine).wait()  # in place: the shard is already this rank's part of the output
+    out["gathered in place"] = in_place
+    matrix = torch.empty(world, 3, 2)  # not flat: shaped outputs and shards
+    backend.all_gather(matrix, torch.full((1, 3, 2), float(rank))).wait()
+    out["matrix"] = matrix
+    return out, total
+
+
 @pytest.mark.timeout(60)
-def test_gloo_reduce_scatter_workspace_is_bounded():
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_scatters_and_gathers_in_place_and_from_buffers_of_their_own(world):
+    """Two ranks take the pair path (only the peer's half on the link, no send buffer), three the all-to-all
+    through the workspace: the same sums and gathers either way, in place or not."""
+    for o in run_workers(_scatter_and_gather_in_place_and_not, world, init_kwargs={"backend": "gloo"}):
+        out, total = o.value
+        part = total.chunk(world)[o.rank]
+        torch.testing.assert_close(out["scattered"], part)
+        torch.testing.assert_close(out["scattered in place"], part)
+        torch.testing.assert_close(out["gathered"], total)
+        torch.testing.assert_close(out["gathered in place"], total)
+        torch.testing.assert_close(out["matrix"], torch.arange(float(world)).view(world, 1, 1).expand(world, 3, 2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_reduce_scatter_workspace_is_bounded(world):
     """Twelve reduce-scatters issued at once: the receive buffers in flight and kept stay within the budget (the
     oldest are waited for first), and every sum is right."""
-    world = 2
     for o in run_workers(_many_reduce_scatters_in_a_small_workspace, world, init_kwargs={"backend": "gloo"}):
         shards, most, kept, budget = o.value
         assert most <= budget and kept <= budget

@@ -659,6 +659,7 @@ class TorchDistBackend(CollectiveBackend):
         self._in_flight: Dict[int, tuple] = {}  # id(handle) -> (handle, receive buffer bytes), oldest first
         self._in_flight_bytes = 0
         self._use_all_to_all = self.pg_backend == "gloo"
+        self._own: Optional[int] = None  # this rank in the group (two ranks: the all-to-alls' splits)
         # the process group's own methods: torch.distributed's Python functions around them cost ten Python calls
         # per collective (checks, logging); what they check is checked once here, and by the plan
         self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
@@ -785,24 +786,55 @@ class TorchDistBackend(CollectiveBackend):
         if not self._use_all_to_all:
             work = self._run("reduce_scatter", where, self._pg._reduce_scatter_base, out_shard, in_full, self._rs)
             return _TorchHandle(self, work, "reduce_scatter", where)
-        recv = self._workspace_like(in_full)
-        chunks = recv.view(self.size, out_shard.numel())
-        nbytes = self._bytes_of(recv)
         # through .data: the sum is the collective's result, not an in-place change that autograd's version
         # counter (which the engine watches for the user's writes) should see; NCCL writes from C++ alike
         result = out_shard.data
+        if self.size == 2 and in_full.is_contiguous() and out_shard.is_contiguous():
+            # two ranks: only the peer's half goes out, only the peer's half of ours comes in (a buffer of a
+            # shard), and the sum adds it to our own half where it lies: no local copy of our half through
+            # gloo, a receive buffer half the size, and an elementwise add instead of a sum over a dimension
+            # (gloo, 25 MiB, both ranks' CPU: 25 ms against 39 ms before, an all-reduce 40 ms)
+            halves = in_full.view(2, -1)
+            recv = self._workspace_like(out_shard)
+            mine, theirs, splits = halves[self._pair_rank], halves[1 - self._pair_rank], self._pair_splits(recv)
+
+            def add():
+                torch.add(mine.view(result.shape), recv, out=result)
+
+            sent, received = theirs, recv.view(-1)  # (flat: the splits count elements of dim 0)
+        else:
+            recv = self._workspace_like(in_full)
+            chunks = recv.view(self.size, out_shard.numel())
+            splits = []
+
+            def add():
+                torch.sum(chunks, dim=0, out=result)
+
+            sent, received = in_full, recv
+        nbytes = self._bytes_of(recv)
 
         def finish():
-            torch.sum(chunks, dim=0, out=result)
+            add()
             self._in_flight.pop(id(handle), None)
             self._in_flight_bytes -= nbytes
             self._spare(recv)
 
-        work = self._run("reduce_scatter", where, self._pg.alltoall_base, recv, in_full, [], [], self._a2a)
+        work = self._run("reduce_scatter", where, self._pg.alltoall_base, received, sent, splits, splits, self._a2a)
         handle = _TorchHandle(self, work, "reduce_scatter", where, finish)
         self._in_flight[id(handle)] = (handle, nbytes)
         self._in_flight_bytes += nbytes
         return handle
+
+    @property
+    def _pair_rank(self) -> int:
+        """This rank's place in its two-rank group (what an all-to-all's splits are indexed by)."""
+        if self._own is None:
+            self._own = self._pg.rank()
+        return self._own
+
+    def _pair_splits(self, shard: torch.Tensor) -> List[int]:
+        """A two-rank all-to-all's splits that move ``shard``'s elements to and from the peer only."""
+        return [0, shard.numel()] if self._pair_rank == 0 else [shard.numel(), 0]
 
     def _reduce_scatter_rarely(self, out_shard, in_full, where) -> Handle:
         """One rank, a closed backend, 16-bit integers on gloo: the cases off the hot path."""
@@ -913,6 +945,26 @@ class TorchDistBackend(CollectiveBackend):
         # while it waits its turn: with a model's all-gathers issued at once that is a whole model's worth.  An
         # all-to-all of the shard sent to every rank writes the output in place, from a send buffer of the
         # bounded workspace (the same bytes on the link).
+        if self.size == 2 and out_full.is_contiguous() and in_shard.is_contiguous():
+            # two ranks: the shard itself goes out and the peer's comes into its half of the output; no send
+            # buffer (gloo, 25 MiB, both ranks' CPU: 25 ms against 39 ms through one).  The shard is read
+            # until the op completes, as NCCL's and gloo's own all-gathers read theirs
+            halves = out_full.view(2, -1)
+            mine = halves[self._pair_rank]
+            if mine.data_ptr() != in_shard.data_ptr():  # (in place: the shard is already our half)
+                mine.copy_(in_shard.view(mine.shape))
+            splits = self._pair_splits(in_shard)
+            work = self._run(
+                "all_gather",
+                where,
+                self._pg.alltoall_base,
+                halves[1 - self._pair_rank],
+                in_shard.view(-1),
+                splits,
+                splits,
+                self._a2a,
+            )
+            return _TorchHandle(self, work, "all_gather", where)
         send = self._workspace_like(out_full)
         send.view(self.size, -1).copy_(in_shard.view(1, -1).expand(self.size, -1))
         nbytes = self._bytes_of(send)

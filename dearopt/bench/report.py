@@ -153,6 +153,7 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
                 "phase_samples": {
                     k: [r["schedules"][s][k] for r in rank_results] for k in ("forward", "backward", "step")
                 },
+                "steal_samples": [r.get("steal", {}).get(s, []) for r in rank_results],  # per rank, per round
             }
             for s in cfg["schedules"]
         },
@@ -302,6 +303,8 @@ def derive(doc: dict) -> dict:
         row["fraction_of_bound_min"] = row["bound_min"] / t_min
         if "phase_samples" in row:
             row["phases"] = {k: _slowest_median(v) for k, v in row["phase_samples"].items()}
+        if any(row.get("steal_samples") or []):  # per round, the most any rank's host lost to other guests
+            row["steal_rounds"] = [max(v) for v in zip(*row["steal_samples"])]
     ref = doc["schedules"].get("ddp")
     if ref and doc.get("standalone_ddp_rounds"):
         from dearopt.bench.standalone import compare
@@ -416,6 +419,15 @@ def table(doc: dict) -> str:
                 f"{s} {r['iter_time_rounds']:.3f}s {r['speedup_vs_ddp_rounds']:.3f}x"
                 for s, r in doc["schedules"].items()
                 if r.get("speedup_vs_ddp_rounds")
+            )
+        )
+    if any(r.get("steal_rounds") for r in doc["schedules"].values()):
+        lines.append(
+            "host CPU the hypervisor gave other guests (steal) while each round was timed [%]: "
+            + "; ".join(
+                f"{s} " + ", ".join(f"{100 * v:.1f}" for v in r["steal_rounds"])
+                for s, r in doc["schedules"].items()
+                if r.get("steal_rounds")
             )
         )
     if any("predicted" in r for r in doc["schedules"].values()):

@@ -27,7 +27,7 @@ import gc
 import math
 import os
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -407,6 +407,7 @@ def run_rank(cfg: dict) -> dict:
         for s in schedules:
             runner_for(s, 0)
     samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
+    steal: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: the host CPU the hypervisor took
     plans = {}  # dearopt schedule -> per round: the buckets all-reduced in backward, the measured choice
     rounds = cfg["rounds"]
     per_round = iterations_per_round(cfg["iterations"], rounds)
@@ -431,8 +432,10 @@ def run_rank(cfg: dict) -> dict:
             warm = cfg["warmup"] if r == 0 or rebuild else 1
             _barrier(backend)
             if isinstance(runner, DDPProcess):  # DDP in processes of its own, while these wait
+                before = host_cpu_times()
                 for k, v in runner.round(warm, per_round[r]).items():
                     samples[s][k].extend(v)
+                steal[s].append(steal_share(before, host_cpu_times()))
                 if rebuild:
                     runners.pop(s).close()
                 _barrier(backend)
@@ -461,8 +464,10 @@ def run_rank(cfg: dict) -> dict:
                     x, y = batches[i % len(batches)]
                     runner.step(x, y)
                     i += 1
+            before = host_cpu_times()
             for k, v in timed_samples(runner.step, batches, i, per_round[r], period).items():
                 samples[s][k].extend(v)
+            steal[s].append(steal_share(before, host_cpu_times()))
             choice = getattr(getattr(runner.opt, "schedule", None), "plan_choice", None)
             if choice is not None and choice.history:
                 _log(
@@ -575,6 +580,7 @@ def run_rank(cfg: dict) -> dict:
         "parts": parts.samples,
         "overlap": parts.overlap,
         "schedules": samples,
+        "steal": steal,
         "buckets": [b.grad_numel * 4 for b in parts.plan.buckets],
         "params": parts.workload.n_params(),
         "describe": parts.workload.describe,
@@ -586,6 +592,26 @@ def run_rank(cfg: dict) -> dict:
         "plans": plans,
         "standalone_ddp_rounds": alone if rank == 0 else [],
     }
+
+
+def host_cpu_times() -> Optional[Tuple[int, int]]:
+    """This host's CPU time since boot over all its CPUs, in clock ticks: (stolen by the hypervisor for other
+    guests, all of it); None where the kernel does not say (no ``/proc/stat``)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def steal_share(before: Optional[Tuple[int, int]], after: Optional[Tuple[int, int]]) -> float:
+    """The share of the host's CPU time between two :func:`host_cpu_times` readings that the hypervisor gave to
+    other guests (steal): time the ranks were runnable and could not run, whatever the schedule did.  NaN where
+    not known."""
+    if before is None or after is None or after[1] <= before[1]:
+        return math.nan
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _profile_compute(profile) -> str:
