@@ -12,6 +12,7 @@ from dearopt.planning.build import build_plan
 from dearopt.sim.cost import CommCost, fit, parse_link
 from dearopt.sim.profile import Profile, contention_from_overlap, stream_calibrated
 from dearopt.sim.simulator import cpu_costs, cpu_per_byte, simulate, workspace_passes
+from dearopt.backends.base import workspace_op_bytes
 
 # two parameters of 997 elements: each bucket holds 997 + 1 flag + 2 tags = 1000 float32 = 4000 bytes (2 ranks)
 PARAMS = [ParamSpec("p0", 997, "float32", 4), ParamSpec("p1", 997, "float32", 4)]
@@ -176,18 +177,21 @@ def test_the_engines_copies_and_averaging_take_compute_time():
 
 
 def test_a_full_workspace_holds_back_an_op_until_a_later_poll_and_holds_the_host_only_for_an_op_due_now():
-    # gloo's all-to-alls: a workspace of one 4000-byte buffer, as the executor's issuer uses it: an op past it is
-    # not started where the host polls (it never waits for room in a hook or at step()), a later poll starts
-    # it; an op due now waits for room on the host.  dear with every all-gather started at step(), ops of 0.2 s:
-    # backward [0, 0.4] (RS1 0.1-0.3, RS0 0.3-0.5), step() waits for RS0 until 0.5, starts AG0 (0.5-0.7) and
-    # leaves AG1 for later: step 0.4-0.5.  The next forward (0.1 of work) waits for AG0 until 0.7 and starts AG1
-    # there (0.7-0.9); 0.1 of work, AG1 waited for until 0.9, tail 0.2: forward 0.6.  The host is never held for
-    # room (waiting in step() for AG1's room, as before, made step 0.3 and forward 0.4)
+    # gloo's all-to-alls: a workspace of one 2000-byte buffer (on two ranks a reduce-scatter of a 4000-byte bucket
+    # receives the peer's half into one, an all-gather needs none: workspace_op_bytes), as the executor's issuer
+    # uses it: an op past it is not started where the host polls (it never waits for room in a hook or at
+    # step()), a later poll starts it; an op due now waits for room on the host.  dear with every all-gather
+    # started at step(), ops of 0.2 s: backward [0, 0.4] (RS1 0.1-0.3, RS0 0.3-0.5), step() waits for RS0 until
+    # 0.5 and starts AG0 (0.5-0.7) and AG1 (on the link after it, 0.7-0.9): step 0.4-0.5.  The next forward
+    # (0.1 of work) waits for AG0 until 0.7; 0.1 of work, AG1 waited for until 0.9, tail 0.2: forward 0.6.  The
+    # host is never held for room
+    assert [workspace_op_bytes(k, 4000, 2) for k in ("reduce_scatter", "all_gather", "all_reduce")] == [2000, 0, 0]
+    assert [workspace_op_bytes(k, 4000, 3) for k in ("reduce_scatter", "all_gather", "all_reduce")] == [4000, 4000, 0]
     at_step = build_plan(PARAMS, 4000, 2, "dear", gathers_at_step=True)
     unbounded = simulate(profile(beta=1e-4), at_step)
     assert (unbounded.forward, unbounded.backward, unbounded.step) == pytest.approx((0.6, 0.4, 0.1))
     bounded = profile(beta=1e-4)
-    bounded.workspace_bytes = 4000
+    bounded.workspace_bytes = 2000
     p = simulate(bounded, at_step)
     assert (p.forward, p.backward, p.step) == pytest.approx((0.6, 0.4, 0.1))
     assert not [e for e in p.events if e["name"] == "wait workspace"]
@@ -197,7 +201,7 @@ def test_a_full_workspace_holds_back_an_op_until_a_later_poll_and_holds_the_host
     # backward; step() (at 1.4 in the iteration's frame: forward 1.0, backward 0.4) must complete it, and waits
     # on the host for RS1 to leave (until 1.5), then for RS0 (1.5-1.9): step 0.5
     slow = profile(beta=2e-4)
-    slow.workspace_bytes = 4000
+    slow.workspace_bytes = 2000
     q = simulate(slow, at_step)
     assert (q.forward, q.backward, q.step) == pytest.approx((1.0, 0.4, 0.5))
     waits = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in q.events if e["name"] == "wait workspace"]
@@ -207,19 +211,21 @@ def test_a_full_workspace_holds_back_an_op_until_a_later_poll_and_holds_the_host
 
 
 def test_the_host_fills_each_gathers_buffer_and_sums_each_scatters_chunks_on_gloo():
-    # a workspace (gloo's all-to-alls): the host fills an all-gather's send buffer when it starts it and sums a
-    # reduce-scatter's chunks when it waits for it, each (1 + 1/2) / 2 of a copy of the 4000-byte buffer: 0.04 s
-    # here.  Fast link (0.05 s per op, hidden): dear's forward gains AG1's fill (started at bucket 0), step() the
-    # two sums and AG0's fill; backward is unchanged
+    # a workspace (gloo's all-to-alls): the host sums a reduce-scatter's chunks when it waits for it, (1 + 1/2) / 2
+    # of a copy of the 4000-byte buffer: 0.04 s here; on two ranks an all-gather sends the shard itself (nothing
+    # to fill; on more ranks its send buffer is filled, (1 + 1/P) / 2 of a copy).  Fast link (0.05 s per op,
+    # hidden): dear's step() gains the two sums; forward and backward are unchanged
     c = 0.04 / 3000
     base = profile(beta=2.5e-5)
     base.copy_per_byte = c
     gloo = profile(beta=2.5e-5)
     gloo.copy_per_byte, gloo.workspace_bytes = c, 1e9
     p, q = simulate(base, plan("dear")), simulate(gloo, plan("dear"))
-    assert q.forward - p.forward == pytest.approx(0.04)
-    assert q.step - p.step == pytest.approx(3 * 0.04)
+    assert q.forward == pytest.approx(p.forward)
+    assert q.step - p.step == pytest.approx(2 * 0.04)
     assert q.backward == pytest.approx(p.backward)
+    assert workspace_passes(gloo, "all_gather", 4000, 2) == 0.0
+    assert workspace_passes(gloo, "all_gather", 4000, 3) == pytest.approx(4000 * c * (1 + 1 / 3) / 2)
     assert workspace_passes(gloo, "all_reduce", 4000, 2) == 0.0  # an all-reduce runs in place
     assert workspace_passes(base, "reduce_scatter", 4000, 2) == 0.0  # no workspace (NCCL, older profiles)
 

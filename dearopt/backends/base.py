@@ -371,12 +371,13 @@ class CollectiveBackend(abc.ABC):
         """Drop buffers kept between ops for reuse (none here).  Called when a re-plan makes new buckets, with
         nothing in flight: buffers sized and keyed for the old buckets would otherwise stay alive."""
 
-    def has_room(self, nbytes: int) -> bool:
-        """Whether an op of ``nbytes`` can start now without waiting for one in flight (a transport whose ops need
-        buffers of a bounded workspace says no when it is full; never blocks)."""
+    def has_room(self, nbytes: int, kind: Optional[str] = None) -> bool:
+        """Whether an op of ``nbytes`` (of ``kind``: ``"reduce_scatter"``, ``"all_gather"``, ...; None: any) can
+        start now without waiting for one in flight (a transport whose ops need buffers of a bounded workspace
+        says no when it is full; never blocks)."""
         return True
 
-    def make_room(self, nbytes: int) -> None:
+    def make_room(self, nbytes: int, kind: Optional[str] = None) -> None:
         """Wait (with the timeout) until an op of ``nbytes`` has room; for an op that is due now."""
 
     def close(self) -> None:
@@ -625,6 +626,21 @@ def workspace_buffer_bytes(nbytes: float, largest: float, budget: float) -> floa
     return max(nbytes, largest)
 
 
+def workspace_op_bytes(kind: Optional[str], nbytes: float, world: int) -> float:
+    """The bytes of gloo's workspace an op of ``kind`` on a buffer of ``nbytes`` (the full one) needs on ``world``
+    ranks: a reduce-scatter's receive buffer and an all-gather's send buffer are the full size; on two ranks a
+    reduce-scatter receives only the peer's half (a shard's bytes) and an all-gather sends the shard itself (none).
+    Other ops (an all-reduce runs in place) need none; ``kind`` None: any op, counted as the full size.
+    :mod:`dearopt.sim` replays the workspace with it."""
+    if kind is None:
+        return nbytes
+    if kind == "reduce_scatter":
+        return nbytes / 2 if world == 2 else nbytes
+    if kind in ("all_gather", "all_gather_rows"):
+        return 0.0 if world == 2 else nbytes
+    return 0.0
+
+
 _SPARE_SUBGROUPS: Dict[tuple, list] = {}
 """Groups of closed forks over a subset of the ranks, by ``(default group, members, kind)``, for the next fork over
 the same members.  torch names a group made by its members alone after its ranks and the number of groups this
@@ -848,14 +864,15 @@ class TorchDistBackend(CollectiveBackend):
             return self._then(self.reduce_scatter(wide_out, wide_in, **where), narrow)
         return self.reduce_scatter(out_shard, in_full, **where)
 
-    def has_room(self, nbytes: int) -> bool:
+    def has_room(self, nbytes: int, kind: Optional[str] = None) -> bool:
         """gloo: whether the reduce-scatters' and all-gathers' workspace holds another op of ``nbytes`` now (in the
-        buffer it would take, :meth:`_buffer_bytes`); ops in flight that have finished are reaped first (their sums
-        taken, their buffers spared).  Never waits: it is asked in gradient hooks, on the thread that runs
-        backward, which must not wait for the link."""
-        if not self._use_all_to_all:
+        buffer it would take, :meth:`_buffer_bytes` of :func:`workspace_op_bytes`); ops in flight that have
+        finished are reaped first (their sums taken, their buffers spared).  Never waits: it is asked in gradient
+        hooks, on the thread that runs backward, which must not wait for the link."""
+        need = workspace_op_bytes(kind, nbytes, self.size)
+        if not self._use_all_to_all or not need:
             return True
-        taken = self._buffer_bytes(nbytes)
+        taken = self._buffer_bytes(need)
         if self._in_flight_bytes + taken <= max(self.workspace_bytes, taken):
             return True
         for handle, _ in list(self._in_flight.values()):
@@ -864,9 +881,9 @@ class TorchDistBackend(CollectiveBackend):
             handle.wait()  # (gloo finishes ops in issue order)
         return self._in_flight_bytes + taken <= max(self.workspace_bytes, taken)
 
-    def make_room(self, nbytes: int) -> None:
+    def make_room(self, nbytes: int, kind: Optional[str] = None) -> None:
         """Wait for the oldest ops in flight until another op of ``nbytes`` fits in the workspace (an op due now)."""
-        taken = self._buffer_bytes(nbytes)
+        taken = self._buffer_bytes(workspace_op_bytes(kind, nbytes, self.size))
         budget = max(self.workspace_bytes, taken)
         while self._in_flight and self._in_flight_bytes + taken > budget:
             oldest, _ = next(iter(self._in_flight.values()))

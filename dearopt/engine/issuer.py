@@ -258,10 +258,10 @@ class Issuer:
                 if not forced:
                     return
                 window.make_room(op.nbytes)
-            if not self.backend.has_room(op.nbytes):  # (gloo's workspace: never waited for in a hook)
+            if not self.backend.has_room(op.nbytes, op.spec.kind):  # (gloo's workspace: never waited for in a hook)
                 if not forced:
                     return
-                self.backend.make_room(op.nbytes)
+                self.backend.make_room(op.nbytes, op.spec.kind)
             if op.wire and not self._wire_room(op.wire, forced):
                 return
             self._start(op)

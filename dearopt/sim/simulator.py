@@ -44,7 +44,7 @@ import math
 import statistics
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from dearopt.backends.base import workspace_buffer_bytes
+from dearopt.backends.base import workspace_buffer_bytes, workspace_op_bytes
 from dearopt.planning.plan import ALL_GATHER, REDUCE_SCATTER, ROWS, Plan, When
 from dearopt.sim.cost import CommCost
 from dearopt.sim.profile import Profile
@@ -173,6 +173,8 @@ def workspace_passes(profile: Profile, kind: str, nbytes: float, world: int) -> 
     world) / 2`` of a copy of ``nbytes``.  0 for other ops, and where there is no such workspace."""
     if not profile.workspace_bytes or kind not in (REDUCE_SCATTER, ALL_GATHER) or world <= 1:
         return 0.0
+    if kind == ALL_GATHER and world == 2:  # two ranks: the shard itself is sent, no buffer to fill (since 2026-11-29)
+        return 0.0
     return nbytes * profile.copy_per_byte * (1.0 + 1.0 / world) / 2.0
 
 
@@ -254,7 +256,7 @@ def simulate(
     # the backend's workspace (gloo): the ops that hold a buffer of it while in flight, and the host's pass over
     # each one's buffer (an all-gather's at its start, a reduce-scatter's at its wait)
     workspace = profile.workspace_bytes if world > 1 else 0.0
-    held = [n if workspace and kind in (REDUCE_SCATTER, ALL_GATHER) else 0.0 for kind, n in buffers]
+    held = [workspace_op_bytes(kind, n, world) if workspace else 0.0 for kind, n in buffers]
     largest = max((n for n in held if n <= workspace), default=0.0)  # the buffer size that serves the buckets
     held = [workspace_buffer_bytes(n, largest, workspace) if n else 0.0 for n in held]
     passes = [workspace_passes(profile, op.kind, op.nbytes, world) for op in ops]
