@@ -128,8 +128,10 @@ def test_bench_end_to_end_tiny(tmp_path):
     ]
     assert row[-1].strip() == ", ".join(dict.fromkeys(cells))
     assert sorted(doc["timeline"]["files"]) == ["timeline.rank0.json", "timeline.rank1.json"]
-    # the host CPU the hypervisor gave other guests while each round was timed, per schedule and round
-    assert all(len(r["steal_rounds"]) == 2 and all(0 <= v <= 1 for v in r["steal_rounds"]) for r in rows.values())
+    # the host CPU the hypervisor gave other guests while each round was timed, per schedule and round (NaN: a
+    # round shorter than the kernel's clock tick)
+    assert all(len(r["steal_rounds"]) == 2 for r in rows.values())
+    assert all(math.isnan(v) or 0 <= v <= 1 for r in rows.values() for v in r["steal_rounds"])
     assert "(steal) while each round was timed" in proc.stdout
 
 

@@ -304,7 +304,7 @@ def derive(doc: dict) -> dict:
         if "phase_samples" in row:
             row["phases"] = {k: _slowest_median(v) for k, v in row["phase_samples"].items()}
         if any(row.get("steal_samples") or []):  # per round, the most any rank's host lost to other guests
-            row["steal_rounds"] = [max(v) for v in zip(*row["steal_samples"])]
+            row["steal_rounds"] = [max((x for x in v if x == x), default=math.nan) for v in zip(*row["steal_samples"])]
     ref = doc["schedules"].get("ddp")
     if ref and doc.get("standalone_ddp_rounds"):
         from dearopt.bench.standalone import compare
