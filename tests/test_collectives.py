@@ -356,6 +356,14 @@ def _scatter_and_gather_in_place_and_not():
     out["gathered"] = gathered
     backend.all_gather(in_place, mine).wait()  # in place: the shard is already this rank's part of the output
     out["gathered in place"] = in_place
+    strided = torch.empty(n // world)  # inputs that are not contiguous (every other element of a wider tensor):
+    gathered_strided = torch.full((n,), -1.0)  # two ranks take them; more name the problem on every rank
+    try:
+        backend.reduce_scatter(strided, torch.stack([full, full], 1)[:, 0]).wait()
+        backend.all_gather(gathered_strided, torch.stack([shard, shard], 1)[:, 0]).wait()
+        out["scattered from strided"], out["gathered from strided"] = strided, gathered_strided
+    except dearopt.errors.CollectiveError as e:
+        out["strided refused"] = str(e)
     matrix = torch.empty(world, 3, 2)  # not flat: shaped outputs and shards
     backend.all_gather(matrix, torch.full((1, 3, 2), float(rank))).wait()
     out["matrix"] = matrix
@@ -374,6 +382,11 @@ def test_gloo_scatters_and_gathers_in_place_and_from_buffers_of_their_own(world)
         torch.testing.assert_close(out["scattered in place"], part)
         torch.testing.assert_close(out["gathered"], total)
         torch.testing.assert_close(out["gathered in place"], total)
+        if world == 2:
+            torch.testing.assert_close(out["scattered from strided"], part)
+            torch.testing.assert_close(out["gathered from strided"], total)
+        else:
+            assert "reduce_scatter failed: Tensors must be contiguous" in out["strided refused"]
         torch.testing.assert_close(out["matrix"], torch.arange(float(world)).view(world, 1, 1).expand(world, 3, 2))
 
 
