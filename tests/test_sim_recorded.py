@@ -1,6 +1,7 @@
 """On profiles recorded by the bench (``tests/data/sim-resnet50-3gbit-s57.json``, ``-s58.json``: ResNet-50 at 3 Gbit/s,
-2 ranks on a loaded 2-core machine), the prediction of each schedule follows its own plan and lands within 10 % of
-the iteration measured in the same run (read from the fixture).
+2 ranks on a loaded 2-core machine; ``sim-bert-3gbit-s63.json``: BERT-Base with its tied decoder at 3 Gbit/s), the
+prediction of each schedule follows its own plan and lands within 10 % of the iteration measured in the same run
+(read from the fixture).
 
 What this guards against: from these runs' own profiles the overlap schedules were predicted 14-25 % slow (s58:
 wfbp +17.8 %, dear +18.0 %, prophet +23.4 %), because (1) the CPU the collectives take from compute was read as the
@@ -20,6 +21,7 @@ from dearopt.sim.simulator import cpu_costs, resolved
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 RUNS = ("sim-resnet50-3gbit-s57.json", "sim-resnet50-3gbit-s58.json")
+BERT = "sim-bert-3gbit-s63.json"  # ddp, wfbp, dear; dear's measured choice kept another plan in each round
 
 
 def load(name):
@@ -73,13 +75,56 @@ KNOWN_MISSES = {("sim-resnet50-3gbit-s58.json", "wfbp")}
         )
         for n in RUNS
         for s in ("ddp", "wfbp", "dear", "prophet", "deft")
-    ],
+    ]
+    + [(BERT, s) for s in ("ddp", "wfbp", "dear")],
 )
 def test_each_prediction_is_within_10_percent_of_the_iteration_measured_in_the_same_run(name, schedule):
     doc = load(name)
     predicted = predictions(doc)[schedule]["iter"]
     measured = doc["schedules"][schedule]["iter_time"]
     assert abs(predicted / measured - 1) < 0.10, (schedule, predicted, measured)
+
+
+def test_ddp_is_predicted_reducing_a_tied_weight_once_when_backward_has_finished_with_it():
+    # BERT's decoder shares the word embedding (23.4 M of its 109.5 M parameters): DDP all-reduces that weight's
+    # one gradient, densely, once its last use in backward (the embedding lookup, at the end) has accumulated it;
+    # dearopt's schedules reduce the decoder's part as soon as it is ready and the lookup's rows apart.  Before,
+    # DDP was predicted as wfbp (13.8 % below the 6.057 s this run measured; now 6.4 %).
+    from dearopt.sim import predict
+
+    doc = load(BERT)
+    profile = Profile.from_json(doc["profile"])
+    got = predictions(doc)
+    want = predict(profile.without_twins(), "wfbp", buffer_size=int(doc["bucket_mb"] * 2**20))
+    assert got["ddp"]["iter"] == pytest.approx(want.iteration)
+    tied = next(p for p in profile.params if p.twin_of is None and any(q.twin_of is not None for q in profile.params))
+    tail = profile.comm["all_reduce"].time(tied.numel * tied.element_size, profile.world)  # its all-reduce alone
+    assert got["ddp"]["backward"] - got["wfbp"]["backward"] > 0.5 * tail
+    assert got["ddp"]["forward"] == pytest.approx(got["wfbp"]["forward"])
+
+
+def test_dear_is_predicted_round_by_round_with_the_plan_each_round_kept():
+    # dear's measured choice kept all-reduces for 16 of 20 buckets in round 1, Prophet's blocks in round 2 (35
+    # buckets, every all-gather at step()) and the predicted plan in round 3; each round is predicted with its own
+    # plan and the schedule with their mean (the rounds time as many iterations each).  Before, one plan stood for
+    # all three (the most frequent all-reduced set with round 1's flags): +12.0 % against this run, now +7.8 %.
+    from dearopt.bench.report import _round_knobs
+    from dearopt.sim import predict
+
+    doc = load(BERT)
+    profile = Profile.from_json(doc["profile"])
+    rounds = doc["plans"]["dear"]
+    assert [r["kept"] for r in rounds] == [1.0, "blocks", "predicted"]
+    got = predictions(doc)["dear"]
+    want = [predict(profile, "dear", **_round_knobs(doc, "dear", {}, r)) for r in rounds]
+    assert got["rounds"] == pytest.approx([p.iteration for p in want])
+    assert got["iter"] == pytest.approx(sum(p.iteration for p in want) / 3)
+    assert _round_knobs(doc, "dear", {}, rounds[1])["gathers_at_step"] is True
+    assert len(rounds[0]["allreduce"]) == 16 and _round_knobs(doc, "dear", {}, rounds[0])["allreduce"] == tuple(
+        rounds[0]["allreduce"]
+    )
+    # all-reducing most buckets in backward leaves the forward nothing to gather: the shortest forward
+    assert want[0].forward < min(want[1].forward, want[2].forward) - 0.2
 
 
 def test_noisy_loss_samples_count_as_the_ranks_mean_not_the_largest_rank(run):

@@ -172,17 +172,38 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
     return derive(doc)
 
 
+def _round_knobs(doc: dict, schedule: str, extra: dict, r: Optional[dict]) -> dict:
+    """The knobs of the plan a dearopt schedule ran in one round (``r``: the round's record in ``doc["plans"]``;
+    ``None``: the plan the schedule derives from the profile)."""
+    knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
+    knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
+    if isinstance(extra.get("allreduce"), (int, float)):
+        knobs["allreduce"] = extra["allreduce"]
+    if r is None:
+        return knobs
+    if schedule == "dear":  # the buckets it all-reduced, and the blocks of its measured choice
+        knobs["allreduce"] = tuple(r["allreduce"])
+        if r.get("kept") == "blocks":
+            knobs["gathers_at_step"] = True
+    if r.get("groups"):  # the buckets that ran (Prophet's blocks come from the run's own profile)
+        knobs["groups"] = r["groups"]
+    return knobs
+
+
 def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
-    ``ddp`` and ``ddp-view`` are predicted as ``wfbp`` with 25 MB buckets (DDP's own bucketing and its C++
-    reducer are not modelled: DDP's default copy of each gradient into its bucket and back costs 0.1-0.2 s of a
-    BERT-Base backward on one process, which the prediction lacks); every dearopt schedule with the buckets that ran
-    and, for ``dear``, the buckets it all-reduced (recorded per round), where recorded; ``deft`` by
-    :func:`dearopt.sim.deft.simulate_deft` with the schedule and buckets each round solved and ran (the mean over
-    the rounds: a round may solve another schedule), from the profile as deft sees the model
-    (:meth:`dearopt.sim.Profile.without_twins`: a tied embedding is one
-    gradient, every gradient dense)."""
+    ``ddp`` and ``ddp-view`` are predicted as ``wfbp`` with 25 MB buckets on the profile as DDP sees the model
+    (:meth:`dearopt.sim.Profile.without_twins`: DDP all-reduces a tied weight once, densely, when its last use in
+    backward has accumulated its gradient; dearopt's schedules reduce the first use's part early and the
+    embedding's rows apart). DDP's own bucketing and its C++ reducer are not modelled otherwise.
+
+    Every dearopt schedule is predicted round by round, with the plan that round ran (its buckets and, for
+    ``dear``, the buckets it all-reduced and the gathers of its measured choice) and ``deft`` by
+    :func:`dearopt.sim.deft.simulate_deft` with the schedule each round solved, from the profile as deft sees the
+    model (a tied embedding one gradient, every gradient dense). The rounds time as many iterations each, so the
+    schedule's prediction is the mean over its rounds (``rounds``: each round's, to set beside the round's own
+    time); a schedule without recorded plans is predicted once, with the plan derived from the profile."""
     from dearopt.errors import UsageError
     from dearopt.planning.build import build_plan
     from dearopt.schedules import get_schedule
@@ -194,65 +215,59 @@ def predictions(doc: dict) -> Dict[str, dict]:
     profile = Profile.from_json(doc["profile"])
     out = {}
     for name in doc["schedules"]:
-        schedule, extra = ("wfbp", {}) if base_schedule(name) == "ddp" else variant(name)
         rounds = doc.get("plans", {}).get(name, [])
-        solved = [r for r in rounds if (r.get("deft") or {}).get("schedule")]
-        try:
-            delays = get_schedule(schedule).delays_updates
-        except ValueError:  # a variant this version no longer defines: a deft one if it recorded its schedule
-            delays = bool(solved)
-            if not delays:
-                continue
-        if delays:
-            if not solved:
-                continue
-            dense = profile.without_twins()  # deft reduces a tied weight as one gradient, every gradient densely
-            per_round = []
+        if base_schedule(name) == "ddp":
+            per_round = [predict(profile.without_twins(), "wfbp", buffer_size=int(doc["bucket_mb"] * 2**20))]
+            rounds = []
+        else:
+            schedule, extra = variant(name)
+            solved = [r for r in rounds if (r.get("deft") or {}).get("schedule")]
             try:
-                for r in solved:  # each round solves its own schedule; the rounds time as many iterations each
-                    plan = build_plan(
-                        dense.params,
-                        r["buffer_size"],
-                        dense.world,
-                        "deft",
-                        partition_size=r["deft"]["partition_size"],
-                        groups=r.get("groups"),
-                    )
-                    per_round.append(
-                        simulate_deft(
-                            dense,
-                            plan,
-                            schedule_from_json(r["deft"]["schedule"]),
-                            reduction=r["deft"]["reduction"],
-                            apply=r["deft"].get("apply", "group"),
+                delays = get_schedule(schedule).delays_updates
+            except ValueError:  # a variant this version no longer defines: a deft one if it recorded its schedule
+                delays = bool(solved)
+                if not delays:
+                    continue
+            try:
+                if delays:
+                    if not solved:
+                        continue
+                    dense = profile.without_twins()  # deft reduces a tied weight as one gradient, all densely
+                    per_round = []
+                    for r in solved:
+                        plan = build_plan(
+                            dense.params,
+                            r["buffer_size"],
+                            dense.world,
+                            "deft",
+                            partition_size=r["deft"]["partition_size"],
+                            groups=r.get("groups"),
                         )
-                    )
+                        per_round.append(
+                            simulate_deft(
+                                dense,
+                                plan,
+                                schedule_from_json(r["deft"]["schedule"]),
+                                reduction=r["deft"]["reduction"],
+                                apply=r["deft"].get("apply", "group"),
+                            )
+                        )
+                    rounds = solved
+                else:
+                    per_round = [
+                        predict(profile, schedule, **_round_knobs(doc, schedule, extra, r)) for r in rounds or [None]
+                    ]
             except (UsageError, ValueError):
                 continue
-            mean = lambda f: sum(f(p) for p in per_round) / len(per_round)  # noqa: E731
-            out[name] = {
-                "iter": mean(lambda p: p.iteration),
-                "forward": mean(lambda p: p.forward),
-                "backward": mean(lambda p: p.backward),
-                "step": mean(lambda p: p.step),
-            }
-            continue
-        knobs = {"buffer_size": int(doc["bucket_mb"] * 2**20)}
-        knobs.update({k: v for k, v in extra.items() if k in ("partition_size", "credit", "priority")})
-        if isinstance(extra.get("allreduce"), (int, float)):
-            knobs["allreduce"] = extra["allreduce"]
-        rounds = doc.get("plans", {}).get(name, [])
-        ran = [r["allreduce"] for r in rounds]
-        if schedule == "dear" and ran:  # the plan that ran (the most frequent over the rounds), not a re-derived one
-            knobs["allreduce"] = tuple(max(ran, key=ran.count))
-        formed = [r["groups"] for r in rounds if r.get("groups")]
-        if formed:  # the buckets that ran (Prophet's blocks come from the run's own profile), the most frequent
-            knobs["groups"] = max(formed, key=formed.count)
-        kept = [r.get("kept") for r in rounds]
-        if schedule == "dear" and kept and max(kept, key=kept.count) == "blocks":  # the measured choice's blocks
-            knobs["gathers_at_step"] = True
-        p = predict(profile, schedule, **knobs)
-        out[name] = {"iter": p.iteration, "forward": p.forward, "backward": p.backward, "step": p.step}
+        mean = lambda f: sum(f(p) for p in per_round) / len(per_round)  # noqa: E731
+        out[name] = {
+            "iter": mean(lambda p: p.iteration),
+            "forward": mean(lambda p: p.forward),
+            "backward": mean(lambda p: p.backward),
+            "step": mean(lambda p: p.step),
+        }
+        if rounds and len(rounds) == len(doc.get("plans", {}).get(name, [])):  # one prediction per timed round
+            out[name]["rounds"] = [p.iteration for p in per_round]
     return out
 
 
@@ -319,6 +334,8 @@ def derive(doc: dict) -> dict:
             row = doc["schedules"][name]
             row["predicted"] = predicted
             row["prediction_error"] = predicted["iter"] / row["iter_time"] - 1.0
+            if len(predicted.get("rounds", [])) == len(row["round_times"]):  # each round against its own plan
+                row["prediction_error_rounds"] = [p / t - 1.0 for p, t in zip(predicted["rounds"], row["round_times"])]
     parts = doc["parts"]
     doc["cr"] = (parts["t_rs"] + parts["t_ag"]) / (parts["t_ff"] + parts["t_bp"])
     if doc.get("profile"):
@@ -438,6 +455,15 @@ def table(doc: dict) -> str:
                 f"{100 * r['prediction_error']:+.1f}%)"
                 for s, r in doc["schedules"].items()
                 if "predicted" in r
+            )
+        )
+    if any("prediction_error_rounds" in r for r in doc["schedules"].values()):
+        lines.append(
+            "dearopt.sim per round, the plan each round ran against the round's own time: "
+            + "; ".join(
+                f"{s} " + ", ".join(f"{100 * e:+.1f}%" for e in r["prediction_error_rounds"])
+                for s, r in doc["schedules"].items()
+                if "prediction_error_rounds" in r
             )
         )
     if "idle_window" in doc and any("bound_exact" in r for r in doc["schedules"].values()):
