@@ -166,6 +166,14 @@ def test_the_profile_times_its_compute_again_in_every_round(tmp_path):
         statistics.median(s[n_seg + 2 + k] for s in prof.compute_samples) for k in range(len(prof.ready))
     ]
     assert set(doc["schedules"]) == {"ddp", "dear"} and all("predicted" in r for r in doc["schedules"].values())
+    # DDP's own processes timed the model's compute in every round too, and DDP is predicted from it
+    ddp = doc["schedules"]["ddp"]
+    assert [len(v) for v in ddp["compute_samples"]["t_bp"]] == [3 * PROFILE_REPEATS] * 2
+    assert ddp["compute_scale"][1] == pytest.approx(
+        statistics.median(map(max, zip(*ddp["compute_samples"]["t_bp"])))
+        / statistics.median(map(max, zip(*doc["parts_samples"]["t_bp"])))
+    )
+    assert "the model's compute in DDP's own processes" in proc.stdout
     assert Profile.load(str(out / "profile.json")) == prof
 
 
@@ -187,6 +195,45 @@ def test_a_run_of_a_variant_no_longer_defined_is_still_predicted_where_it_can_be
     got = predictions(doc)
     assert set(got) == {"ddp"}  # the unknown variant is left out, not an error
     assert got["ddp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
+
+
+def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
+    # DDP trains in processes of its own (whose heap maps its gradients anew every iteration); with --profile the
+    # bench times the model's compute there too, and DDP's prediction stretches the profile's forward and backward
+    # by how much longer they took there than the bench's parts (medians of the slowest rank per sample)
+    from dearopt.bench.report import ddp_compute_scale, predictions
+    from dearopt.sim import predict
+    from test_sim import _deft_profile
+
+    from dearopt.sim import CommCost
+
+    prof = _deft_profile(0.5)  # three buckets: 1 s of forward and of backward each, all-reduces of 0.5 s
+    prof.comm.update({k: CommCost(k, alpha=0.25, beta=0.0) for k in ("reduce_scatter", "all_gather")})
+    doc = {
+        "profile": prof.to_json(),
+        "bucket_mb": 1.0,
+        "plans": {},
+        "parts_samples": {"t_ff": [[3.0, 3.2, 2.8], [2.9, 3.0, 3.0]], "t_bp": [[3.0] * 3, [2.0] * 3]},
+        "schedules": {
+            "ddp": {"compute_samples": {"t_ff": [[3.3] * 3, [3.0] * 3], "t_bp": [[1.0] * 3, [4.5] * 3]}},
+            "wfbp": {},
+        },
+    }
+    # the bench's parts: t_ff max(3.0, 2.9), max(3.2, 3.0), max(2.8, 3.0) -> median 3.0; t_bp 3.0.  DDP's: 3.3, 4.5
+    assert ddp_compute_scale(doc, "ddp") == pytest.approx((1.1, 1.5))
+    scaled = prof.with_compute_scaled(1.1, 1.5)
+    assert scaled.t_ff == pytest.approx(3.3) and scaled.t_bp == pytest.approx(4.5)
+    assert scaled.ready == pytest.approx([4.5, 3.0, 1.5]) and scaled.compute_samples == []
+    with pytest.raises(ValueError, match="positive"):
+        prof.with_compute_scaled(0.0, 1.0)
+    got = predictions(doc)
+    assert got["ddp"]["iter"] == pytest.approx(predict(scaled, "wfbp", buffer_size=2**20).iteration)
+    assert got["wfbp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
+    # compute-bound, one plan: DDP's iteration is longer by its forward's 0.3 s and its backward's 1.5 s
+    assert got["ddp"]["forward"] - got["wfbp"]["forward"] == pytest.approx(0.3)
+    assert got["ddp"]["backward"] - got["wfbp"]["backward"] == pytest.approx(1.5)
+    doc["schedules"]["ddp"] = {}  # a run without the timing (no --profile, or recorded before it): as the bench's
+    assert predictions(doc)["ddp"]["iter"] == pytest.approx(got["wfbp"]["iter"])
 
 
 def test_the_summary_counts_the_predictions_within_10_and_5_percent():

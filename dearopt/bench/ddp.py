@@ -77,6 +77,34 @@ def train(state, first: int, warm: int, count: int) -> Dict[str, List[float]]:
     return out
 
 
+def compute(state, count: int) -> Dict[str, List[float]]:
+    """The model's compute alone, as this process runs it: ``count`` forwards and backwards of the bare model
+    (after one untimed), timed as the bench's parts ``t_ff`` and ``t_bp`` are in its own processes.  DDP's hooks
+    stay idle (its reducer expects them only after its own forward), so nothing is reduced; the gradients are
+    dropped after each pass, as the training's ``zero_grad()`` drops them.  :func:`dearopt.bench.report.predictions`
+    sets it beside the bench's parts: the compute a profile timed in the bench's processes, as DDP's processes
+    (their heap, their page faults) run it."""
+    import torch.distributed as dist
+
+    workload, model, opt, batches = state
+    bare = model.module
+    out: Dict[str, List[float]] = {"t_ff": [], "t_bp": []}
+    for i in range(count + 1):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = workload.loss(bare(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if i:  # the first warms up allocator and kernels
+            out["t_ff"].append(t1 - t0)
+            out["t_bp"].append(t2 - t1)
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
 def _serve(rank: int, world: int, port: int, cfg: dict, ddp_kwargs: dict, timeout: float, conn, parent: int):
     from dearopt.bench.spawn import _exit_with_parent
 
@@ -89,6 +117,9 @@ def _serve(rank: int, world: int, port: int, cfg: dict, ddp_kwargs: dict, timeou
             message = conn.recv()
             if message[0] == "close":
                 break
+            if message[0] == "compute":
+                conn.send(("compute", compute(state, message[1])))
+                continue
             _, warm, count = message
             conn.send(("samples", train(state, done, warm, count)))
             done += warm + count
@@ -141,6 +172,12 @@ class DDPProcess:
         """``warm`` untimed iterations and ``count`` timed ones (see :func:`train`); every rank calls it."""
         self._conn.send(("round", warm, count))
         return self._receive("samples")
+
+    def compute(self, count: int) -> Dict[str, List[float]]:
+        """``count`` timed forwards and backwards of the bare model in this process (see :func:`compute`); every
+        rank calls it."""
+        self._conn.send(("compute", count))
+        return self._receive("compute")
 
     def close(self) -> Optional[int]:
         """End the process (its process group first); returns its exit code."""

@@ -33,7 +33,7 @@ import os
 import platform
 import statistics
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from dearopt.bench.runner import base_schedule, iterations_per_round
 
@@ -165,6 +165,8 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
     }
     if first.get("profile"):
         doc["profile"] = first["profile"]
+    for s, timed in first.get("ddp_compute", {}).items():  # per rank: t_ff, t_bp in DDP's own processes
+        doc["schedules"][s]["compute_samples"] = {k: [r["ddp_compute"][s][k] for r in rank_results] for k in timed}
     if first.get("plans"):
         doc["plans"] = first["plans"]  # per dearopt schedule and round: the all-reduced buckets, the measured choice
     if first.get("standalone_ddp_rounds"):
@@ -190,13 +192,26 @@ def _round_knobs(doc: dict, schedule: str, extra: dict, r: Optional[dict]) -> di
     return knobs
 
 
+def ddp_compute_scale(doc: dict, name: str) -> Optional[Tuple[float, float]]:
+    """How much longer (forward, backward) the model's compute took in DDP's own processes than in the bench's,
+    where the run timed it in both (``--profile``: a few passes in each round beside the bench's parts); None
+    where it did not."""
+    timed = doc["schedules"][name].get("compute_samples")
+    if not timed or not all(timed.get(k) and all(timed[k]) for k in ("t_ff", "t_bp")):
+        return None
+    parts = {k: _slowest_median(doc["parts_samples"][k]) for k in ("t_ff", "t_bp")}
+    return _slowest_median(timed["t_ff"]) / parts["t_ff"], _slowest_median(timed["t_bp"]) / parts["t_bp"]
+
+
 def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
     ``ddp`` and ``ddp-view`` are predicted as ``wfbp`` with 25 MB buckets on the profile as DDP sees the model
     (:meth:`dearopt.sim.Profile.without_twins`: DDP all-reduces a tied weight once, densely, when its last use in
     backward has accumulated its gradient; dearopt's schedules reduce the first use's part early and the
-    embedding's rows apart). DDP's own bucketing and its C++ reducer are not modelled otherwise.
+    embedding's rows apart), its compute as long as DDP's own processes took for it where the run timed that
+    (:func:`ddp_compute_scale`: DDP trains in processes of its own, whose heap maps its gradients anew each
+    iteration).  DDP's own bucketing and its C++ reducer are not modelled otherwise.
 
     Every dearopt schedule is predicted round by round, with the plan that round ran (its buckets and, for
     ``dear``, the buckets it all-reduced and the gathers of its measured choice) and ``deft`` by
@@ -217,7 +232,11 @@ def predictions(doc: dict) -> Dict[str, dict]:
     for name in doc["schedules"]:
         rounds = doc.get("plans", {}).get(name, [])
         if base_schedule(name) == "ddp":
-            per_round = [predict(profile.without_twins(), "wfbp", buffer_size=int(doc["bucket_mb"] * 2**20))]
+            seen = profile.without_twins()
+            scale = ddp_compute_scale(doc, name)
+            if scale is not None:
+                seen = seen.with_compute_scaled(*scale)
+            per_round = [predict(seen, "wfbp", buffer_size=int(doc["bucket_mb"] * 2**20))]
             rounds = []
         else:
             schedule, extra = variant(name)
@@ -318,6 +337,9 @@ def derive(doc: dict) -> dict:
         row["fraction_of_bound_min"] = row["bound_min"] / t_min
         if "phase_samples" in row:
             row["phases"] = {k: _slowest_median(v) for k, v in row["phase_samples"].items()}
+        if ddp_compute_scale(doc, s) is not None:  # DDP's compute in its own processes, against the bench's
+            row["compute"] = {k: _slowest_median(v) for k, v in row["compute_samples"].items()}
+            row["compute_scale"] = list(ddp_compute_scale(doc, s))
         if any(row.get("steal_samples") or []):  # per round, the most any rank's host lost to other guests
             row["steal_rounds"] = [max((x for x in v if x == x), default=math.nan) for v in zip(*row["steal_samples"])]
     ref = doc["schedules"].get("ddp")
@@ -445,6 +467,16 @@ def table(doc: dict) -> str:
                 f"{s} " + ", ".join(f"{100 * v:.1f}" for v in r["steal_rounds"])
                 for s, r in doc["schedules"].items()
                 if r.get("steal_rounds")
+            )
+        )
+    if any("compute_scale" in r for r in doc["schedules"].values()):
+        lines.append(
+            "the model's compute in DDP's own processes (predicted from): "
+            + "; ".join(
+                f"{s} t_ff {r['compute']['t_ff']:.3f}s ({r['compute_scale'][0]:.3f}x the bench's), "
+                f"t_bp {r['compute']['t_bp']:.3f}s ({r['compute_scale'][1]:.3f}x)"
+                for s, r in doc["schedules"].items()
+                if "compute_scale" in r
             )
         )
     if any("predicted" in r for r in doc["schedules"].values()):

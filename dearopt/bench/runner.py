@@ -408,6 +408,7 @@ def run_rank(cfg: dict) -> dict:
             runner_for(s, 0)
     samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
     steal: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: the host CPU the hypervisor took
+    ddp_compute: Dict[str, Dict[str, List[float]]] = {}  # DDP schedule -> t_ff, t_bp timed in its own processes
     plans = {}  # dearopt schedule -> per round: the buckets all-reduced in backward, the measured choice
     rounds = cfg["rounds"]
     per_round = iterations_per_round(cfg["iterations"], rounds)
@@ -436,6 +437,9 @@ def run_rank(cfg: dict) -> dict:
                 for k, v in runner.round(warm, per_round[r]).items():
                     samples[s][k].extend(v)
                 steal[s].append(steal_share(before, host_cpu_times()))
+                if profile is not None:  # the compute as DDP's processes run it, beside the parts timed here
+                    for k, v in runner.compute(PROFILE_REPEATS).items():
+                        ddp_compute.setdefault(s, {}).setdefault(k, []).extend(v)
                 if rebuild:
                     runners.pop(s).close()
                 _barrier(backend)
@@ -581,6 +585,7 @@ def run_rank(cfg: dict) -> dict:
         "overlap": parts.overlap,
         "schedules": samples,
         "steal": steal,
+        "ddp_compute": ddp_compute,
         "buckets": [b.grad_numel * 4 for b in parts.plan.buckets],
         "params": parts.workload.n_params(),
         "describe": parts.workload.describe,

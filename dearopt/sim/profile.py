@@ -124,6 +124,21 @@ class Profile:
             compute_samples=[],  # in the layout with twins
         )
 
+    def with_compute_scaled(self, forward: float, backward: float) -> "Profile":
+        """The profile with its forward (segments and tail) ``forward`` times as long and its backward (``t_bp``,
+        every ready time) ``backward`` times: the same model's compute as another process runs it (the bench's
+        DDP, in processes of its own, against the bench's).  The samples are dropped (they are the other's)."""
+        if not (forward > 0 and backward > 0):
+            raise ValueError(f"with_compute_scaled: factors must be positive, got {forward}, {backward}")
+        return dataclasses.replace(
+            self,
+            forward_segments=[(own, seconds * forward) for own, seconds in self.forward_segments],
+            forward_tail=self.forward_tail * forward,
+            t_bp=self.t_bp * backward,
+            ready=[t * backward for t in self.ready],
+            compute_samples=[],
+        )
+
     def to_json(self) -> dict:
         """The profile as a JSON-serializable dict (what :meth:`save` writes)."""
         doc = dataclasses.asdict(self)
