@@ -179,7 +179,7 @@ def test_the_profile_times_its_compute_again_in_every_round(tmp_path):
 
 def test_a_run_of_a_variant_no_longer_defined_is_still_predicted_where_it_can_be():
     from dearopt.bench.report import predictions
-    from dearopt.sim import predict
+    from dearopt.sim import predict_ddp
     from test_sim import _deft_profile
 
     from dearopt.sim import CommCost
@@ -194,7 +194,7 @@ def test_a_run_of_a_variant_no_longer_defined_is_still_predicted_where_it_can_be
     }  # a dear variant of an older version, with nothing recorded
     got = predictions(doc)
     assert set(got) == {"ddp"}  # the unknown variant is left out, not an error
-    assert got["ddp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
+    assert got["ddp"]["iter"] == pytest.approx(predict_ddp(prof, bucket_cap_mb=1.0).iteration)
 
 
 def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
@@ -202,7 +202,7 @@ def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
     # bench times the model's compute there too, and DDP's prediction stretches the profile's forward and backward
     # by how much longer they took there than the bench's parts (medians of the slowest rank per sample)
     from dearopt.bench.report import ddp_compute_scale, predictions
-    from dearopt.sim import predict
+    from dearopt.sim import predict, predict_ddp
     from test_sim import _deft_profile
 
     from dearopt.sim import CommCost
@@ -227,13 +227,14 @@ def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
     with pytest.raises(ValueError, match="positive"):
         prof.with_compute_scaled(0.0, 1.0)
     got = predictions(doc)
-    assert got["ddp"]["iter"] == pytest.approx(predict(scaled, "wfbp", buffer_size=2**20).iteration)
+    assert got["ddp"]["iter"] == pytest.approx(predict_ddp(prof, bucket_cap_mb=1.0, compute_scale=(1.1, 1.5)).iteration)
     assert got["wfbp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
+    alike = predict_ddp(prof, bucket_cap_mb=1.0)  # the same plan on the bench's compute
     # compute-bound, one plan: DDP's iteration is longer by its forward's 0.3 s and its backward's 1.5 s
-    assert got["ddp"]["forward"] - got["wfbp"]["forward"] == pytest.approx(0.3)
-    assert got["ddp"]["backward"] - got["wfbp"]["backward"] == pytest.approx(1.5)
+    assert got["ddp"]["forward"] - alike.forward == pytest.approx(0.3)
+    assert got["ddp"]["backward"] - alike.backward == pytest.approx(1.5)
     doc["schedules"]["ddp"] = {}  # a run without the timing (no --profile, or recorded before it): as the bench's
-    assert predictions(doc)["ddp"]["iter"] == pytest.approx(got["wfbp"]["iter"])
+    assert predictions(doc)["ddp"]["iter"] == pytest.approx(alike.iteration)
 
 
 def test_the_summary_counts_the_predictions_within_10_and_5_percent():

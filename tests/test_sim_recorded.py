@@ -42,11 +42,14 @@ def test_every_schedule_of_the_run_is_predicted(run):
 
 def test_schedules_with_different_plans_get_different_predictions(run):
     # a prediction that ignores the schedule gives every schedule the same forward, backward and step; here each
-    # pair of plans differs by at least 2 % of the iteration in some phase, and the pair that ran one plan (DDP is
-    # predicted as wfbp with DDP's buckets) is predicted alike
-    _, predicted = run
+    # pair of plans differs by at least 2 % of the iteration in some phase.  DDP runs wfbp's kind of plan on its own
+    # buckets: the same forward, and a backward that ends later, since the last bucket backward fills (the input
+    # side's, reduced after backward) is what is left of DDP's greedy fill from the output side (7.5 MB here)
+    # where wfbp's own layout leaves the remainder small at that end (2.6 MB)
+    doc, predicted = run
     parts = ("forward", "backward", "step")
-    assert all(predicted["ddp"][k] == pytest.approx(predicted["wfbp"][k]) for k in parts)
+    assert predicted["ddp"]["forward"] == pytest.approx(predicted["wfbp"]["forward"])
+    assert predicted["ddp"]["backward"] > predicted["wfbp"]["backward"] + 0.01
     names = ["wfbp", "dear", "prophet", "deft"]
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
@@ -58,8 +61,8 @@ def test_schedules_with_different_plans_get_different_predictions(run):
     assert predicted["deft"]["step"] < predicted["dear"]["step"]
 
 
-# s58's wfbp: its plan is DDP's (predicted alike), which the same run measured at 2.011 s, 12 % slower than
-# wfbp's 1.792 s; the prediction, 1.998 s, is -0.6 % of DDP and +11.5 % of wfbp
+# s58's wfbp: its plan is DDP's but for the buckets' edges, which the same run measured at 2.011 s, 12 % slower
+# than wfbp's 1.792 s; the prediction, 1.998 s (DDP's 2.018 s), is +11.5 % of wfbp
 KNOWN_MISSES = {("sim-resnet50-3gbit-s58.json", "wfbp")}
 
 
@@ -89,14 +92,15 @@ def test_ddp_is_predicted_reducing_a_tied_weight_once_when_backward_has_finished
     # BERT's decoder shares the word embedding (23.4 M of its 109.5 M parameters): DDP all-reduces that weight's
     # one gradient, densely, once its last use in backward (the embedding lookup, at the end) has accumulated it;
     # dearopt's schedules reduce the decoder's part as soon as it is ready and the lookup's rows apart.  Before,
-    # DDP was predicted as wfbp (13.8 % below the 6.057 s this run measured; now 6.4 %).
-    from dearopt.sim import predict
+    # DDP was predicted as wfbp (13.8 % below the 6.057 s this run measured; now 5.9 %).
+    from dearopt.sim import ddp_groups, predict, predict_ddp
 
     doc = load(BERT)
     profile = Profile.from_json(doc["profile"])
     got = predictions(doc)
-    want = predict(profile.without_twins(), "wfbp", buffer_size=int(doc["bucket_mb"] * 2**20))
-    assert got["ddp"]["iter"] == pytest.approx(want.iteration)
+    seen = profile.without_twins()
+    want = predict(seen, "wfbp", buffer_size=25 * 2**20, groups=ddp_groups(seen))
+    assert got["ddp"]["iter"] == pytest.approx(want.iteration) == pytest.approx(predict_ddp(profile).iteration)
     tied = next(p for p in profile.params if p.twin_of is None and any(q.twin_of is not None for q in profile.params))
     tail = profile.comm["all_reduce"].time(tied.numel * tied.element_size, profile.world)  # its all-reduce alone
     assert got["ddp"]["backward"] - got["wfbp"]["backward"] > 0.5 * tail
@@ -140,3 +144,23 @@ def test_noisy_loss_samples_count_as_the_ranks_mean_not_the_largest_rank(run):
     median = lambda v: (v[len(v) // 2] + v[(len(v) - 1) // 2]) / 2  # noqa: E731
     assert cpu_costs(profile)["reduce_scatter"] == pytest.approx(max(median(means), 0.0))
     assert median(largest) > 2 * median(means)
+
+
+@pytest.mark.parametrize("name", RUNS + (BERT,))
+def test_ddp_groups_are_the_buckets_torch_ddp_forms(name):
+    # torch's own assignment (what DDP's reducer calls when it rebuilds its buckets after the first iteration) on
+    # tensors of the profiled sizes in the order backward made them ready, 1 MiB first and 25 MiB after
+    import torch
+    import torch.distributed as dist
+
+    from dearopt.sim import ddp_groups
+
+    seen = Profile.from_json(load(name)["profile"]).without_twins()
+    order = sorted(range(len(seen.params)), key=lambda i: (seen.ready[i], -i))
+    tensors = [torch.empty(seen.params[i].numel) for i in order]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        tensors, [2**20, 25 * 2**20], [False] * len(tensors), list(range(len(tensors)))
+    )
+    want = sorted(sorted(order[j] for j in b) for b in buckets)
+    assert ddp_groups(seen) == want
+    assert all(g == list(range(g[0], g[-1] + 1)) for g in want)  # contiguous: the plan takes them as they are

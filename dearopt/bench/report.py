@@ -206,12 +206,11 @@ def ddp_compute_scale(doc: dict, name: str) -> Optional[Tuple[float, float]]:
 def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
-    ``ddp`` and ``ddp-view`` are predicted as ``wfbp`` with 25 MB buckets on the profile as DDP sees the model
-    (:meth:`dearopt.sim.Profile.without_twins`: DDP all-reduces a tied weight once, densely, when its last use in
-    backward has accumulated its gradient; dearopt's schedules reduce the first use's part early and the
-    embedding's rows apart), its compute as long as DDP's own processes took for it where the run timed that
-    (:func:`ddp_compute_scale`: DDP trains in processes of its own, whose heap maps its gradients anew each
-    iteration).  DDP's own bucketing and its C++ reducer are not modelled otherwise.
+    ``ddp`` and ``ddp-view`` are predicted by :func:`dearopt.sim.predict_ddp`: ``wfbp``'s plan on DDP's own buckets
+    (25 MB, the first 1 MB, in the order backward makes the gradients) on the profile as DDP sees the model (a tied
+    weight all-reduced once, densely, after its last use in backward; dearopt's schedules reduce the first use's
+    part early and the embedding's rows apart), with its compute as long as DDP's own processes took for it where
+    the run timed that (:func:`ddp_compute_scale`).
 
     Every dearopt schedule is predicted round by round, with the plan that round ran (its buckets and, for
     ``dear``, the buckets it all-reduced and the gathers of its measured choice) and ``deft`` by
@@ -222,7 +221,7 @@ def predictions(doc: dict) -> Dict[str, dict]:
     from dearopt.errors import UsageError
     from dearopt.planning.build import build_plan
     from dearopt.schedules import get_schedule
-    from dearopt.sim import Profile, predict
+    from dearopt.sim import Profile, predict, predict_ddp
     from dearopt.sim.deft import schedule_from_json, simulate_deft
 
     from dearopt.bench.runner import variant
@@ -232,11 +231,9 @@ def predictions(doc: dict) -> Dict[str, dict]:
     for name in doc["schedules"]:
         rounds = doc.get("plans", {}).get(name, [])
         if base_schedule(name) == "ddp":
-            seen = profile.without_twins()
-            scale = ddp_compute_scale(doc, name)
-            if scale is not None:
-                seen = seen.with_compute_scaled(*scale)
-            per_round = [predict(seen, "wfbp", buffer_size=int(doc["bucket_mb"] * 2**20))]
+            per_round = [
+                predict_ddp(profile, bucket_cap_mb=doc["bucket_mb"], compute_scale=ddp_compute_scale(doc, name))
+            ]
             rounds = []
         else:
             schedule, extra = variant(name)

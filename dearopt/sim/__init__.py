@@ -11,7 +11,7 @@ or ``python -m dearopt.sim --profile profile.json --schedule dear --ranks 64 --l
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from dearopt.planning.plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, Plan
 
@@ -27,6 +27,8 @@ __all__ = [
     "predict",
     "plan_for",
     "best_buffer_size",
+    "ddp_groups",
+    "predict_ddp",
     "Prediction",
     "CommCost",
     "fit",
@@ -98,3 +100,56 @@ def predict(
 def best_buffer_size(profile: Profile, schedule: str, candidates: Sequence[int], **kwargs) -> int:
     """The buffer size of ``candidates`` with the shortest predicted iteration."""
     return min(candidates, key=lambda size: predict(profile, schedule, buffer_size=size, **kwargs).iteration)
+
+
+DDP_FIRST_BUCKET_BYTES = 2**20  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def ddp_groups(
+    profile: Profile, bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES
+) -> List[List[int]]:
+    """The buckets torch DDP runs for the profiled model (positions in forward order), as its reducer rebuilds
+    them after the first iteration: the gradients in the order backward made them ready, each dtype filled on its
+    own until a bucket reaches its limit (``first_bucket_bytes`` for the first, ``bucket_bytes`` after; the
+    tensor that reaches it stays in, so a bucket may pass the limit), as ``torch.distributed``'s
+    ``_compute_bucket_assignment_by_size`` does.  On the profile as DDP sees the model
+    (:meth:`Profile.without_twins`: a tied weight is one gradient)."""
+    order = sorted(range(len(profile.params)), key=lambda i: (profile.ready[i], -i))
+    limits = (first_bucket_bytes, bucket_bytes)
+    filling: Dict[str, Tuple[List[int], int, int]] = {}  # dtype -> (positions, bytes, which limit)
+    out: List[List[int]] = []
+    for i in order:
+        spec = profile.params[i]
+        members, size, limit = filling.get(spec.dtype, ([], 0, 0))
+        members, size = members + [i], size + spec.numel * spec.element_size
+        if size >= limits[limit]:
+            out.append(members)
+            members, size, limit = [], 0, min(limit + 1, len(limits) - 1)
+        filling[spec.dtype] = (members, size, limit)
+    out += [members for members, _, _ in filling.values() if members]
+    return sorted(sorted(g) for g in out)
+
+
+def predict_ddp(
+    profile: Profile,
+    *,
+    bucket_cap_mb: float = 25.0,
+    compute_scale: Optional[Tuple[float, float]] = None,
+    contention: Optional[Dict[str, float]] = None,
+) -> Prediction:
+    """Predict torch DDP (``bucket_cap_mb``) on the profiled job: ``wfbp``'s plan (an all-reduce per bucket as its
+    gradients are ready, waited for at backward's end) on DDP's own buckets (:func:`ddp_groups`) and on the model
+    as DDP sees it (:meth:`Profile.without_twins`: DDP all-reduces a tied weight once, densely, after its last use
+    in backward).  ``compute_scale``: (forward, backward) factors for compute timed in other processes than DDP's
+    (:meth:`Profile.with_compute_scaled`).  Where DDP's buckets are not contiguous runs in forward order (dtypes
+    interleaved), the layout of ``wfbp``'s own buckets stands in.  DDP's C++ reducer is otherwise replayed as the
+    engine's passes (a copy into the bucket, one pass when waited for)."""
+    seen = profile.without_twins()
+    if compute_scale is not None:
+        seen = seen.with_compute_scaled(*compute_scale)
+    cap = int(bucket_cap_mb * 2**20)
+    try:
+        plan = plan_for(seen, "wfbp", buffer_size=cap, groups=ddp_groups(seen, cap))
+    except ValueError:  # not contiguous in forward order
+        plan = plan_for(seen, "wfbp", buffer_size=cap)
+    return simulate(seen, plan, world=seen.world, comm=dict(seen.comm), contention=contention)
