@@ -1,0 +1,180 @@
+"""Every schedule as a user runs it: each in fresh processes of its own, side by side with DDP.
+
+``python -m dearopt.bench.fresh --model resnet50 --rate 3gbit --schedules ddp,wfbp,dear --iterations 20 --rounds 2``
+
+The bench (``python -m dearopt.bench``) runs its own DDP in processes of its own, but every dearopt schedule in
+the bench's processes, one after another: there, what the other schedules left in glibc's heap absorbs a
+schedule's allocations.  A user's job has one schedule in a fresh process.  Here each round starts, for every
+schedule in turn, two fresh processes (DDP: torch's process group only, :func:`dearopt.bench.ddp.train`;
+a dearopt schedule: ``dearopt.init`` and ``DistOptim``, warmed up until its plan settles, as the bench does),
+times ``iterations / rounds`` iterations and ends them; and reports each schedule's median iteration (the slowest
+rank's), its ratio to DDP in the same round, and its minor page faults per iteration (``getrusage``: memory new to
+the process, which the bench's shared processes mostly do not see).
+
+2026-11-29, ResNet-50 at 3 Gbit/s, 2 ranks, unshaped CPU workers (/work/diag/ddp_parts.py, the same loop):
+DDP 22,000-26,000 faults per iteration, ``wfbp`` 20,000-26,000, ``dear`` 0-925 (its gradients live in its buckets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import traceback
+from typing import Dict, List
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_schedule", "main"]
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _ddp_rank(rank: int, world: int, port: int, cfg: dict, timeout: float, queue) -> None:
+    try:
+        from dearopt.bench.ddp import setup, train
+
+        state = setup(rank, world, port, cfg, {}, timeout)
+        before = _faults()
+        samples = train(state, 0, cfg["warmup"], cfg["iterations"])
+        faults = (_faults() - before) / (cfg["warmup"] + cfg["iterations"])
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        queue.put((rank, {"samples": samples, "faults": faults, "untimed": cfg["warmup"]}, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def _dearopt_rank(schedule: str, cfg: dict) -> dict:
+    """This rank's part of ``schedule`` in a fresh process (after ``dearopt.init``, :func:`dearopt.bench.spawn`)."""
+    import dearopt
+    from dearopt.bench.runner import DELAYED_WARMUP_PERIODS, _Runner, timed_samples
+
+    runner = _Runner(schedule, cfg)
+    batches = [runner.workload.make_batch(1000 * dearopt.rank() + i) for i in range(cfg["distinct_batches"])]
+    i = 0
+    while i < cfg["warmup"] or not runner.settled:  # as the bench: a plan that still changes is not steady
+        runner.step(*batches[i % len(batches)])
+        i += 1
+    deft = getattr(getattr(runner.opt, "schedule", None), "in_force", None)
+    period = len(deft.period) if deft is not None else 1
+    for _ in range(DELAYED_WARMUP_PERIODS * period if deft is not None else 0):
+        runner.step(*batches[i % len(batches)])
+        i += 1
+    before = _faults()
+    samples = timed_samples(runner.step, batches, i, cfg["iterations"], period)
+    faults = (_faults() - before) / (cfg["iterations"] * period)
+    runner.settle()
+    runner.close()
+    return {"samples": samples, "faults": faults, "untimed": i}
+
+
+def run_schedule(schedule: str, cfg: dict, world: int, timeout: float = 3600) -> dict:
+    """``schedule`` (``ddp`` or a dearopt schedule of the bench, :func:`dearopt.bench.runner.variant`) trained on
+    ``world`` fresh processes: each timed iteration's phases (the slowest rank's), the mean minor page faults per
+    iteration over the ranks, and the untimed iterations before them."""
+    from dearopt.bench.runner import base_schedule
+    from dearopt.bench.spawn import free_port, run_processes, spawn
+
+    if base_schedule(schedule) == "ddp":
+        if schedule != "ddp":
+            raise ValueError(f"{schedule!r}: only plain 'ddp' runs here (its own keywords are the bench's)")
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, cfg, timeout, queue)) for r in range(world)]
+        results = run_processes(procs, queue, world, timeout, what="DDP rank")
+    else:
+        results = spawn(_dearopt_rank, world, schedule, cfg, threads=cfg["threads"], timeout=timeout)
+    phases = {k: [max(v) for v in zip(*(r["samples"][k] for r in results))] for k in results[0]["samples"]}
+    return {
+        "phases": phases,
+        "faults": sum(r["faults"] for r in results) / len(results),
+        "untimed": max(r["untimed"] for r in results),
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    from dearopt.bench.models import MODELS
+
+    p = argparse.ArgumentParser(prog="python -m dearopt.bench.fresh", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet50", choices=MODELS)
+    p.add_argument("--schedules", default="ddp,wfbp,dear", help="comma-separated; ddp first (default ddp,wfbp,dear)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rate", default=None, help="emulated link rate, e.g. 3gbit (root + iproute2); default unshaped")
+    p.add_argument("--iterations", "-k", type=int, default=20, help="timed iterations per schedule (default 20)")
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes per schedule, interleaved (default 2)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (dear: until it settles)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--size", type=int, default=None)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: List[str] = None) -> int:
+    from dearopt.bench.netns import SHAPED_ENV, rerun_shaped
+    from dearopt.bench.runner import iterations_per_round, known_schedule
+
+    args = _parser().parse_args(argv)
+    schedules = [s for s in args.schedules.split(",") if s]
+    unknown = [s for s in schedules if not known_schedule(s)]
+    if unknown or "ddp" not in schedules:
+        print(f"--schedules needs ddp and known schedules; unknown: {unknown}", file=sys.stderr)
+        return 2
+    shaped = rerun_shaped(args.rate)
+    if shaped is not None:
+        return shaped
+    link = os.environ.get(SHAPED_ENV) or "unshaped loopback"
+    per_round = iterations_per_round(args.iterations, args.rounds)
+    cfg = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "size": args.size,
+        "seed": args.seed,
+        "lr": args.lr,
+        "bucket_mb": args.bucket_mb,
+        "threads": args.threads,
+        "warmup": args.warmup,
+        "distinct_batches": 4,
+    }
+    print(f"[fresh] {args.model}: {args.ranks} ranks, link {link}, fresh processes per schedule and round", flush=True)
+    times: Dict[str, List[float]] = {s: [] for s in schedules}
+    faults: Dict[str, List[float]] = {s: [] for s in schedules}
+    ratios: Dict[str, List[float]] = {s: [] for s in schedules}
+    for r, count in enumerate(per_round):
+        medians = {}
+        for s in schedules:
+            got = run_schedule(s, dict(cfg, iterations=count), args.ranks)
+            medians[s] = statistics.median(got["phases"]["iter"])
+            times[s] += got["phases"]["iter"]
+            faults[s].append(got["faults"])
+            phases = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in got["phases"].items() if k != "iter")
+            print(
+                f"[fresh] round {r + 1}: {s:>8} median {medians[s]:.3f}s ({phases}; {got['untimed']} untimed), "
+                f"{got['faults']:.0f} page faults per iteration",
+                flush=True,
+            )
+        for s in schedules:
+            ratios[s].append(medians["ddp"] / medians[s])
+    print("schedule   iter [s]   vs ddp   per round vs ddp   page faults per iteration")
+    ddp = statistics.median(times["ddp"])
+    for s in schedules:
+        t = statistics.median(times[s])
+        print(
+            f"{s:<10}{t:>9.3f}{ddp / t:>8.3f}x   "
+            + ", ".join(f"{x:.3f}x" for x in ratios[s]).ljust(19)
+            + ", ".join(f"{f:.0f}" for f in faults[s])
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
