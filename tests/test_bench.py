@@ -237,6 +237,29 @@ def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
     assert predictions(doc)["ddp"]["iter"] == pytest.approx(alike.iteration)
 
 
+def test_fresh_processes_run_ddp_and_a_dearopt_schedule_each_as_a_user_would():
+    # python -m dearopt.bench.fresh: each schedule on fresh processes of its own (DDP: torch's process group only;
+    # dear: dearopt.init and DistOptim, warmed up until its measured choice settles), every timed iteration the
+    # slowest rank's, with the minor page faults per iteration
+    from dearopt.bench.fresh import run_schedule
+
+    cfg = {"model": "tiny", "batch_size": None, "size": None, "seed": 0, "lr": 1e-3, "bucket_mb": 25.0}
+    cfg.update({"threads": 1, "warmup": 2, "distinct_batches": 4, "iterations": 3})
+    for schedule in ("ddp", "dear"):
+        got = run_schedule(schedule, cfg, 2, timeout=120)
+        assert set(got["phases"]) == {"iter", "forward", "backward", "step"}
+        assert all(len(v) == 3 and min(v) > 0 for v in got["phases"].values())
+        # per iteration the slowest rank's iteration is at least the slowest rank's phase
+        assert all(
+            t >= max(got["phases"][k][i] for k in ("forward", "backward", "step"))
+            for i, t in enumerate(got["phases"]["iter"])
+        )
+        assert got["faults"] >= 0
+        assert got["untimed"] >= 2 if schedule == "ddp" else got["untimed"] > 2  # dear measures its plans first
+    with pytest.raises(ValueError, match="only plain 'ddp'"):
+        run_schedule("ddp-view", cfg, 2)
+
+
 def test_the_summary_counts_the_predictions_within_10_and_5_percent():
     from dearopt.bench.report import summary
 

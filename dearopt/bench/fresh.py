@@ -164,13 +164,14 @@ def main(argv: List[str] = None) -> int:
             )
         for s in schedules:
             ratios[s].append(medians["ddp"] / medians[s])
-    print("schedule   iter [s]   vs ddp   per round vs ddp   page faults per iteration")
+    width = max(len("per round vs ddp"), 8 * len(per_round) - 2) + 3
+    print("schedule   iter [s]   vs ddp   " + "per round vs ddp".ljust(width) + "page faults per iteration")
     ddp = statistics.median(times["ddp"])
     for s in schedules:
         t = statistics.median(times[s])
         print(
             f"{s:<10}{t:>9.3f}{ddp / t:>8.3f}x   "
-            + ", ".join(f"{x:.3f}x" for x in ratios[s]).ljust(19)
+            + ", ".join(f"{x:.3f}x" for x in ratios[s]).ljust(width)
             + ", ".join(f"{f:.0f}" for f in faults[s])
         )
     return 0
