@@ -237,6 +237,35 @@ def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
     assert predictions(doc)["ddp"]["iter"] == pytest.approx(alike.iteration)
 
 
+def test_warm_up_runs_until_the_plan_settles_one_more_and_whole_periods_of_a_delaying_schedule():
+    # the bench and python -m dearopt.bench.fresh warm a schedule up alike (runner.warm_up); by hand: a plan that
+    # settles after 7 steps with --warmup 3 runs 7 + 1 untimed (4 beyond the warm-up); one settled from the start
+    # runs the warm-up only; deft with a period of 2 runs DELAYED_WARMUP_PERIODS periods more and is timed per 2
+    from types import SimpleNamespace
+
+    from dearopt.bench.runner import DELAYED_WARMUP_PERIODS, warm_up
+
+    class Fake:
+        def __init__(self, settles_after, period=None):
+            self.steps, self.settles_after = [], settles_after
+            in_force = None if period is None else SimpleNamespace(period=[0] * period)
+            self.opt = SimpleNamespace(schedule=SimpleNamespace(in_force=in_force))
+
+        @property
+        def settled(self):
+            return len(self.steps) >= self.settles_after
+
+        def step(self, x, y):
+            self.steps.append(x)
+
+    batches = [(k, None) for k in range(4)]
+    runner = Fake(7)
+    assert warm_up(runner, batches, 3) == (8, 1, 4)
+    assert runner.steps == [0, 1, 2, 3, 0, 1, 2, 3]  # the batches in turn
+    assert warm_up(Fake(0), batches, 3) == (3, 1, 0)
+    assert warm_up(Fake(0, period=2), batches, 3) == (3 + DELAYED_WARMUP_PERIODS * 2, 2, 0)
+
+
 def test_fresh_processes_run_ddp_and_a_dearopt_schedule_each_as_a_user_would():
     # python -m dearopt.bench.fresh: each schedule on fresh processes of its own (DDP: torch's process group only;
     # dear: dearopt.init and DistOptim, warmed up until its measured choice settles), every timed iteration the

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         print(f"note: cannot emulate {args.rate} ({reason}); running unshaped", flush=True)
     link = os.environ.get(SHAPED_ENV) or "unshaped loopback"
     import dearopt.bench.report as report
-    from dearopt.bench.runner import run_rank
+    from dearopt.bench.runner import run_rank, workload_cfg
     from dearopt.bench.spawn import spawn
 
     out = os.path.abspath(args.out) if args.out else None
@@ -224,21 +224,13 @@ def main(argv=None) -> int:
         for old in glob.glob(os.path.join(out, "timeline.rank*.json")):
             os.remove(old)
     cfg = {
-        "model": args.model,
+        **workload_cfg(args),
         "schedules": args.schedule_list,
-        "batch_size": args.batch_size,
-        "size": args.size,
-        "seed": args.seed,
-        "lr": args.lr,
-        "bucket_mb": args.bucket_mb,
-        "threads": args.threads,
         "iterations": args.iterations,
-        "warmup": args.warmup,
         "rounds": args.rounds,
         "part_repeats": args.part_repeats or max(1, args.iterations // args.rounds),
         "comm_repeats": args.comm_repeats,
         "overlap_repeats": args.overlap_repeats,
-        "distinct_batches": 4,
         "timeline": timeline,
         "timeline_schedule": args.timeline_schedule,
         "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert",

@@ -23,7 +23,7 @@ import resource
 import statistics
 import sys
 import traceback
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch.multiprocessing as mp
 
@@ -53,19 +53,11 @@ def _ddp_rank(rank: int, world: int, port: int, cfg: dict, timeout: float, queue
 def _dearopt_rank(schedule: str, cfg: dict) -> dict:
     """This rank's part of ``schedule`` in a fresh process (after ``dearopt.init``, :func:`dearopt.bench.spawn`)."""
     import dearopt
-    from dearopt.bench.runner import DELAYED_WARMUP_PERIODS, _Runner, timed_samples
+    from dearopt.bench.runner import _Runner, timed_samples, warm_up
 
     runner = _Runner(schedule, cfg)
     batches = [runner.workload.make_batch(1000 * dearopt.rank() + i) for i in range(cfg["distinct_batches"])]
-    i = 0
-    while i < cfg["warmup"] or not runner.settled:  # as the bench: a plan that still changes is not steady
-        runner.step(*batches[i % len(batches)])
-        i += 1
-    deft = getattr(getattr(runner.opt, "schedule", None), "in_force", None)
-    period = len(deft.period) if deft is not None else 1
-    for _ in range(DELAYED_WARMUP_PERIODS * period if deft is not None else 0):
-        runner.step(*batches[i % len(batches)])
-        i += 1
+    i, period, _ = warm_up(runner, batches, cfg["warmup"])  # as the bench warms it up
     before = _faults()
     samples = timed_samples(runner.step, batches, i, cfg["iterations"], period)
     faults = (_faults() - before) / (cfg["iterations"] * period)
@@ -119,9 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: List[str] = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     from dearopt.bench.netns import SHAPED_ENV, rerun_shaped
-    from dearopt.bench.runner import iterations_per_round, known_schedule
+    from dearopt.bench.runner import iterations_per_round, known_schedule, workload_cfg
 
     args = _parser().parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
@@ -134,17 +126,7 @@ def main(argv: List[str] = None) -> int:
         return shaped
     link = os.environ.get(SHAPED_ENV) or "unshaped loopback"
     per_round = iterations_per_round(args.iterations, args.rounds)
-    cfg = {
-        "model": args.model,
-        "batch_size": args.batch_size,
-        "size": args.size,
-        "seed": args.seed,
-        "lr": args.lr,
-        "bucket_mb": args.bucket_mb,
-        "threads": args.threads,
-        "warmup": args.warmup,
-        "distinct_batches": 4,
-    }
+    cfg = workload_cfg(args)
     print(f"[fresh] {args.model}: {args.ranks} ranks, link {link}, fresh processes per schedule and round", flush=True)
     times: Dict[str, List[float]] = {s: [] for s in schedules}
     faults: Dict[str, List[float]] = {s: [] for s in schedules}

@@ -334,9 +334,10 @@ def derive(doc: dict) -> dict:
         row["fraction_of_bound_min"] = row["bound_min"] / t_min
         if "phase_samples" in row:
             row["phases"] = {k: _slowest_median(v) for k, v in row["phase_samples"].items()}
-        if ddp_compute_scale(doc, s) is not None:  # DDP's compute in its own processes, against the bench's
+        scale = ddp_compute_scale(doc, s)
+        if scale is not None:  # DDP's compute in its own processes, against the bench's
             row["compute"] = {k: _slowest_median(v) for k, v in row["compute_samples"].items()}
-            row["compute_scale"] = list(ddp_compute_scale(doc, s))
+            row["compute_scale"] = list(scale)
         if any(row.get("steal_samples") or []):  # per round, the most any rank's host lost to other guests
             row["steal_rounds"] = [max((x for x in v if x == x), default=math.nan) for v in zip(*row["steal_samples"])]
     ref = doc["schedules"].get("ddp")
@@ -457,44 +458,38 @@ def table(doc: dict) -> str:
                 if r.get("speedup_vs_ddp_rounds")
             )
         )
-    if any(r.get("steal_rounds") for r in doc["schedules"].values()):
-        lines.append(
-            "host CPU the hypervisor gave other guests (steal) while each round was timed [%]: "
-            + "; ".join(
-                f"{s} " + ", ".join(f"{100 * v:.1f}" for v in r["steal_rounds"])
-                for s, r in doc["schedules"].items()
-                if r.get("steal_rounds")
-            )
-        )
-    if any("compute_scale" in r for r in doc["schedules"].values()):
-        lines.append(
-            "the model's compute in DDP's own processes (predicted from): "
-            + "; ".join(
-                f"{s} t_ff {r['compute']['t_ff']:.3f}s ({r['compute_scale'][0]:.3f}x the bench's), "
+    per_schedule = (  # (the line's head, the key a schedule's row must have, that schedule's text)
+        (
+            "host CPU the hypervisor gave other guests (steal) while each round was timed [%]",
+            "steal_rounds",
+            lambda r: ", ".join(f"{100 * v:.1f}" for v in r["steal_rounds"]),
+        ),
+        (
+            "the model's compute in DDP's own processes (predicted from)",
+            "compute_scale",
+            lambda r: (
+                f"t_ff {r['compute']['t_ff']:.3f}s ({r['compute_scale'][0]:.3f}x the bench's), "
                 f"t_bp {r['compute']['t_bp']:.3f}s ({r['compute_scale'][1]:.3f}x)"
-                for s, r in doc["schedules"].items()
-                if "compute_scale" in r
-            )
-        )
-    if any("predicted" in r for r in doc["schedules"].values()):
-        lines.append(
-            "dearopt.sim from the profile of this run: "
-            + "; ".join(
-                f"{s} predicted {r['predicted']['iter']:.3f}s (measured {r['iter_time']:.3f}s, error "
+            ),
+        ),
+        (
+            "dearopt.sim from the profile of this run",
+            "predicted",
+            lambda r: (
+                f"predicted {r['predicted']['iter']:.3f}s (measured {r['iter_time']:.3f}s, error "
                 f"{100 * r['prediction_error']:+.1f}%)"
-                for s, r in doc["schedules"].items()
-                if "predicted" in r
-            )
-        )
-    if any("prediction_error_rounds" in r for r in doc["schedules"].values()):
-        lines.append(
-            "dearopt.sim per round, the plan each round ran against the round's own time: "
-            + "; ".join(
-                f"{s} " + ", ".join(f"{100 * e:+.1f}%" for e in r["prediction_error_rounds"])
-                for s, r in doc["schedules"].items()
-                if "prediction_error_rounds" in r
-            )
-        )
+            ),
+        ),
+        (
+            "dearopt.sim per round, the plan each round ran against the round's own time",
+            "prediction_error_rounds",
+            lambda r: ", ".join(f"{100 * e:+.1f}%" for e in r["prediction_error_rounds"]),
+        ),
+    )
+    for head, key, text in per_schedule:
+        rows = [(s, r) for s, r in doc["schedules"].items() if r.get(key)]
+        if rows:
+            lines.append(f"{head}: " + "; ".join(f"{s} {text(r)}" for s, r in rows))
     if "idle_window" in doc and any("bound_exact" in r for r in doc["schedules"].values()):
         w = doc["idle_window"]
         lines.append(

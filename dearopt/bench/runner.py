@@ -202,6 +202,50 @@ gets: its backlog of sends still running from earlier iterations reaches its ste
 PROFILE_REPEATS = 3  # iterations a --profile times its compute in, at the start and again in every later round
 
 
+def warm_up(runner, batches: Sequence, warm: int) -> Tuple[int, int, int]:
+    """The untimed iterations before a dearopt schedule's timed ones: at least ``warm``, then until its plan stops
+    changing by itself (a plan that still changes is not the steady state), and one more if it changed past
+    ``warm`` (the last re-plan applied every pending update, so the next iteration would start with no all-gather
+    to wait for).  A schedule whose iterations repeat with a period (deft: merged groups, sends crossing
+    iterations) is timed in whole periods, one sample per period (its mean iteration: a few single iterations of a
+    period of 5 measure one phase of it, not its pace), after :data:`DELAYED_WARMUP_PERIODS` more periods: its
+    sends run on across iterations, and after ``settle()`` (or a re-solve) the link starts idle and the backlog
+    builds up over several iterations; timed from there, the first iterations ran ahead of the steady pace
+    (BERT-Base at 3 Gbit/s: 1.4-2.2 s against 2.6-3.1 s, below the 2.34 s the link needs per iteration when every
+    byte is sent).  Returns (iterations run, the period, iterations the plan took to settle beyond ``warm``)."""
+    i = 0
+    while i < warm or not runner.settled:
+        runner.step(*batches[i % len(batches)])
+        i += 1
+    beyond = i - warm
+    if beyond:
+        runner.step(*batches[i % len(batches)])
+        i += 1
+    deft = getattr(getattr(runner.opt, "schedule", None), "in_force", None)  # DeFT's
+    period = len(deft.period) if deft is not None else 1
+    for _ in range(DELAYED_WARMUP_PERIODS * period if deft is not None else 0):
+        runner.step(*batches[i % len(batches)])
+        i += 1
+    return i, period, beyond
+
+
+def workload_cfg(args) -> dict:
+    """The part of a bench configuration that builds and trains one schedule (:class:`_Runner`,
+    :func:`dearopt.bench.ddp.setup`), from the parsed command line of ``python -m dearopt.bench`` or
+    ``python -m dearopt.bench.fresh``."""
+    return {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "size": args.size,
+        "seed": args.seed,
+        "lr": args.lr,
+        "bucket_mb": args.bucket_mb,
+        "threads": args.threads,
+        "warmup": args.warmup,
+        "distinct_batches": 4,
+    }
+
+
 def timed_samples(step: Callable, batches: Sequence, first: int, count: int, period: int = 1) -> Dict[str, List[float]]:
     """``count`` samples of ``step(x, y)`` (a dict of seconds per part), on the batches from position ``first``
     on; with ``period`` above 1, each sample is the mean of ``period`` consecutive steps (any window of a whole
@@ -445,29 +489,10 @@ def run_rank(cfg: dict) -> dict:
                 _barrier(backend)
                 _log_round(rank, s, samples[s]["iter"], per_round[r], 1)
                 continue
-            i = 0
-            while i < warm or not runner.settled:  # untimed: a plan that still changes is not the steady state
-                x, y = batches[i % len(batches)]
-                runner.step(x, y)
-                i += 1
-            if i > warm:  # and one more: the last re-plan applied every pending update, so the next iteration
-                x, y = batches[i % len(batches)]  # would start with no all-gather to wait for (not steady state)
-                runner.step(x, y)
-                i += 1
-                _log(rank, f"  {s:>5}: {i} untimed iterations (the plan settled after {i - 1 - warm} beyond --warmup)")
-            # a schedule whose iterations repeat with a period (deft: merged groups, sends crossing iterations)
-            # is timed in whole periods, one sample per period (its mean iteration): a few single iterations
-            # of a period of 5 measure one phase of it, not its pace
+            i, period, beyond = warm_up(runner, batches, warm)
+            if beyond:
+                _log(rank, f"  {s:>5}: {i} untimed iterations (the plan settled after {beyond} beyond --warmup)")
             deft = getattr(getattr(runner.opt, "schedule", None), "in_force", None)  # DeFT's
-            period = len(deft.period) if deft is not None else 1
-            if deft is not None:  # its sends run on across iterations: after settle() (or a re-solve) the link
-                # starts idle and the backlog of unfinished sends builds up over several iterations; timed from
-                # there, the first iterations ran ahead of the steady pace (BERT-Base at 3 Gbit/s: 1.4-2.2 s
-                # against 2.6-3.1 s, below the 2.34 s the link needs per iteration when every byte is sent)
-                for _ in range(DELAYED_WARMUP_PERIODS * period):
-                    x, y = batches[i % len(batches)]
-                    runner.step(x, y)
-                    i += 1
             before = host_cpu_times()
             for k, v in timed_samples(runner.step, batches, i, per_round[r], period).items():
                 samples[s][k].extend(v)
