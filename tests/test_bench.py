@@ -622,24 +622,36 @@ def test_standalone_ddp_is_reported_beside_the_bench_ddp():
     assert s["bench_over_standalone_rounds"] == pytest.approx((0.5 / first + 0.7 / second) / 2)
 
 
-def test_ddp_in_a_process_of_its_own_trains_and_reports_a_failure_there():
-    """dearopt.bench.ddp: the bench's DDP process trains a round when asked and returns each timed iteration's phases
-    (which add up to the iteration); a failure in it is raised in the bench's rank with its traceback, not waited
-    for."""
+def test_each_schedule_in_a_process_of_its_own_trains_and_reports_a_failure_there():
+    """dearopt.bench.process: a schedule's process (DDP's: torch's process group only; dear's: dearopt.init and
+    DistOptim) trains a round when asked and returns each timed iteration's phases (which add up to the
+    iteration), its page faults and, for dear, the plan it ran; a failure in it is raised in the bench's rank with
+    its traceback, not waited for."""
     from dearopt.backends.launch import free_port
-    from dearopt.bench.ddp import DDPProcess
+    from dearopt.bench.process import ScheduleProcess
 
     cfg = {"model": "tiny", "batch_size": 8, "size": 16, "seed": 0, "lr": 0.01, "bucket_mb": 25, "threads": 1}
     cfg["distinct_batches"] = 2
-    ddp = DDPProcess(0, 1, free_port(), cfg, {"gradient_as_bucket_view": True}, timeout=60)
-    try:
-        got = ddp.round(1, 3)
-        assert sorted(got) == ["backward", "forward", "iter", "step"] and all(len(v) == 3 for v in got.values())
-        for i in range(3):
-            assert got["forward"][i] + got["backward"][i] + got["step"][i] == pytest.approx(got["iter"][i])
-            assert got["iter"][i] > 0
-        assert len(ddp.round(0, 2)["iter"]) == 2
-    finally:
-        assert ddp.close() == 0
-    with pytest.raises(RuntimeError, match=r"(?s)DDP process of rank 0 failed.*unknown model"):
-        DDPProcess(0, 1, free_port(), dict(cfg, model="no-such-model"), {}, timeout=60)
+    for schedule in ("ddp-view", "dear"):
+        proc = ScheduleProcess(schedule, 0, 1, free_port(), cfg, timeout=60)
+        try:
+            got = proc.round(1, 3)
+            samples = got["samples"]
+            assert sorted(samples) == ["backward", "forward", "iter", "step"]
+            assert all(len(v) == 3 for v in samples.values())
+            for i in range(3):
+                total = samples["forward"][i] + samples["backward"][i] + samples["step"][i]
+                assert total == pytest.approx(samples["iter"][i])
+                assert samples["iter"][i] > 0
+            assert got["faults"] >= 0 and got["period"] == 1 and got["untimed"] >= 1
+            if schedule == "dear":  # its plan, as results.json records it
+                assert got["plan"]["buckets"] >= 1 and "allreduce" in got["plan"]
+            else:
+                assert got["plan"] is None and got["lines"] == []
+            assert len(proc.round(0, 2, 1)["samples"]["iter"]) == 2
+        finally:
+            assert proc.close() == 0
+    with pytest.raises(RuntimeError, match=r"(?s)the ddp process of rank 0 failed.*unknown model"):
+        ScheduleProcess("ddp", 0, 1, free_port(), dict(cfg, model="no-such-model"), timeout=60)
+    with pytest.raises(RuntimeError, match=r"(?s)the dear process of rank 0 failed.*unknown model"):
+        ScheduleProcess("dear", 0, 1, free_port(), dict(cfg, model="no-such-model"), timeout=60)

@@ -1,7 +1,7 @@
 """Is dearopt faster than what users would use instead, and how close to its bound is it?
 
-Runs torch DDP (gloo, bucket_cap_mb=25; in processes of its own, as a user runs
-it) and dearopt's schedules side by side in one run on the same inputs, measures the parts t_ff, t_bp, t_ar,
+Runs torch DDP (gloo, bucket_cap_mb=25) and dearopt's schedules, each in processes of its own as a user runs
+it, side by side in one run on the same inputs, measures the parts t_ff, t_bp, t_ar,
 t_rs, t_ag, and reports per schedule the median iteration time, global
 samples/s, speedup over DDP and the fraction of its bound (Eq. 7 for dear,
 Eq. 8 for all-reduce schedules) reached.
@@ -107,10 +107,10 @@ def parse_args(argv):
         "prediction for every schedule beside the measurement",
     )
     p.add_argument(
-        "--ddp-in-process",
+        "--in-process",
         action="store_true",
-        help="run DDP (ddp, ddp-view) in the bench's own processes, beside every dearopt schedule, as before "
-        "2026-11-29 (default: in processes of its own, as a user runs it; dearopt.bench.ddp)",
+        help="run every schedule in the bench's own processes, one after another, as before 2026-11-30 (default: "
+        "each in processes of its own, as a user runs it; dearopt.bench.process)",
     )
     p.add_argument(
         "--standalone-ddp",
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         "rebuild": args.rebuild if args.rebuild is not None else args.model == "bert",
         "profile": args.profile,
         "standalone_ddp": args.standalone_ddp,
-        "ddp_in_process": args.ddp_in_process,
+        "in_process": args.in_process,
         "bind": args.bind,
     }
     print(

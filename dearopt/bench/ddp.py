@@ -1,28 +1,16 @@
-"""torch DDP timed as a user runs it: in processes of its own, where nothing of dearopt is alive.
+"""torch DDP as a user runs it: a plain DDP script's setup and loop, where nothing of dearopt is alive.
 
 A plain DDP script's processes hold one model, one optimizer and torch's own process group; no ``DistOptim`` is
-built there and ``dearopt.init`` is never called.  The bench's DDP runs the same way: each bench rank starts one
-:class:`DDPProcess` per DDP schedule (``ddp``, ``ddp-view``), and the processes of one schedule form a process
-group of their own.  It lives for the whole run (with ``--rebuild``, a round) and trains only when its bench rank
-asks for a round, while the bench's own processes wait idle; so its allocator, caches and threads have seen
-DDP's iterations and nothing else, as in the user's script.
-
-Before, the bench's DDP ran in the processes that also held every dearopt schedule, and what those had left in
-glibc's heap changed DDP's time: ResNet-50's DDP took 13,000-25,000 minor page faults per iteration in fresh
-processes and none after ``wfbp`` and ``dear`` had run in the same ones (2026-11-29, docs/benchmarks.md).
-
-:func:`train` is the loop itself, shared with the plain script of :mod:`dearopt.bench.standalone`.
+built there and ``dearopt.init`` is never called.  :func:`setup` and :func:`train` are that script, shared by the
+bench's DDP processes (:class:`dearopt.bench.process.DDPSession`), ``python -m dearopt.bench.fresh`` and the plain
+script of :mod:`dearopt.bench.standalone`.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import time
-import traceback
-from typing import Dict, List, Optional
-
-import torch.multiprocessing as mp
+from typing import Dict, List
 
 
 def setup(rank: int, world: int, port: int, cfg: dict, ddp_kwargs: dict, timeout: float):
@@ -103,92 +91,3 @@ def compute(state, count: int) -> Dict[str, List[float]]:
             out["t_bp"].append(t2 - t1)
     opt.zero_grad(set_to_none=True)
     return out
-
-
-def _serve(rank: int, world: int, port: int, cfg: dict, ddp_kwargs: dict, timeout: float, conn, parent: int):
-    from dearopt.bench.spawn import _exit_with_parent
-
-    _exit_with_parent(parent)
-    try:
-        state = setup(rank, world, port, cfg, ddp_kwargs, timeout)
-        conn.send(("ready", None))
-        done = 0
-        while True:
-            message = conn.recv()
-            if message[0] == "close":
-                break
-            if message[0] == "compute":
-                conn.send(("compute", compute(state, message[1])))
-                continue
-            _, warm, count = message
-            conn.send(("samples", train(state, done, warm, count)))
-            done += warm + count
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
-
-class DDPProcess:
-    """This rank's part of a plain DDP training in a process of its own (started now, trained by :meth:`round`).
-
-    ``port`` is the same on every rank (its process group's rendezvous), ``ddp_kwargs`` DDP's own keywords beyond
-    ``bucket_cap_mb``.  Each call waits at most ``timeout`` seconds for the process; an error there is raised here
-    with its traceback."""
-
-    def __init__(self, rank: int, world: int, port: int, cfg: dict, ddp_kwargs: dict, timeout: float):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.timeout = timeout
-        self.rank = rank
-        self._proc = ctx.Process(
-            target=_serve,
-            args=(rank, world, port, cfg, ddp_kwargs, timeout, child, os.getpid()),
-            name=f"dearopt-bench-ddp-{rank}",
-            daemon=True,
-        )
-        self._proc.start()
-        self.pid = self._proc.pid
-        child.close()
-        self._receive("ready")
-
-    def _receive(self, expected: str):
-        if not self._conn.poll(self.timeout):
-            self.close()
-            raise TimeoutError(f"the DDP process of rank {self.rank} sent nothing in {self.timeout:.0f} s")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            self.close()
-            raise RuntimeError(f"the DDP process of rank {self.rank} ended (exit code {self._proc.exitcode})") from None
-        if kind == "error":
-            self.close()
-            raise RuntimeError(f"the DDP process of rank {self.rank} failed:\n{value}")
-        assert kind == expected, (kind, expected)
-        return value
-
-    def round(self, warm: int, count: int) -> Dict[str, List[float]]:
-        """``warm`` untimed iterations and ``count`` timed ones (see :func:`train`); every rank calls it."""
-        self._conn.send(("round", warm, count))
-        return self._receive("samples")
-
-    def compute(self, count: int) -> Dict[str, List[float]]:
-        """``count`` timed forwards and backwards of the bare model in this process (see :func:`compute`); every
-        rank calls it."""
-        self._conn.send(("compute", count))
-        return self._receive("compute")
-
-    def close(self) -> Optional[int]:
-        """End the process (its process group first); returns its exit code."""
-        if self._proc.is_alive():
-            try:
-                self._conn.send(("close",))
-            except (BrokenPipeError, OSError):
-                pass
-            self._proc.join(timeout=30)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(timeout=10)
-        self._conn.close()
-        return self._proc.exitcode

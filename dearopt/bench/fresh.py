@@ -2,14 +2,13 @@
 
 ``python -m dearopt.bench.fresh --model resnet50 --rate 3gbit --schedules ddp,wfbp,dear --iterations 20 --rounds 2``
 
-The bench (``python -m dearopt.bench``) runs its own DDP in processes of its own, but every dearopt schedule in
-the bench's processes, one after another: there, what the other schedules left in glibc's heap absorbs a
-schedule's allocations.  A user's job has one schedule in a fresh process.  Here each round starts, for every
-schedule in turn, two fresh processes (DDP: torch's process group only, :func:`dearopt.bench.ddp.train`;
-a dearopt schedule: ``dearopt.init`` and ``DistOptim``, warmed up until its plan settles, as the bench does),
-times ``iterations / rounds`` iterations and ends them; and reports each schedule's median iteration (the slowest
-rank's), its ratio to DDP in the same round, and its minor page faults per iteration (``getrusage``: memory new to
-the process, which the bench's shared processes mostly do not see).
+The bench (``python -m dearopt.bench``) runs every schedule in processes of its own that live for the whole run
+(:mod:`dearopt.bench.process`).  Here each round starts, for every schedule in turn, two fresh processes (DDP:
+torch's process group only; a dearopt schedule: ``dearopt.init`` and ``DistOptim``, warmed up until its plan
+settles, as the bench does: the same :class:`dearopt.bench.process.DDPSession` and
+:class:`~dearopt.bench.process.RunnerSession`), times ``iterations / rounds`` iterations and ends them; and
+reports each schedule's median iteration (the slowest rank's), its ratio to DDP in the same round, and its minor
+page faults per timed iteration (``getrusage``: memory new to the process).
 
 2026-11-29, ResNet-50 at 3 Gbit/s, 2 ranks, unshaped CPU workers (/work/diag/ddp_parts.py, the same loop):
 DDP 22,000-26,000 faults per iteration, ``wfbp`` 20,000-26,000, ``dear`` 0-925 (its gradients live in its buckets).
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import traceback
@@ -30,40 +28,27 @@ import torch.multiprocessing as mp
 __all__ = ["run_schedule", "main"]
 
 
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def _ddp_rank(rank: int, world: int, port: int, cfg: dict, timeout: float, queue) -> None:
     try:
-        from dearopt.bench.ddp import setup, train
+        from dearopt.bench.process import DDPSession
 
-        state = setup(rank, world, port, cfg, {}, timeout)
-        before = _faults()
-        samples = train(state, 0, cfg["warmup"], cfg["iterations"])
-        faults = (_faults() - before) / (cfg["warmup"] + cfg["iterations"])
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-        queue.put((rank, {"samples": samples, "faults": faults, "untimed": cfg["warmup"]}, None))
+        session = DDPSession("ddp", rank, world, port, cfg, timeout)
+        got = session.round(cfg["warmup"], cfg["iterations"], 0)
+        session.close()
+        queue.put((rank, got, None))
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
 
 
 def _dearopt_rank(schedule: str, cfg: dict) -> dict:
-    """This rank's part of ``schedule`` in a fresh process (after ``dearopt.init``, :func:`dearopt.bench.spawn`)."""
-    import dearopt
-    from dearopt.bench.runner import _Runner, timed_samples, warm_up
+    """This rank's part of ``schedule`` in a fresh process (after ``dearopt.init``, :func:`dearopt.bench.spawn`),
+    warmed up as the bench warms it up."""
+    from dearopt.bench.process import RunnerSession
 
-    runner = _Runner(schedule, cfg)
-    batches = [runner.workload.make_batch(1000 * dearopt.rank() + i) for i in range(cfg["distinct_batches"])]
-    i, period, _ = warm_up(runner, batches, cfg["warmup"])  # as the bench warms it up
-    before = _faults()
-    samples = timed_samples(runner.step, batches, i, cfg["iterations"], period)
-    faults = (_faults() - before) / (cfg["iterations"] * period)
-    runner.settle()
-    runner.close()
-    return {"samples": samples, "faults": faults, "untimed": i}
+    session = RunnerSession(schedule, cfg, None, rebuild=True)
+    got = session.round(cfg["warmup"], cfg["iterations"], 0)
+    session.close()
+    return got
 
 
 def run_schedule(schedule: str, cfg: dict, world: int, timeout: float = 3600) -> dict:

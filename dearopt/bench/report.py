@@ -154,13 +154,14 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
                     k: [r["schedules"][s][k] for r in rank_results] for k in ("forward", "backward", "step")
                 },
                 "steal_samples": [r.get("steal", {}).get(s, []) for r in rank_results],  # per rank, per round
+                "fault_samples": [r.get("faults", {}).get(s, []) for r in rank_results],  # per rank, per round
             }
             for s in cfg["schedules"]
         },
         "wall_s": max(r["wall_s"] for r in rank_results),
-        "processes": {  # per rank: the bench's process, and each DDP schedule's own (one per round: rebuild)
+        "processes": {  # per rank: the bench's process, and each schedule's own (one per round: rebuild)
             "bench": [r.get("pid") for r in rank_results],
-            "ddp": {s: [r["ddp_pids"][s] for r in rank_results] for s in first.get("ddp_pids", {})},
+            "schedules": {s: [r["pids"][s] for r in rank_results] for s in first.get("pids", {})},
         },
     }
     if first.get("profile"):
@@ -340,6 +341,8 @@ def derive(doc: dict) -> dict:
             row["compute_scale"] = list(scale)
         if any(row.get("steal_samples") or []):  # per round, the most any rank's host lost to other guests
             row["steal_rounds"] = [max((x for x in v if x == x), default=math.nan) for v in zip(*row["steal_samples"])]
+        if any(row.get("fault_samples") or []):  # per round, the mean over the ranks
+            row["faults_rounds"] = [sum(v) / len(v) for v in zip(*row["fault_samples"])]
     ref = doc["schedules"].get("ddp")
     if ref and doc.get("standalone_ddp_rounds"):
         from dearopt.bench.standalone import compare
@@ -463,6 +466,11 @@ def table(doc: dict) -> str:
             "host CPU the hypervisor gave other guests (steal) while each round was timed [%]",
             "steal_rounds",
             lambda r: ", ".join(f"{100 * v:.1f}" for v in r["steal_rounds"]),
+        ),
+        (
+            "minor page faults per timed iteration in each round (memory new to the process; mean over the ranks)",
+            "faults_rounds",
+            lambda r: ", ".join(f"{v:.0f}" for v in r["faults_rounds"]),
         ),
         (
             "the model's compute in DDP's own processes (predicted from)",

@@ -1,20 +1,22 @@
-"""What each rank runs: the measured parts and the dearopt schedules, in the same processes; DDP in its own.
+"""What each rank runs: the measured parts in the bench's processes, every schedule in processes of its own.
 
 :func:`run_rank` is started on every rank (after ``dearopt.init()``) by
-:func:`dearopt.bench.spawn.spawn`.  It builds one model per dearopt schedule (same
-seed, so the same initial weights) plus one plain model for the parts, starts
-each DDP schedule's process of its own (:mod:`dearopt.bench.ddp`: as a user runs
-DDP, with nothing of dearopt alive beside it; ``--ddp-in-process`` runs it here
-instead), and then, for each of ``rounds`` rounds:
+:func:`dearopt.bench.spawn.spawn`.  It builds one plain model for the parts and
+starts, per schedule, a process of its own (:class:`dearopt.bench.process.ScheduleProcess`:
+as a user runs it, DDP with torch's process group only, a dearopt schedule after
+``dearopt.init()`` with its ``DistOptim``, the same model and seed, so the same
+initial weights; ``--in-process`` runs every schedule here instead), and then,
+for each of ``rounds`` rounds:
 
 1. the parts: ``t_ff`` (forward + loss), ``t_bp`` (backward, no hooks, no
    communication), and ``t_ar`` / ``t_rs`` / ``t_ag``: all-reduce,
    reduce-scatter and all-gather of every gradient bucket of dearopt's plan
    (25 MiB buckets), started back to back in backward order and waited;
-2. every schedule in turn: warm-up iterations (untimed), then timed
-   iterations (zero_grad + forward + backward + step), then a
-   ``synchronize()`` (untimed) so that no work leaks into the next block;
-   while DDP's processes train, these wait idle at a barrier.
+2. every schedule in turn, in its processes while these wait idle at a barrier:
+   warm-up iterations (untimed; a dearopt schedule until its plan settles,
+   :func:`warm_up`), then timed iterations (zero_grad + forward + backward +
+   step), then a ``synchronize()`` (untimed) so that no work leaks into the
+   next block.
 
 Interleaving the rounds spreads slow phases of a noisy machine over every
 schedule and the parts alike.  Every sample is returned per rank; the report
@@ -31,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dearopt.bench.ddp import DDPProcess
+from dearopt.bench.process import InProcess, ScheduleProcess
 from dearopt.schedules import names as _dearopt_schedules
 from dearopt.schedules.deft.schedule import Preserver
 from dearopt.compression.sparsify import Sparsify
@@ -428,23 +430,24 @@ def run_rank(cfg: dict) -> dict:
         + ("building a model per schedule and round" if rebuild else f"building {len(schedules)} models"),
     )
     runners = {}
-    in_process = cfg.get("ddp_in_process", False)
-    ddp_pids: Dict[str, List[int]] = {}  # DDP schedule -> the processes of its own it ran in (one per round: rebuild)
+    in_process = cfg.get("in_process", False)
+    pids: Dict[str, List[int]] = {}  # schedule -> the processes of its own it ran in (one per round: rebuild)
 
     def runner_for(s, r):
         # Kept for the whole run, or (rebuild: a model per schedule at once does not fit in memory, as
         # BERT-Base x 5 schedules x 2 ranks on 24 GiB) built for each round and dropped after it.
         if s not in runners:
-            if base_schedule(s) == "ddp" and not in_process:  # as a user runs it: in processes of its own
+            recorded = s == cfg.get("timeline_schedule") and (not rebuild or r == cfg["rounds"] - 1)
+            timeline = cfg.get("timeline") if recorded else None
+            if in_process:
+                runners[s] = InProcess(s, cfg, timeline, rebuild)
+            else:  # as a user runs it: in processes of its own
                 from dearopt.backends.launch import free_port
                 from dearopt.collectives import broadcast_object
 
                 port = broadcast_object(free_port() if rank == 0 else None, backend=backend)  # its rendezvous
-                runners[s] = DDPProcess(rank, world, port, cfg, variant(s)[1], timeout=backend.timeout)
-                ddp_pids.setdefault(s, []).append(runners[s].pid)
-            else:
-                timeline = s == cfg.get("timeline_schedule") and (not rebuild or r == cfg["rounds"] - 1)
-                runners[s] = _Runner(s, cfg, cfg.get("timeline") if timeline else None)
+                runners[s] = ScheduleProcess(s, rank, world, port, cfg, backend.timeout, timeline, rebuild)
+                pids.setdefault(s, []).append(runners[s].pid)
         return runners[s]
 
     if not rebuild:
@@ -452,6 +455,7 @@ def run_rank(cfg: dict) -> dict:
             runner_for(s, 0)
     samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
     steal: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: the host CPU the hypervisor took
+    faults: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: minor page faults per timed iteration
     ddp_compute: Dict[str, Dict[str, List[float]]] = {}  # DDP schedule -> t_ff, t_bp timed in its own processes
     plans = {}  # dearopt schedule -> per round: the buckets all-reduced in backward, the measured choice
     rounds = cfg["rounds"]
@@ -474,133 +478,31 @@ def run_rank(cfg: dict) -> dict:
             if s == "ddp" and cfg.get("standalone_ddp"):
                 alone.append(_standalone_round(cfg, rank, world, backend, per_round[r]))
             runner = runner_for(s, r)
-            warm = cfg["warmup"] if r == 0 or rebuild else 1
-            _barrier(backend)
-            if isinstance(runner, DDPProcess):  # DDP in processes of its own, while these wait
-                before = host_cpu_times()
-                for k, v in runner.round(warm, per_round[r]).items():
-                    samples[s][k].extend(v)
-                steal[s].append(steal_share(before, host_cpu_times()))
-                if profile is not None:  # the compute as DDP's processes run it, beside the parts timed here
-                    for k, v in runner.compute(PROFILE_REPEATS).items():
-                        ddp_compute.setdefault(s, {}).setdefault(k, []).extend(v)
-                if rebuild:
-                    runners.pop(s).close()
-                _barrier(backend)
-                _log_round(rank, s, samples[s]["iter"], per_round[r], 1)
-                continue
-            i, period, beyond = warm_up(runner, batches, warm)
-            if beyond:
-                _log(rank, f"  {s:>5}: {i} untimed iterations (the plan settled after {beyond} beyond --warmup)")
-            deft = getattr(getattr(runner.opt, "schedule", None), "in_force", None)  # DeFT's
-            before = host_cpu_times()
-            for k, v in timed_samples(runner.step, batches, i, per_round[r], period).items():
+            _barrier(backend)  # the schedule's processes train while these wait
+            got = runner.round(cfg["warmup"] if r == 0 or rebuild else 1, per_round[r], r)
+            for k, v in got["samples"].items():
                 samples[s][k].extend(v)
-            steal[s].append(steal_share(before, host_cpu_times()))
-            choice = getattr(getattr(runner.opt, "schedule", None), "plan_choice", None)
-            if choice is not None and choice.history:
+            steal[s].append(got["steal"])
+            faults[s].append(got["faults"])
+            if got["beyond"]:
                 _log(
                     rank,
-                    f"  {s:>5}: measured plans (steps/s): "
-                    + ", ".join(f"{plan_label(k)} {t:.3f}" for k, t in choice.history)
-                    + f"; kept {plan_label(choice.current)}",
+                    f"  {s:>5}: {got['untimed']} untimed iterations (the plan settled after {got['beyond']} beyond "
+                    "--warmup)",
                 )
-            traffic = getattr(getattr(runner.opt, "comm_hook", None), "traffic", None)
-            if traffic is not None and r == 0:
-                _log(
-                    rank,
-                    f"  {s:>5}: on the wire (rank 0, last step, elements): {traffic['values']} values into "
-                    f"all-reduces, {traffic['indices']} indices selected, {traffic['received']} selections "
-                    f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent",
-                )
-            if deft is not None and (rebuild or r == 0):  # a new optimizer (and schedule) per round with rebuild
-                split = [round(x / 2**20, 2) for x in runner.opt.schedule.repartitions]
-                _log(
-                    rank,
-                    f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
-                    f"bucket), period {len(deft.period)}, {len(runner.opt.plan.buckets)} buckets sent in "
-                    f"{deft.buckets} pieces"
-                    + (f" (re-partitioned to {split} MiB)" if split else "")
-                    + f", summed by {runner.opt.schedule.piece_reduction}",
-                )
-                if deft.mu is not None:
-                    _log(rank, f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
-                times = runner.opt.schedule.times
-                if times is not None:
-                    _log(
-                        rank,
-                        f"  {s:>5}: solved from forward {sum(times['forward']):.3f}s, backward "
-                        f"{sum(times['backward']):.3f}s of compute and {sum(times['comm']):.3f}s of reductions",
-                    )
-                kept = runner.opt.schedule.preserved
-                if kept is not None:
-                    _log(
-                        rank,
-                        f"  {s:>5}: Preserver: ratio {kept.ratio:.4f}, capacities x{kept.capacity_factor:.3g} "
-                        f"after {kept.resolves} re-solves, {'passed' if kept.passed else 'FAILED'}",
-                    )
-                    given = kept.inputs or {}
-                    _log(
-                        rank,
-                        f"  {s:>5}: Preserver's inputs: loss {given.get('loss', math.nan):.4g}, drift "
-                        f"{given.get('drift', math.nan):.4g} and noise "
-                        f"{given.get('noise', math.nan):.4g} per step; solves (capacities: updates "
-                        f"per step, ratio): " + "; ".join(f"x{f:.3g}: {u:.2f}, {r:.4f}" for f, u, r, _ in kept.tried),
-                    )
-            runner.settle()
-            plan = getattr(runner.opt, "plan", None)
-            if plan is not None:
-                plans.setdefault(s, []).append(
-                    {
-                        "allreduce": list(plan.allreduce),
-                        "buckets": len(plan.buckets),
-                        "buffer_size": plan.buffer_size,
-                        "groups": [list(b.params) for b in plan.buckets],
-                        "measured": [[_rule(k), t] for k, t in choice.history] if choice is not None else [],
-                        "kept": _rule(choice.current) if choice is not None else None,
-                    }
-                )
-                if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
-                    from dearopt.sim.deft import schedule_to_json
-
-                    kept = runner.opt.schedule.preserved
-                    plans[s][-1]["deft"] = {
-                        "schedule": schedule_to_json(deft),
-                        "partition_size": plan.partition_size,
-                        "pieces": deft.buckets,
-                        "updates_per_step": deft.updates_per_iteration,
-                        "period": len(deft.period),
-                        "repartitions": runner.opt.schedule.repartitions,
-                        "reduction": runner.opt.schedule.piece_reduction,
-                        "times": runner.opt.schedule.times,
-                        "apply": runner.opt.schedule.apply,
-                        "preserver": None
-                        if kept is None
-                        else {
-                            "ratio": kept.ratio,
-                            "factor": kept.capacity_factor,
-                            "resolves": kept.resolves,
-                            "passed": kept.passed,
-                            "tried": [list(t) for t in kept.tried],
-                            "inputs": dict(kept.inputs or {}),
-                        },
-                    }
-            if plan is not None and plan.allreduce:
-                _log(rank, f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
-            if plan is not None and getattr(runner.opt, "tuning", None) is not None:
-                _log(
-                    rank,
-                    f"  {s:>5}: tuned buffer_size {plan.buffer_size / 2**20:.1f} MiB ({len(plan.buckets)} buckets)",
-                )
-            if plan is not None and base_schedule(s).startswith("prophet"):
-                sizes = [b.grad_numel * b.element_size / 2**20 for b in plan.buckets]
-                _log(rank, f"  {s:>5}: {len(sizes)} blocks from the profile, {min(sizes):.2f}-{max(sizes):.2f} MiB")
+            for line in got["lines"]:
+                _log(rank, line)
+            if got["plan"] is not None:
+                plans.setdefault(s, []).append(got["plan"])
+            if profile is not None and base_schedule(s) == "ddp" and not in_process:
+                for k, v in runner.compute(PROFILE_REPEATS).items():  # the compute as DDP's processes run it
+                    ddp_compute.setdefault(s, {}).setdefault(k, []).extend(v)
             if rebuild:
                 runners.pop(s).close()
                 del runner
                 gc.collect()
             _barrier(backend)
-            _log_round(rank, s, samples[s]["iter"], per_round[r], period)
+            _log_round(rank, s, samples[s]["iter"], per_round[r], got["period"], got["faults"])
     for runner in runners.values():
         runner.close()
     return {
@@ -610,6 +512,7 @@ def run_rank(cfg: dict) -> dict:
         "overlap": parts.overlap,
         "schedules": samples,
         "steal": steal,
+        "faults": faults,
         "ddp_compute": ddp_compute,
         "buckets": [b.grad_numel * 4 for b in parts.plan.buckets],
         "params": parts.workload.n_params(),
@@ -617,11 +520,109 @@ def run_rank(cfg: dict) -> dict:
         "batch_size": parts.workload.batch_size,
         "wall_s": time.perf_counter() - t_start,
         "pid": os.getpid(),
-        "ddp_pids": ddp_pids,
+        "pids": pids,
         "profile": None if profile is None else profile.to_json(),
         "plans": plans,
         "standalone_ddp_rounds": alone if rank == 0 else [],
     }
+
+
+def round_report(runner, s: str, r: int, rebuild: bool) -> Tuple[List[str], Optional[dict]]:
+    """What a dearopt schedule's round ran, after it (its pending updates settled): the lines the bench logs
+    (measured plans, traffic, DeFT's schedule and Preserver, the buckets all-reduced in backward, the tuned
+    buffer, Prophet's blocks) and the plan record of results.json (None for DDP), from this rank's optimizer."""
+    lines: List[str] = []
+    opt = runner.opt
+    schedule = getattr(opt, "schedule", None)
+    deft = getattr(schedule, "in_force", None)  # DeFT's
+    choice = getattr(schedule, "plan_choice", None)
+    if choice is not None and choice.history:
+        lines.append(
+            f"  {s:>5}: measured plans (steps/s): "
+            + ", ".join(f"{plan_label(k)} {t:.3f}" for k, t in choice.history)
+            + f"; kept {plan_label(choice.current)}"
+        )
+    traffic = getattr(getattr(opt, "comm_hook", None), "traffic", None)
+    if traffic is not None and r == 0:
+        lines.append(
+            f"  {s:>5}: on the wire (rank 0, last step, elements): {traffic['values']} values into "
+            f"all-reduces, {traffic['indices']} indices selected, {traffic['received']} selections "
+            f"received; ~{4 * (traffic['values'] + traffic['indices']) / 2**20:.2f} MiB sent"
+        )
+    if deft is not None and (rebuild or r == 0):  # a new optimizer (and schedule) per round with rebuild
+        split = [round(x / 2**20, 2) for x in schedule.repartitions]
+        lines.append(
+            f"  {s:>5}: DeFT schedule: {deft.updates_per_iteration:.2f} updates per step (every "
+            f"bucket), period {len(deft.period)}, {len(opt.plan.buckets)} buckets sent in "
+            f"{deft.buckets} pieces"
+            + (f" (re-partitioned to {split} MiB)" if split else "")
+            + f", summed by {schedule.piece_reduction}"
+        )
+        if deft.mu is not None:
+            lines.append(f"  {s:>5}: second link: mu {deft.mu:.3f} (its time per bucket over the first's)")
+        times = schedule.times
+        if times is not None:
+            lines.append(
+                f"  {s:>5}: solved from forward {sum(times['forward']):.3f}s, backward "
+                f"{sum(times['backward']):.3f}s of compute and {sum(times['comm']):.3f}s of reductions"
+            )
+        kept = schedule.preserved
+        if kept is not None:
+            lines.append(
+                f"  {s:>5}: Preserver: ratio {kept.ratio:.4f}, capacities x{kept.capacity_factor:.3g} "
+                f"after {kept.resolves} re-solves, {'passed' if kept.passed else 'FAILED'}"
+            )
+            given = kept.inputs or {}
+            lines.append(
+                f"  {s:>5}: Preserver's inputs: loss {given.get('loss', math.nan):.4g}, drift "
+                f"{given.get('drift', math.nan):.4g} and noise "
+                f"{given.get('noise', math.nan):.4g} per step; solves (capacities: updates "
+                f"per step, ratio): " + "; ".join(f"x{f:.3g}: {u:.2f}, {q:.4f}" for f, u, q, _ in kept.tried)
+            )
+    plan = getattr(opt, "plan", None)
+    if plan is None:
+        return lines, None
+    record = {
+        "allreduce": list(plan.allreduce),
+        "buckets": len(plan.buckets),
+        "buffer_size": plan.buffer_size,
+        "groups": [list(b.params) for b in plan.buckets],
+        "measured": [[_rule(k), t] for k, t in choice.history] if choice is not None else [],
+        "kept": _rule(choice.current) if choice is not None else None,
+    }
+    if deft is not None:  # per round: what the DeFT schedule did (the same on every rank)
+        from dearopt.sim.deft import schedule_to_json
+
+        kept = schedule.preserved
+        record["deft"] = {
+            "schedule": schedule_to_json(deft),
+            "partition_size": plan.partition_size,
+            "pieces": deft.buckets,
+            "updates_per_step": deft.updates_per_iteration,
+            "period": len(deft.period),
+            "repartitions": schedule.repartitions,
+            "reduction": schedule.piece_reduction,
+            "times": schedule.times,
+            "apply": schedule.apply,
+            "preserver": None
+            if kept is None
+            else {
+                "ratio": kept.ratio,
+                "factor": kept.capacity_factor,
+                "resolves": kept.resolves,
+                "passed": kept.passed,
+                "tried": [list(t) for t in kept.tried],
+                "inputs": dict(kept.inputs or {}),
+            },
+        }
+    if plan.allreduce:
+        lines.append(f"  {s:>5}: all-reduces buckets {list(plan.allreduce)} of {len(plan.buckets)} in backward")
+    if getattr(opt, "tuning", None) is not None:
+        lines.append(f"  {s:>5}: tuned buffer_size {plan.buffer_size / 2**20:.1f} MiB ({len(plan.buckets)} buckets)")
+    if base_schedule(s).startswith("prophet"):
+        sizes = [b.grad_numel * b.element_size / 2**20 for b in plan.buckets]
+        lines.append(f"  {s:>5}: {len(sizes)} blocks from the profile, {min(sizes):.2f}-{max(sizes):.2f} MiB")
+    return lines, record
 
 
 def host_cpu_times() -> Optional[Tuple[int, int]]:
@@ -656,12 +657,13 @@ def _profile_compute(profile) -> str:
     return f"t_ff/t_bp per timing {', '.join(out)} s; over all: {profile.t_ff:.3f}/{profile.t_bp:.3f} s"
 
 
-def _log_round(rank: int, s: str, got: List[float], count: int, period: int) -> None:
+def _log_round(rank: int, s: str, got: List[float], count: int, period: int, faults: float) -> None:
     unit = f"periods of {period} iterations (their mean iterations)" if period > 1 else "iterations"
     _log(
         rank,
         f"  {s:>5}: {len(got)} timed {unit}, median {_median(got):.3f}s "
-        f"(this round: {', '.join(f'{v:.3f}' for v in got[-count:]) if count else '-'})",
+        f"(this round: {', '.join(f'{v:.3f}' for v in got[-count:]) if count else '-'}); "
+        f"{faults:.0f} minor page faults per iteration",
     )
 
 
