@@ -201,7 +201,7 @@ def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
     # DDP trains in processes of its own (whose heap maps its gradients anew every iteration); with --profile the
     # bench times the model's compute there too, and DDP's prediction stretches the profile's forward and backward
     # by how much longer they took there than the bench's parts (medians of the slowest rank per sample)
-    from dearopt.bench.report import ddp_compute_scale, predictions
+    from dearopt.bench.report import ddp_compute_scale, own_process_compute_scale, predictions
     from dearopt.sim import predict, predict_ddp
     from test_sim import _deft_profile
 
@@ -233,8 +233,22 @@ def test_ddp_is_predicted_with_the_compute_its_own_processes_took():
     # compute-bound, one plan: DDP's iteration is longer by its forward's 0.3 s and its backward's 1.5 s
     assert got["ddp"]["forward"] - alike.forward == pytest.approx(0.3)
     assert got["ddp"]["backward"] - alike.backward == pytest.approx(1.5)
+    # every schedule in processes of its own (the bench since 2026-11-29 17:45): a dearopt schedule's compute is as
+    # long as such a process took for it, DDP's the one process of its own that times the bare model
+    doc["placement"] = "own processes"
+    assert own_process_compute_scale(doc) == pytest.approx((1.1, 1.5))
+    got = predictions(doc)
+    assert got["wfbp"]["iter"] == pytest.approx(predict(scaled, "wfbp", buffer_size=2**20).iteration)
+    assert got["wfbp"]["iter"] > predict(prof, "wfbp", buffer_size=2**20).iteration + 1.0
+    assert got["ddp"]["iter"] == pytest.approx(predict_ddp(prof, bucket_cap_mb=1.0, compute_scale=(1.1, 1.5)).iteration)
+    doc["placement"] = "in-process"  # --in-process: every schedule beside the parts, on the bench's compute
+    assert own_process_compute_scale(doc) is None
+    assert predictions(doc)["wfbp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
+    doc["placement"] = "own processes"
     doc["schedules"]["ddp"] = {}  # a run without the timing (no --profile, or recorded before it): as the bench's
+    assert own_process_compute_scale(doc) is None
     assert predictions(doc)["ddp"]["iter"] == pytest.approx(alike.iteration)
+    assert predictions(doc)["wfbp"]["iter"] == pytest.approx(predict(prof, "wfbp", buffer_size=2**20).iteration)
 
 
 def test_warm_up_runs_until_the_plan_settles_one_more_and_whole_periods_of_a_delaying_schedule():

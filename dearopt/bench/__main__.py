@@ -109,7 +109,7 @@ def parse_args(argv):
     p.add_argument(
         "--in-process",
         action="store_true",
-        help="run every schedule in the bench's own processes, one after another, as before 2026-11-30 (default: "
+        help="run every schedule in the bench's own processes, one after another, as before 2026-11-29 17:45 (default: "
         "each in processes of its own, as a user runs it; dearopt.bench.process)",
     )
     p.add_argument(

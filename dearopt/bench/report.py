@@ -143,6 +143,7 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
         "iterations": cfg["iterations"],
         "warmup": cfg["warmup"],
         "rounds": cfg["rounds"],
+        "placement": "in-process" if cfg.get("in_process") else "own processes",  # where the schedules trained
         "machine": dict(machine(), bound_to_cores=bool(cfg.get("bind"))),
         "source": first.get("source") or source(),
         "parts_samples": {k: [r["parts"][k] for r in rank_results] for k in first["parts"]},
@@ -204,6 +205,21 @@ def ddp_compute_scale(doc: dict, name: str) -> Optional[Tuple[float, float]]:
     return _slowest_median(timed["t_ff"]) / parts["t_ff"], _slowest_median(timed["t_bp"]) / parts["t_bp"]
 
 
+def own_process_compute_scale(doc: dict) -> Optional[Tuple[float, float]]:
+    """Where every schedule of the run trained in processes of its own (``placement``, since 2026-11-29 17:45), how
+    much longer (forward, backward) the model's compute took in such a process than in the bench's, where the
+    profile was timed: DDP's, as its processes timed it (:func:`ddp_compute_scale`), the only process of its own
+    that times the bare model (a dearopt schedule's model carries its hooks).  None where the schedules ran in the
+    bench's processes (``--in-process``, and every run before) or DDP's compute was not timed."""
+    if doc.get("placement") != "own processes":
+        return None
+    for name in doc["schedules"]:
+        scale = ddp_compute_scale(doc, name) if base_schedule(name) == "ddp" else None
+        if scale is not None:
+            return scale
+    return None
+
+
 def predictions(doc: dict) -> Dict[str, dict]:
     """What dearopt.sim predicts for each schedule of the run, from the profile recorded in the same run.
 
@@ -218,7 +234,9 @@ def predictions(doc: dict) -> Dict[str, dict]:
     :func:`dearopt.sim.deft.simulate_deft` with the schedule each round solved, from the profile as deft sees the
     model (a tied embedding one gradient, every gradient dense). The rounds time as many iterations each, so the
     schedule's prediction is the mean over its rounds (``rounds``: each round's, to set beside the round's own
-    time); a schedule without recorded plans is predicted once, with the plan derived from the profile."""
+    time); a schedule without recorded plans is predicted once, with the plan derived from the profile.  Where
+    every schedule trained in processes of its own, a dearopt schedule's compute is as long as such a process
+    took for it (:func:`own_process_compute_scale`)."""
     from dearopt.errors import UsageError
     from dearopt.planning.build import build_plan
     from dearopt.schedules import get_schedule
@@ -227,13 +245,15 @@ def predictions(doc: dict) -> Dict[str, dict]:
 
     from dearopt.bench.runner import variant
 
-    profile = Profile.from_json(doc["profile"])
+    recorded = Profile.from_json(doc["profile"])
+    own = own_process_compute_scale(doc)
     out = {}
     for name in doc["schedules"]:
+        profile = recorded if own is None else recorded.with_compute_scaled(*own)
         rounds = doc.get("plans", {}).get(name, [])
         if base_schedule(name) == "ddp":
             per_round = [
-                predict_ddp(profile, bucket_cap_mb=doc["bucket_mb"], compute_scale=ddp_compute_scale(doc, name))
+                predict_ddp(recorded, bucket_cap_mb=doc["bucket_mb"], compute_scale=ddp_compute_scale(doc, name))
             ]
             rounds = []
         else:
@@ -473,7 +493,8 @@ def table(doc: dict) -> str:
             lambda r: ", ".join(f"{v:.0f}" for v in r["faults_rounds"]),
         ),
         (
-            "the model's compute in DDP's own processes (predicted from)",
+            "the model's compute in DDP's own processes (DDP predicted from it; every schedule where each trained in "
+            "processes of its own)",
             "compute_scale",
             lambda r: (
                 f"t_ff {r['compute']['t_ff']:.3f}s ({r['compute_scale'][0]:.3f}x the bench's), "
