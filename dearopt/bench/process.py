@@ -114,7 +114,7 @@ class RunnerSession:
 
 def _serve(schedule, rank, world, port, cfg, timeline, rebuild, timeout, conn, parent):
     from dearopt.bench.runner import base_schedule
-    from dearopt.bench.spawn import _exit_with_parent
+    from dearopt.bench.spawn import _exit_with_parent, launch_env
 
     _exit_with_parent(parent)
     joined = False
@@ -122,16 +122,7 @@ def _serve(schedule, rank, world, port, cfg, timeline, rebuild, timeout, conn, p
         if base_schedule(schedule) == "ddp":
             session = DDPSession(schedule, rank, world, port, cfg, timeout)
         else:
-            os.environ.update(
-                {
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(world),
-                }
-            )
+            launch_env(rank, world, port)
             import torch
 
             import dearopt

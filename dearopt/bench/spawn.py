@@ -35,10 +35,9 @@ def bind_to_cores(local_rank: int, local_size: int) -> List[int]:
     return mine
 
 
-def _entry(fn, rank, world, port, threads, args, queue, parent, bind=False):
-    _exit_with_parent(parent)
-    if bind:
-        bind_to_cores(rank, world)
+def launch_env(rank: int, world: int, port: int) -> None:
+    """This process as rank ``rank`` of ``world`` local ranks whose rendezvous is ``127.0.0.1:port``, as a launcher
+    would set it (the environment ``dearopt.init()`` reads)."""
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -49,6 +48,13 @@ def _entry(fn, rank, world, port, threads, args, queue, parent, bind=False):
             "LOCAL_WORLD_SIZE": str(world),
         }
     )
+
+
+def _entry(fn, rank, world, port, threads, args, queue, parent, bind=False):
+    _exit_with_parent(parent)
+    if bind:
+        bind_to_cores(rank, world)
+    launch_env(rank, world, port)
     import torch
     import dearopt
 
