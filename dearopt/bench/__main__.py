@@ -49,9 +49,9 @@ def parse_args(argv):
         "--warmup",
         type=int,
         default=3,
-        help="untimed iterations before the first timed block (default 3); a dearopt schedule whose plan "
-        "still changes by itself then (dear's allreduce='auto' profiles steps 1-3 and measures its "
-        "candidate plans for a few steps) runs untimed until it settles",
+        help="untimed iterations before every round's timed block of every schedule, as a plain script warms up "
+        "(default 3); a dearopt schedule whose plan still changes by itself then (dear's allreduce='auto' profiles "
+        "steps 1-3 and measures its candidate plans for a few steps) runs untimed until it settles",
     )
     p.add_argument(
         "--rounds",
@@ -97,7 +97,7 @@ def parse_args(argv):
         default=None,
         help="build each schedule's model at the start of each round and drop it after (all of them at "
         "once do not fit in memory for BERT-Base on 24 GiB); default: on for bert, off otherwise. "
-        "Each round then starts with --warmup untimed iterations",
+        "Each round then builds its schedules anew",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -479,7 +479,10 @@ def run_rank(cfg: dict) -> dict:
                 alone.append(_standalone_round(cfg, rank, world, backend, per_round[r]))
             runner = runner_for(s, r)
             _barrier(backend)  # the schedule's processes train while these wait
-            got = runner.round(cfg["warmup"] if r == 0 or rebuild else 1, per_round[r], r)
+            # --warmup untimed iterations every round, as the plain DDP script's processes warm up: with one, a
+            # process idle since its last round timed DDP 3-8 % slower than the script (2026-11-29, 18:43; 1.1 %
+            # with three)
+            got = runner.round(cfg["warmup"], per_round[r], r)
             for k, v in got["samples"].items():
                 samples[s][k].extend(v)
             steal[s].append(got["steal"])
