@@ -133,6 +133,31 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert all(len(r["steal_rounds"]) == 2 for r in rows.values())
     assert all(math.isnan(v) or 0 <= v <= 1 for r in rows.values() for v in r["steal_rounds"])
     assert "(steal) while each round was timed" in proc.stdout
+    # every schedule trained in processes of its own: one per rank, neither the bench's nor another schedule's
+    assert doc["placement"] == "own processes"
+    own = doc["processes"]["schedules"]
+    assert list(own) == list(doc["schedules"])
+    pids = [pid for per_rank in own.values() for ranks in per_rank for pid in ranks]
+    assert len(set(pids)) == len(pids) == 2 * len(own) and not set(pids) & set(doc["processes"]["bench"])
+    assert all(len(r["faults_rounds"]) == 2 and min(r["faults_rounds"]) >= 0 for r in rows.values())
+
+
+def test_bench_in_process_runs_every_schedule_in_the_benchs_own_processes(tmp_path):
+    # --in-process: the placement before 2026-11-29 17:45 (every schedule beside the parts, one after another), with
+    # the same rounds and the same derived numbers
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "dearopt.bench", "--model", "tiny", "--iterations", "2", "--warmup", "1"]
+    cmd += ["--rounds", "1", "--schedules", "ddp,dear", "--in-process", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["placement"] == "in-process" and doc["processes"]["schedules"] == {}
+    rows, p = doc["schedules"], doc["parts"]
+    assert rows["dear"]["bound"] == pytest.approx(bound_from("dear", p), rel=1e-12)
+    assert rows["ddp"]["bound"] == pytest.approx(bound_from("ddp", p), rel=1e-12)
+    assert rows["dear"]["speedup_vs_ddp"] == pytest.approx(rows["ddp"]["iter_time"] / rows["dear"]["iter_time"])
+    assert len(doc["plans"]["dear"]) == 1  # the plan dear ran, recorded from the bench's own process
 
 
 def test_steal_is_the_share_of_the_hosts_cpu_time_between_two_readings():

@@ -11,9 +11,9 @@ instead (:class:`InProcess`: the same rounds, one after another in one heap), as
 Why: what the other schedules left in glibc's heap absorbs a schedule's allocations.  DDP on ResNet-50 took
 13,000-25,000 minor page faults per iteration in fresh processes and none after ``wfbp`` and ``dear`` had run in
 the same ones; ``wfbp`` in fresh processes took 18,000-28,000, as many as DDP (2026-11-29, docs/benchmarks.md).
-Since 2026-11-29 the bench ran DDP in processes of its own (:mod:`dearopt.bench.ddp`) and every dearopt schedule
-in its own processes, one after another: a dearopt schedule there ran in the heap the others had grown, and its
-ratio to DDP was not the one a user sees.
+From 2026-11-29 09:40 to 17:45 the bench ran DDP in processes of its own but every dearopt schedule in the bench's
+processes, one after another: a dearopt schedule there ran in the heap the others had grown, and its ratio to DDP
+was not the one a user sees.
 
 A round (:meth:`ScheduleProcess.round`) returns, for this rank: each timed iteration's phases, the untimed
 iterations run first, the period it was timed in (deft), the share of the host's CPU stolen while it was timed,
@@ -35,6 +35,16 @@ __all__ = ["ScheduleProcess", "InProcess", "DDPSession", "RunnerSession"]
 
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _timed(run, iterations: int):
+    """``run()``'s samples of ``iterations`` timed iterations, the share of the host's CPU stolen meanwhile and this
+    process's minor page faults per iteration."""
+    from dearopt.bench.runner import host_cpu_times, steal_share
+
+    before, faults = host_cpu_times(), _faults()
+    samples = run()
+    return samples, steal_share(before, host_cpu_times()), (_faults() - faults) / max(iterations, 1)
 
 
 def _result(samples, untimed: int, period: int, beyond: int, steal: float, faults: float, lines=(), plan=None):
@@ -62,12 +72,9 @@ class DDPSession:
 
     def round(self, warm: int, count: int, index: int) -> dict:
         from dearopt.bench.ddp import train
-        from dearopt.bench.runner import host_cpu_times, steal_share
 
         train(self.state, self.done, warm, 0)
-        before, faults = host_cpu_times(), _faults()
-        samples = train(self.state, self.done + warm, 0, count)
-        steal, faults = steal_share(before, host_cpu_times()), (_faults() - faults) / max(count, 1)
+        samples, steal, faults = _timed(lambda: train(self.state, self.done + warm, 0, count), count)
         self.done += warm + count
         return _result(samples, warm, 1, 0, steal, faults)
 
@@ -97,13 +104,13 @@ class RunnerSession:
         self.batches = [make(1000 * dearopt.rank() + i) for i in range(cfg["distinct_batches"])]
 
     def round(self, warm: int, count: int, index: int) -> dict:
-        from dearopt.bench.runner import host_cpu_times, round_report, steal_share, timed_samples, warm_up
+        from dearopt.bench.runner import round_report, timed_samples, warm_up
 
         runner = self.runner
         i, period, beyond = warm_up(runner, self.batches, warm)
-        before, faults = host_cpu_times(), _faults()
-        samples = timed_samples(runner.step, self.batches, i, count, period)
-        steal, faults = steal_share(before, host_cpu_times()), (_faults() - faults) / max(count * period, 1)
+        samples, steal, faults = _timed(
+            lambda: timed_samples(runner.step, self.batches, i, count, period), count * period
+        )
         runner.settle()  # untimed: nothing runs on into whatever comes next
         lines, plan = round_report(runner, self.schedule, index, self.rebuild)
         return _result(samples, i, period, beyond, steal, faults, lines, plan)
