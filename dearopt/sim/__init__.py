@@ -11,6 +11,7 @@ or ``python -m dearopt.sim --profile profile.json --schedule dear --ranks 64 --l
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dearopt.planning.plan import DEFAULT_BUFFER_SIZE, DEFAULT_FIRST_BUCKET_SIZE, Plan
@@ -29,6 +30,7 @@ __all__ = [
     "best_buffer_size",
     "ddp_groups",
     "predict_ddp",
+    "predict_deft",
     "Prediction",
     "CommCost",
     "fit",
@@ -90,11 +92,57 @@ def predict(
     **knobs,
 ) -> Prediction:
     """Predict ``schedule`` on ``ranks`` ranks (default: the profiled number) on ``link`` (default: the profiled
-    link), with the plan's knobs (buffer_size, first_bucket_size, partition_size, credit, ...)."""
+    link), with the plan's knobs (buffer_size, first_bucket_size, partition_size, credit, ...).
+
+    A schedule that delays updates (``deft``) is predicted by :func:`predict_deft`: its own knobs are ``deft``
+    (a solved :class:`~dearopt.schedules.deft.schedule.DeftSchedule`; default: the one the profile solves) and
+    ``apply``."""
+    from dearopt.schedules import get_schedule
+
+    if get_schedule(schedule).delays_updates:
+        if contention is not None:
+            raise ValueError(
+                f"{schedule!r} is predicted with the CPU the profile measured its collectives to take; "
+                f"contention= is not modelled for it: leave it out"
+            )
+        return predict_deft(profile, ranks=ranks, link=link, latency=latency, **knobs)
     plan = plan_for(profile, schedule, ranks, **knobs)
     return simulate(
         profile, plan, world=ranks or profile.world, comm=link_costs(profile, link, latency), contention=contention
     )
+
+
+def predict_deft(
+    profile: Profile,
+    *,
+    ranks: Optional[int] = None,
+    link: Optional[str] = None,
+    latency: Optional[float] = None,
+    deft=None,
+    apply: str = "bucket",
+    **knobs,
+) -> Prediction:
+    """Predict ``schedule="deft"``: its plan on the model as deft sees it (a tied weight one gradient, every
+    gradient dense: :meth:`Profile.without_twins`), each unit summed the way the profile's costs favour, and
+    ``deft``, a :class:`~dearopt.schedules.deft.schedule.DeftSchedule` (default: the one ``DistOptim`` solves
+    when given this profile, :func:`~dearopt.schedules.deft.schedule.deft_schedule` on
+    :func:`~dearopt.schedules.deft.rounds.deft_times`, on ``link``'s costs), replayed by
+    :func:`dearopt.sim.deft.simulate_deft` with ``apply`` (``"bucket"``, the default, or ``"group"``).
+
+    The default schedule is the solver's, unchecked: the Preserver decides from the training loss, which a
+    profile does not hold, and may raise the capacities until one update is applied per step.  To predict the
+    schedule a job runs, pass it (``optimizer.schedule.deft``, or the bench's recorded one)."""
+    from dearopt.schedules.deft.rounds import deft_times, profile_reduction
+    from dearopt.schedules.deft.schedule import deft_schedule
+    from dearopt.sim.deft import simulate_deft
+
+    dense = profile.without_twins()
+    dense = dataclasses.replace(dense, comm=link_costs(dense, link, latency))
+    plan = plan_for(dense, "deft", ranks, **knobs)
+    reduction = profile_reduction(dense, plan)
+    if deft is None:
+        deft = deft_schedule(*deft_times(dense, plan, reduction))
+    return simulate_deft(dense, plan, deft, reduction=reduction, world=ranks or dense.world, apply=apply)
 
 
 def best_buffer_size(profile: Profile, schedule: str, candidates: Sequence[int], **kwargs) -> int:
