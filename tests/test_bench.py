@@ -140,6 +140,16 @@ def test_bench_end_to_end_tiny(tmp_path):
     pids = [pid for per_rank in own.values() for ranks in per_rank for pid in ranks]
     assert len(set(pids)) == len(pids) == 2 * len(own) and not set(pids) & set(doc["processes"]["bench"])
     assert all(len(r["faults_rounds"]) == 2 and min(r["faults_rounds"]) >= 0 for r in rows.values())
+    # the CPU every schedule's processes took per timed iteration (clock ticks: a tiny round may read 0), at most
+    # what the host's cores give in its slowest iteration; the host's busy share of its CPU
+    longest = max(max(x for rank in r["samples"] for x in rank) for r in rows.values())
+    for r in rows.values():
+        assert len(r["cpu_rounds"]) == len(r["busy_rounds"]) == 2
+        assert all(0 <= c <= (os.cpu_count() or 1) * longest + 0.02 for c in r["cpu_rounds"])
+        assert all(math.isnan(b) or 0 <= b <= 1 for b in r["busy_rounds"])
+        # the main thread (the compute) is one of the process's threads (clock ticks of 10 ms either side)
+        assert all(0 <= m <= c + 0.05 for m, c in zip(r["main_cpu_rounds"], r["cpu_rounds"]))
+    assert "CPU seconds per timed iteration" in proc.stdout
 
 
 def test_bench_in_process_runs_every_schedule_in_the_benchs_own_processes(tmp_path):
@@ -166,8 +176,16 @@ def test_steal_is_the_share_of_the_hosts_cpu_time_between_two_readings():
     assert steal_share((10, 1000), (30, 1400)) == pytest.approx(20 / 400)  # 20 of 400 ticks stolen
     assert math.isnan(steal_share(None, (30, 1400))) and math.isnan(steal_share((10, 1000), (10, 1000)))
     first = host_cpu_times()
-    if first is not None:  # Linux: the ticks only grow, the stolen ones within all of them
-        assert 0 <= first[0] <= first[1]
+    if first is not None:  # Linux: the ticks only grow, the stolen and the idle ones within all of them
+        assert 0 <= first[0] <= first[1] and 0 <= first[2] <= first[1]
+
+
+def test_busy_is_the_share_of_the_cpu_the_host_had_that_was_not_idle():
+    from dearopt.bench.runner import busy_share
+
+    # 400 ticks, 20 stolen, 95 idle: 285 of the 380 the host had were busy
+    assert busy_share((10, 1000, 500), (30, 1400, 595)) == pytest.approx(285 / 380)
+    assert math.isnan(busy_share(None, (30, 1400, 595))) and math.isnan(busy_share((10, 1000, 5), (10, 1000, 5)))
 
 
 def test_the_profile_times_its_compute_again_in_every_round(tmp_path):

@@ -37,27 +37,42 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _main_thread_cpu() -> float:
+    """CPU seconds (user and system) of this process's main thread, which runs the model's compute and the
+    engine's work between the collectives (NaN where ``/proc`` does not say)."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def _timed(run, iterations: int):
-    """``run()``'s samples of ``iterations`` timed iterations, the share of the host's CPU stolen meanwhile and this
-    process's minor page faults per iteration."""
-    from dearopt.bench.runner import host_cpu_times, steal_share
+    """``run()``'s samples of ``iterations`` timed iterations, and what the host and this process spent meanwhile:
+    the share of the host's CPU stolen (``steal``) and busy (``busy``: of what it had), this process's minor page
+    faults (``faults``) and CPU seconds (``cpu``: user and system, all its threads: compute, the collectives'
+    threads, the kernel's socket work done on their behalf; ``main_cpu``: its main thread's, the compute's) per
+    iteration."""
+    from dearopt.bench.runner import busy_share, host_cpu_times, steal_share
 
-    before, faults = host_cpu_times(), _faults()
+    n = max(iterations, 1)
+    before, faults, times, main = host_cpu_times(), _faults(), os.times(), _main_thread_cpu()
     samples = run()
-    return samples, steal_share(before, host_cpu_times()), (_faults() - faults) / max(iterations, 1)
-
-
-def _result(samples, untimed: int, period: int, beyond: int, steal: float, faults: float, lines=(), plan=None):
-    return {
-        "samples": samples,
-        "untimed": untimed,
-        "period": period,
-        "beyond": beyond,
-        "steal": steal,
-        "faults": faults,
-        "lines": list(lines),
-        "plan": plan,
+    after, spent = host_cpu_times(), os.times()
+    return samples, {
+        "steal": steal_share(before, after),
+        "busy": busy_share(before, after),
+        "faults": (_faults() - faults) / n,
+        "cpu": (spent.user + spent.system - times.user - times.system) / n,
+        "main_cpu": (_main_thread_cpu() - main) / n,
     }
+
+
+def _result(samples, untimed: int, period: int, beyond: int, measures: dict, lines=(), plan=None):
+    return dict(
+        measures, samples=samples, untimed=untimed, period=period, beyond=beyond, lines=list(lines), plan=plan
+    )
 
 
 class DDPSession:
@@ -74,9 +89,9 @@ class DDPSession:
         from dearopt.bench.ddp import train
 
         train(self.state, self.done, warm, 0)
-        samples, steal, faults = _timed(lambda: train(self.state, self.done + warm, 0, count), count)
+        samples, measures = _timed(lambda: train(self.state, self.done + warm, 0, count), count)
         self.done += warm + count
-        return _result(samples, warm, 1, 0, steal, faults)
+        return _result(samples, warm, 1, 0, measures)
 
     def compute(self, count: int) -> Dict[str, List[float]]:
         from dearopt.bench.ddp import compute
@@ -108,12 +123,12 @@ class RunnerSession:
 
         runner = self.runner
         i, period, beyond = warm_up(runner, self.batches, warm)
-        samples, steal, faults = _timed(
+        samples, measures = _timed(
             lambda: timed_samples(runner.step, self.batches, i, count, period), count * period
         )
         runner.settle()  # untimed: nothing runs on into whatever comes next
         lines, plan = round_report(runner, self.schedule, index, self.rebuild)
-        return _result(samples, i, period, beyond, steal, faults, lines, plan)
+        return _result(samples, i, period, beyond, measures, lines, plan)
 
     def close(self) -> None:
         self.runner.close()

@@ -156,6 +156,9 @@ def summarize(rank_results: List[dict], cfg: dict, link: str) -> dict:
                 },
                 "steal_samples": [r.get("steal", {}).get(s, []) for r in rank_results],  # per rank, per round
                 "fault_samples": [r.get("faults", {}).get(s, []) for r in rank_results],  # per rank, per round
+                "cpu_samples": [r.get("cpu", {}).get(s, []) for r in rank_results],  # per rank, per round
+                "main_cpu_samples": [r.get("main_cpu", {}).get(s, []) for r in rank_results],  # per rank, round
+                "busy_samples": [r.get("busy", {}).get(s, []) for r in rank_results],  # per rank, per round
             }
             for s in cfg["schedules"]
         },
@@ -363,6 +366,10 @@ def derive(doc: dict) -> dict:
             row["steal_rounds"] = [max((x for x in v if x == x), default=math.nan) for v in zip(*row["steal_samples"])]
         if any(row.get("fault_samples") or []):  # per round, the mean over the ranks
             row["faults_rounds"] = [sum(v) / len(v) for v in zip(*row["fault_samples"])]
+        if any(row.get("cpu_samples") or []):  # per round: the sum over the ranks (CPU s per iteration, all ranks)
+            row["cpu_rounds"] = [sum(v) for v in zip(*row["cpu_samples"])]
+            row["main_cpu_rounds"] = [sum(v) for v in zip(*row.get("main_cpu_samples") or row["cpu_samples"])]
+            row["busy_rounds"] = [sum(v) / len(v) for v in zip(*row["busy_samples"])]
     ref = doc["schedules"].get("ddp")
     if ref and doc.get("standalone_ddp_rounds"):
         from dearopt.bench.standalone import compare
@@ -491,6 +498,15 @@ def table(doc: dict) -> str:
             "minor page faults per timed iteration in each round (memory new to the process; mean over the ranks)",
             "faults_rounds",
             lambda r: ", ".join(f"{v:.0f}" for v in r["faults_rounds"]),
+        ),
+        (
+            "CPU seconds per timed iteration, all ranks' processes together (compute, collectives' threads, their "
+            "socket work) / their main threads' (compute), and the host's busy share of its CPU, in each round",
+            "cpu_rounds",
+            lambda r: ", ".join(
+                f"{c:.2f}/{m:.2f} ({100 * b:.0f} %)"
+                for c, m, b in zip(r["cpu_rounds"], r["main_cpu_rounds"], r["busy_rounds"])
+            ),
         ),
         (
             "the model's compute in DDP's own processes (DDP predicted from it; every schedule where each trained in "

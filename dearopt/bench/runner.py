@@ -456,6 +456,9 @@ def run_rank(cfg: dict) -> dict:
     samples = {s: {"iter": [], "forward": [], "backward": [], "step": []} for s in schedules}
     steal: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: the host CPU the hypervisor took
     faults: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: minor page faults per timed iteration
+    cpu: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: this rank's process CPU s per iteration
+    main_cpu: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: that of its main thread (compute)
+    busy: Dict[str, List[float]] = {s: [] for s in schedules}  # per round: the host's busy share of its CPU
     ddp_compute: Dict[str, Dict[str, List[float]]] = {}  # DDP schedule -> t_ff, t_bp timed in its own processes
     plans = {}  # dearopt schedule -> per round: the buckets all-reduced in backward, the measured choice
     rounds = cfg["rounds"]
@@ -487,6 +490,9 @@ def run_rank(cfg: dict) -> dict:
                 samples[s][k].extend(v)
             steal[s].append(got["steal"])
             faults[s].append(got["faults"])
+            cpu[s].append(got["cpu"])
+            main_cpu[s].append(got["main_cpu"])
+            busy[s].append(got["busy"])
             if got["beyond"]:
                 _log(
                     rank,
@@ -516,6 +522,9 @@ def run_rank(cfg: dict) -> dict:
         "schedules": samples,
         "steal": steal,
         "faults": faults,
+        "cpu": cpu,
+        "main_cpu": main_cpu,
+        "busy": busy,
         "ddp_compute": ddp_compute,
         "buckets": [b.grad_numel * 4 for b in parts.plan.buckets],
         "params": parts.workload.n_params(),
@@ -628,15 +637,15 @@ def round_report(runner, s: str, r: int, rebuild: bool) -> Tuple[List[str], Opti
     return lines, record
 
 
-def host_cpu_times() -> Optional[Tuple[int, int]]:
+def host_cpu_times() -> Optional[Tuple[int, int, int]]:
     """This host's CPU time since boot over all its CPUs, in clock ticks: (stolen by the hypervisor for other
-    guests, all of it); None where the kernel does not say (no ``/proc/stat``)."""
+    guests, all of it, idle); None where the kernel does not say (no ``/proc/stat``)."""
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
     except (OSError, ValueError):
         return None
-    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+    return (fields[7] if len(fields) > 7 else 0), sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
 
 
 def steal_share(before: Optional[Tuple[int, int]], after: Optional[Tuple[int, int]]) -> float:
@@ -646,6 +655,17 @@ def steal_share(before: Optional[Tuple[int, int]], after: Optional[Tuple[int, in
     if before is None or after is None or after[1] <= before[1]:
         return math.nan
     return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def busy_share(before: Optional[Tuple[int, int, int]], after: Optional[Tuple[int, int, int]]) -> float:
+    """The share of the CPU this host had (all of it less the steal) that was busy between two
+    :func:`host_cpu_times` readings: near 1 where the ranks, their collectives' threads and the kernel's network
+    work kept every core busy, so that no schedule can hide more than the CPU frees.  NaN where not known."""
+    if before is None or after is None:
+        return math.nan
+    total = (after[1] - before[1]) - (after[0] - before[0])
+    idle = after[2] - before[2]
+    return (total - idle) / total if total > 0 else math.nan
 
 
 def _profile_compute(profile) -> str:
