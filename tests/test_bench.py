@@ -140,12 +140,12 @@ def test_bench_end_to_end_tiny(tmp_path):
     pids = [pid for per_rank in own.values() for ranks in per_rank for pid in ranks]
     assert len(set(pids)) == len(pids) == 2 * len(own) and not set(pids) & set(doc["processes"]["bench"])
     assert all(len(r["faults_rounds"]) == 2 and min(r["faults_rounds"]) >= 0 for r in rows.values())
-    # the CPU every schedule's processes took per timed iteration (clock ticks: a tiny round may read 0), at most
-    # what the host's cores give in its slowest iteration; the host's busy share of its CPU
-    longest = max(max(x for rank in r["samples"] for x in rank) for r in rows.values())
+    # the CPU every schedule's processes took per timed iteration (in clock ticks of 10 ms: a tiny round may read
+    # 0; and over the whole timed block, whose barriers and bookkeeping between the samples the tiny model's
+    # millisecond iterations do not dwarf), and the host's busy share of its CPU
     for r in rows.values():
         assert len(r["cpu_rounds"]) == len(r["busy_rounds"]) == 2
-        assert all(0 <= c <= (os.cpu_count() or 1) * longest + 0.02 for c in r["cpu_rounds"])
+        assert all(math.isfinite(c) and c >= 0 for c in r["cpu_rounds"])
         assert all(math.isnan(b) or 0 <= b <= 1 for b in r["busy_rounds"])
         # the main thread (the compute) is one of the process's threads (clock ticks of 10 ms either side)
         assert all(0 <= m <= c + 0.05 for m, c in zip(r["main_cpu_rounds"], r["cpu_rounds"]))

@@ -64,15 +64,13 @@ def _timed(run, iterations: int):
         "steal": steal_share(before, after),
         "busy": busy_share(before, after),
         "faults": (_faults() - faults) / n,
-        "cpu": (spent.user + spent.system - times.user - times.system) / n,
-        "main_cpu": (_main_thread_cpu() - main) / n,
+        "cpu": max(spent.user + spent.system - times.user - times.system, 0.0) / n,  # (clock ticks as floats)
+        "main_cpu": max(_main_thread_cpu() - main, 0.0) / n,
     }
 
 
 def _result(samples, untimed: int, period: int, beyond: int, measures: dict, lines=(), plan=None):
-    return dict(
-        measures, samples=samples, untimed=untimed, period=period, beyond=beyond, lines=list(lines), plan=plan
-    )
+    return dict(measures, samples=samples, untimed=untimed, period=period, beyond=beyond, lines=list(lines), plan=plan)
 
 
 class DDPSession:
@@ -123,9 +121,7 @@ class RunnerSession:
 
         runner = self.runner
         i, period, beyond = warm_up(runner, self.batches, warm)
-        samples, measures = _timed(
-            lambda: timed_samples(runner.step, self.batches, i, count, period), count * period
-        )
+        samples, measures = _timed(lambda: timed_samples(runner.step, self.batches, i, count, period), count * period)
         runner.settle()  # untimed: nothing runs on into whatever comes next
         lines, plan = round_report(runner, self.schedule, index, self.rebuild)
         return _result(samples, i, period, beyond, measures, lines, plan)
