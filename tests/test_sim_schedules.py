@@ -127,3 +127,6 @@ def test_deft_is_predicted_by_its_own_schedule_not_as_the_all_reduce_plan_it_sen
     assert given.iteration == pytest.approx(predictions(doc)["deft"]["iter"])
     with pytest.raises(ValueError, match="contention"):
         predict(profile, "deft", buffer_size=size, contention={"forward": 0.0, "backward": 0.0})
+    # a bucket longer on a slow link than a whole stage: the error names the knobs that split it
+    with pytest.raises(ValueError, match="partition_size"):
+        predict(profile, "deft", buffer_size=size, link="100mbit")

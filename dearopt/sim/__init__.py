@@ -141,7 +141,13 @@ def predict_deft(
     plan = plan_for(dense, "deft", ranks, **knobs)
     reduction = profile_reduction(dense, plan)
     if deft is None:
-        deft = deft_schedule(*deft_times(dense, plan, reduction))
+        try:
+            deft = deft_schedule(*deft_times(dense, plan, reduction))
+        except ValueError as exc:  # DeFT's partition constraint: a unit longer on the link than a stage
+            raise ValueError(
+                f"{exc}; predict with a smaller buffer_size or partition_size (python -m dearopt.sim: "
+                f"--buffer-size, --partition-size), as DistOptim re-partitions where it measures its own times"
+            ) from None
     return simulate_deft(dense, plan, deft, reduction=reduction, world=ranks or dense.world, apply=apply)
 
 

@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--link", default=None, help="link bandwidth, e.g. 10gbit (default: the profiled link)")
     p.add_argument("--latency", type=float, default=None, help="seconds per collective step (default: profiled)")
     p.add_argument("--buffer-size", default="25MB")
+    p.add_argument("--partition-size", default=None, help="split buckets into pieces of at most this size, e.g. 1MB")
     p.add_argument("--no-contention", action="store_true", help="compute does not slow while the link is busy")
     p.add_argument("--timeline", default=None, help="write the predicted timeline here (.png; a .json beside it)")
     p.add_argument("--measured", default=None, help="a measured timeline.rank0.json to draw beside the prediction")
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
             link=args.link,
             latency=args.latency,
             buffer_size=parse_size(args.buffer_size),
+            **({"partition_size": parse_size(args.partition_size)} if args.partition_size else {}),
             contention={"forward": 0.0, "backward": 0.0} if args.no_contention else None,
         )
     except ValueError as exc:  # an unknown schedule, link or size: say so as a usage error
