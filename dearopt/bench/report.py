@@ -241,10 +241,9 @@ def predictions(doc: dict) -> Dict[str, dict]:
     every schedule trained in processes of its own, a dearopt schedule's compute is as long as such a process
     took for it (:func:`own_process_compute_scale`)."""
     from dearopt.errors import UsageError
-    from dearopt.planning.build import build_plan
     from dearopt.schedules import get_schedule
-    from dearopt.sim import Profile, predict, predict_ddp
-    from dearopt.sim.deft import schedule_from_json, simulate_deft
+    from dearopt.sim import Profile, predict, predict_ddp, predict_deft
+    from dearopt.sim.deft import schedule_from_json
 
     from dearopt.bench.runner import variant
 
@@ -272,26 +271,18 @@ def predictions(doc: dict) -> Dict[str, dict]:
                 if delays:
                     if not solved:
                         continue
-                    dense = profile.without_twins()  # deft reduces a tied weight as one gradient, all densely
-                    per_round = []
-                    for r in solved:
-                        plan = build_plan(
-                            dense.params,
-                            r["buffer_size"],
-                            dense.world,
-                            "deft",
+                    per_round = [  # the schedule, reduction and buckets each round ran
+                        predict_deft(
+                            profile,
+                            buffer_size=r["buffer_size"],
                             partition_size=r["deft"]["partition_size"],
                             groups=r.get("groups"),
+                            deft=schedule_from_json(r["deft"]["schedule"]),
+                            reduction=r["deft"]["reduction"],
+                            apply=r["deft"].get("apply", "group"),
                         )
-                        per_round.append(
-                            simulate_deft(
-                                dense,
-                                plan,
-                                schedule_from_json(r["deft"]["schedule"]),
-                                reduction=r["deft"]["reduction"],
-                                apply=r["deft"].get("apply", "group"),
-                            )
-                        )
+                        for r in solved
+                    ]
                     rounds = solved
                 else:
                     per_round = [
@@ -368,7 +359,7 @@ def derive(doc: dict) -> dict:
             row["faults_rounds"] = [sum(v) / len(v) for v in zip(*row["fault_samples"])]
         if any(row.get("cpu_samples") or []):  # per round: the sum over the ranks (CPU s per iteration, all ranks)
             row["cpu_rounds"] = [sum(v) for v in zip(*row["cpu_samples"])]
-            row["main_cpu_rounds"] = [sum(v) for v in zip(*row.get("main_cpu_samples") or row["cpu_samples"])]
+            row["main_cpu_rounds"] = [sum(v) for v in zip(*row["main_cpu_samples"])]
             row["busy_rounds"] = [sum(v) / len(v) for v in zip(*row["busy_samples"])]
     ref = doc["schedules"].get("ddp")
     if ref and doc.get("standalone_ddp_rounds"):

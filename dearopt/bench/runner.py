@@ -648,7 +648,7 @@ def host_cpu_times() -> Optional[Tuple[int, int, int]]:
     return (fields[7] if len(fields) > 7 else 0), sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
 
 
-def steal_share(before: Optional[Tuple[int, int]], after: Optional[Tuple[int, int]]) -> float:
+def steal_share(before: Optional[Tuple[int, ...]], after: Optional[Tuple[int, ...]]) -> float:
     """The share of the host's CPU time between two :func:`host_cpu_times` readings that the hypervisor gave to
     other guests (steal): time the ranks were runnable and could not run, whatever the schedule did.  NaN where
     not known."""

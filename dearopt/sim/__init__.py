@@ -119,6 +119,7 @@ def predict_deft(
     link: Optional[str] = None,
     latency: Optional[float] = None,
     deft=None,
+    reduction: Optional[str] = None,
     apply: str = "bucket",
     **knobs,
 ) -> Prediction:
@@ -128,6 +129,8 @@ def predict_deft(
     when given this profile, :func:`~dearopt.schedules.deft.schedule.deft_schedule` on
     :func:`~dearopt.schedules.deft.rounds.deft_times`, on ``link``'s costs), replayed by
     :func:`dearopt.sim.deft.simulate_deft` with ``apply`` (``"bucket"``, the default, or ``"group"``).
+    ``reduction``: how each unit is summed (``"all_reduce"`` or ``"reduce_scatter+all_gather"``, as a job
+    records it); default: the faster by the profile's costs.
 
     The default schedule is the solver's, unchecked: the Preserver decides from the training loss, which a
     profile does not hold, and may raise the capacities until one update is applied per step.  To predict the
@@ -139,7 +142,7 @@ def predict_deft(
     dense = profile.without_twins()
     dense = dataclasses.replace(dense, comm=link_costs(dense, link, latency))
     plan = plan_for(dense, "deft", ranks, **knobs)
-    reduction = profile_reduction(dense, plan)
+    reduction = reduction or profile_reduction(dense, plan)
     if deft is None:
         try:
             deft = deft_schedule(*deft_times(dense, plan, reduction))
